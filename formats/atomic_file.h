@@ -1,0 +1,43 @@
+// Writes a file so that it appears complete or not at all: bytes go to
+// "DIR/.NAME.tmp.PID.N", then fsync, rename over NAME, fsync of the folder. A writer
+// destroyed before commit() removes its temp file. Nobody ever sees a half-written NAME.
+//
+// Not thread-safe; one writer per output.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace eaglekit {
+
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string final_path);
+  ~AtomicFile();  // removes the temp file unless committed; never throws
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, std::size_t n);
+  void write_zeros(std::size_t n);
+  // Overwrites bytes already written (for headers patched at the end).
+  void pwrite(const void* data, std::size_t n, std::uint64_t offset);
+  std::uint64_t tell() const { return written_; }
+  // fsync + rename + fsync(dir). Throws IoError; the temp file is removed on failure.
+  void commit();
+
+  const std::string& path() const { return final_path_; }
+  const std::string& temp_path() const { return temp_path_; }
+
+ private:
+  std::string final_path_;
+  std::string temp_path_;
+  int fd_ = -1;
+  std::uint64_t written_ = 0;
+  bool committed_ = false;
+};
+
+// Writes a whole buffer atomically.
+void write_file_atomic(const std::string& path, const void* data, std::size_t n);
+
+}  // namespace eaglekit

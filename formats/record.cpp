@@ -1,0 +1,66 @@
+#include "formats/record.h"
+
+#include "formats/error.h"
+
+namespace eaglekit {
+
+Record Record::prefix(std::int64_t n) const {
+  Record r;
+  r.conversation_id = conversation_id;
+  r.input_ids = input_ids.rows(n);
+  r.hidden_states = hidden_states.rows(n);
+  r.aux_hidden_states = aux_hidden_states.rows(n);
+  if (loss_mask) r.loss_mask = loss_mask->rows(n);
+  return r;
+}
+
+void Record::check(const std::string& where) const {
+  auto fail = [&](const std::string& field, const std::string& what) {
+    throw FormatError(where, std::nullopt, field, what);
+  };
+  if (input_ids.dim() != 1) fail("input_ids", "expected shape [T], got " + input_ids.shape_string());
+  if (input_ids.dtype != DType::kInt64 && input_ids.dtype != DType::kInt32)
+    fail("input_ids", "expected int64 or int32, got " + std::string(dtype_name(input_ids.dtype)));
+  const std::int64_t t = input_ids.shape[0];
+  if (hidden_states.dim() != 2)
+    fail("hidden_states", "expected shape [T, H], got " + hidden_states.shape_string());
+  if (aux_hidden_states.dim() != 2)
+    fail("aux_hidden_states", "expected shape [T, k*H], got " + aux_hidden_states.shape_string());
+  if (!is_floating(hidden_states.dtype))
+    fail("hidden_states", "expected a floating dtype, got " +
+                              std::string(dtype_name(hidden_states.dtype)));
+  if (aux_hidden_states.dtype != hidden_states.dtype)
+    fail("aux_hidden_states", "dtype " + std::string(dtype_name(aux_hidden_states.dtype)) +
+                                  " differs from hidden_states " +
+                                  std::string(dtype_name(hidden_states.dtype)));
+  if (hidden_states.shape[0] != t)
+    fail("hidden_states", std::to_string(hidden_states.shape[0]) + " rows but input_ids has " +
+                              std::to_string(t) + " tokens");
+  if (aux_hidden_states.shape[0] != t)
+    fail("aux_hidden_states", std::to_string(aux_hidden_states.shape[0]) +
+                                  " rows but input_ids has " + std::to_string(t) + " tokens");
+  const std::int64_t h = hidden_states.shape[1];
+  if (h <= 0) fail("hidden_states", "hidden size is 0");
+  if (aux_hidden_states.shape[1] % h != 0 || aux_hidden_states.shape[1] == 0)
+    fail("aux_hidden_states", "width " + std::to_string(aux_hidden_states.shape[1]) +
+                                  " is not a positive multiple of hidden size " + std::to_string(h));
+  if (loss_mask) {
+    if (loss_mask->dim() != 1 || loss_mask->shape[0] != t)
+      fail("loss_mask", "expected shape [" + std::to_string(t) + "], got " +
+                            loss_mask->shape_string());
+  }
+}
+
+RecordInfo info_of(const Record& r) {
+  RecordInfo info;
+  info.conversation_id = r.conversation_id;
+  info.tokens = r.tokens();
+  info.hidden_size = r.hidden_size();
+  info.aux_width = r.aux_width();
+  info.ids_dtype = r.input_ids.dtype;
+  info.hidden_dtype = r.hidden_states.dtype;
+  info.has_loss_mask = r.loss_mask.has_value();
+  return info;
+}
+
+}  // namespace eaglekit

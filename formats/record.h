@@ -1,0 +1,49 @@
+// The normalized hidden-state record every format reads into and writes from
+// (SPEC.md section 3), and the metadata an index keeps about one.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "formats/host_tensor.h"
+
+namespace eaglekit {
+
+struct Record {
+  std::string conversation_id;
+  HostTensor input_ids;          // [T] int64 or int32
+  HostTensor hidden_states;      // [T, H] bf16 / fp16 / fp32
+  HostTensor aux_hidden_states;  // [T, k*H], same dtype as hidden_states
+  std::optional<HostTensor> loss_mask;  // [T] int64 / bool / uint8; absent = all ones
+
+  std::int64_t tokens() const { return input_ids.shape.empty() ? 0 : input_ids.shape[0]; }
+  std::int64_t hidden_size() const { return hidden_states.dim() == 2 ? hidden_states.shape[1] : 0; }
+  std::int64_t aux_width() const {
+    return aux_hidden_states.dim() == 2 ? aux_hidden_states.shape[1] : 0;
+  }
+  // Every per-token tensor cut to its first n rows (views).
+  Record prefix(std::int64_t n) const;
+  // Checks ranks, dtypes and that all per-token tensors have T rows and aux width is a
+  // multiple of H. Throws FormatError naming `where` and the offending field.
+  void check(const std::string& where) const;
+};
+
+// What an index or `inspect` needs without reading tensor bytes.
+struct RecordInfo {
+  std::string conversation_id;
+  std::string key;                 // locator inside the file ("" for single-record files)
+  std::int64_t tokens = 0;
+  std::int64_t hidden_size = 0;
+  std::int64_t aux_width = 0;      // k*H
+  DType ids_dtype = DType::kInt64;
+  DType hidden_dtype = DType::kBFloat16;
+  bool has_loss_mask = false;
+  std::string codec = "raw";       // "raw", "zstd", "fp8", "gzip", "hdf5-gzip", ...
+  std::uint64_t byte_offset = 0;   // where the record starts in its file (0 if unknown)
+  std::uint64_t byte_size = 0;     // bytes it takes on disk (0 if unknown)
+};
+
+RecordInfo info_of(const Record& r);
+
+}  // namespace eaglekit

@@ -1,0 +1,111 @@
+#include "tests/support.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+
+namespace eaglekit::test {
+
+namespace fs = std::filesystem;
+
+namespace {
+std::atomic<int> g_counter{0};
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+TempDir::TempDir(const std::string& tag) {
+  const std::string base = std::string(EAGLEKIT_BINARY_DIR) + "/test-tmp";
+  fs::create_directories(base);
+  path_ = base + "/" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(g_counter++);
+  fs::remove_all(path_);
+  fs::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  if (std::getenv("EAGLEKIT_KEEP_TEST_TMP") == nullptr) fs::remove_all(path_, ec);
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'') q += "'\\''";
+    else q += c;
+  }
+  return q + "'";
+}
+
+RunResult run(const std::string& command_line) {
+  TempDir d("run");
+  const std::string out = d / "out", err = d / "err";
+  const std::string full = "(" + command_line + ") >" + quote(out) + " 2>" + quote(err) + " </dev/null";
+  const int status = std::system(full.c_str());
+  RunResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+static std::string python_bin() {
+  const char* p = std::getenv("EAGLEKIT_PYTHON");
+  return p ? p : "/usr/bin/python3";
+}
+
+RunResult python(const std::string& script, const std::vector<std::string>& args) {
+  TempDir d("py");
+  const std::string file = d / "script.py";
+  write_text(file, script);
+  std::string cmd = python_bin() + " " + quote(file);
+  for (const auto& a : args) cmd += " " + quote(a);
+  return run(cmd);
+}
+
+bool python_has(const std::string& module) {
+  return run(python_bin() + " -c 'import " + module + "'").exit_code == 0;
+}
+
+RunResult eaglekit(const std::string& args) {
+  const char* bin = std::getenv("EAGLEKIT_BIN");
+  const std::string exe = bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
+  return run(quote(exe) + " " + args);
+}
+
+std::string source_dir() { return EAGLEKIT_SOURCE_DIR; }
+
+std::string shared_testdata(const std::string& rel) {
+  const std::string shared = source_dir() + "/../shared/testdata/" + rel;
+  if (fs::exists(shared)) return shared;
+  return source_dir() + "/tests/data/" + rel;
+}
+
+std::vector<std::uint8_t> read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path);
+  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+}  // namespace eaglekit::test

@@ -1,0 +1,44 @@
+// Helpers shared by the test binaries: scratch folders, running Python (Debian's
+// python3-torch / h5py at /usr/bin/python3) and the eaglekit binary.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace eaglekit::test {
+
+// A fresh folder under the build tree, removed when the object dies.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "t");
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+// Runs a shell command line; captures stdout and stderr.
+RunResult run(const std::string& command_line);
+// Runs `python3 -c SCRIPT` with Debian's interpreter. Extra args follow the script.
+RunResult python(const std::string& script, const std::vector<std::string>& args = {});
+bool python_has(const std::string& module);  // e.g. "torch", "h5py"
+// Runs the built eaglekit binary with args (already shell-quoted as needed).
+RunResult eaglekit(const std::string& args);
+
+std::string source_dir();  // repository root
+std::string shared_testdata(const std::string& rel);  // ../shared/testdata/REL (or tests/data)
+std::string quote(const std::string& s);  // shell single-quote
+std::vector<std::uint8_t> read_bytes(const std::string& path);
+void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes);
+void write_text(const std::string& path, const std::string& text);
+
+}  // namespace eaglekit::test

@@ -1,0 +1,11 @@
+// Entry points of the subcommands, one tools/cmd_NAME.cpp each. Listed in the table in
+// tools/main.cpp.
+#pragma once
+
+namespace eaglekit::tools {
+
+int run_inspect(int argc, char** argv);
+int run_convert(int argc, char** argv);
+int run_synth(int argc, char** argv);
+
+}  // namespace eaglekit::tools

@@ -1,0 +1,86 @@
+// eaglekit: one binary, git-style subcommands. The table below drives both dispatch and
+// `eaglekit --help`. Exit codes: 0 ok, 1 data or runtime error, 2 bad usage.
+#include <cstring>
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include "formats/error.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+
+namespace eaglekit::tools {
+
+const std::vector<Command>& commands() {
+  static const std::vector<Command> kCommands = {
+  };
+  return kCommands;
+}
+
+namespace {
+
+void print_usage(std::ostream& os) {
+  os << "eaglekit: offline EAGLE-3 draft training toolkit\n\n"
+        "usage: eaglekit [--verbose] COMMAND [OPTIONS...]\n"
+        "       eaglekit COMMAND --help\n\ncommands:\n";
+  for (const auto& c : commands()) {
+    std::string name = c.name;
+    name.resize(std::max<std::size_t>(name.size(), 14), ' ');
+    os << "  " << name << c.summary << "\n";
+  }
+  os << "\nexit codes: 0 ok, 1 data or runtime error, 2 usage error\n";
+}
+
+}  // namespace
+}  // namespace eaglekit::tools
+
+int main(int argc, char** argv) {
+  using namespace eaglekit;
+  using namespace eaglekit::tools;
+  int first = 1;
+  while (first < argc && argv[first][0] == '-') {
+    const std::string a = argv[first];
+    if (a == "-h" || a == "--help") {
+      print_usage(std::cout);
+      return 0;
+    }
+    if (a == "-v" || a == "--verbose") {
+      g_verbose = true;
+      ++first;
+      continue;
+    }
+    if (a == "--version") {
+      std::cout << "eaglekit 0.1.0\n";
+      return 0;
+    }
+    std::cerr << "eaglekit: unknown option '" << a << "'\n";
+    print_usage(std::cerr);
+    return 2;
+  }
+  if (first >= argc) {
+    print_usage(std::cerr);
+    return 2;
+  }
+  const std::string name = argv[first];
+  for (const auto& c : commands()) {
+    if (name != c.name) continue;
+    std::string prog = std::string("eaglekit ") + c.name;
+    argv[first] = prog.data();
+    try {
+      return c.run(argc - first, argv + first);
+    } catch (const UsageError& e) {
+      std::cerr << "eaglekit " << name << ": " << e.what() << "\n";
+      return 2;
+    } catch (const std::exception& e) {
+      // c10::Error messages carry a C++ backtrace after the first line; keep it for --verbose.
+      std::string msg = e.what();
+      const auto nl = msg.find('\n');
+      if (!g_verbose && nl != std::string::npos) msg.resize(nl);
+      std::cerr << "eaglekit " << name << ": error: " << msg << "\n";
+      return 1;
+    }
+  }
+  std::cerr << "eaglekit: unknown command '" << name << "'\n";
+  print_usage(std::cerr);
+  return 2;
+}
