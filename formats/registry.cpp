@@ -1,10 +1,12 @@
 #include "formats/registry.h"
+#include "formats/safetensors_format.h"
 
 namespace eaglekit {
 
 const std::vector<FormatEntry>& format_registry() {
   static const std::vector<FormatEntry> kEntries = {
       // {Format::kPt, open_pt_reader, create_pt_writer},  (one row per format)
+      {Format::kSafetensors, open_safetensors_reader, create_safetensors_writer},
   };
   return kEntries;
 }
