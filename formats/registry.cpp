@@ -1,4 +1,5 @@
 #include "formats/registry.h"
+#include "formats/eks_format.h"
 #include "formats/safetensors_format.h"
 
 namespace eaglekit {
@@ -7,6 +8,7 @@ const std::vector<FormatEntry>& format_registry() {
   static const std::vector<FormatEntry> kEntries = {
       // {Format::kPt, open_pt_reader, create_pt_writer},  (one row per format)
       {Format::kSafetensors, open_safetensors_reader, create_safetensors_writer},
+      {Format::kEks, open_eks_reader, create_eks_writer},
   };
   return kEntries;
 }

@@ -1,0 +1,651 @@
+// .eks shards: codec pieces (byte planes, e4m3), round trips (bit-exact zstd, bounded fp8),
+// prefix decode that touches only the blocks it needs, concurrent reads, atomic writes, a
+// table of corruptions with their exact errors, and an independent Python reading of the
+// documented layout (frames decoded by the zstd command line tool).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "formats/byte_source.h"
+#include "formats/codec.h"
+#include "formats/eks_format.h"
+#include "formats/error.h"
+#include "formats/format.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Normal values with a few heavy outliers, stored as dt.
+HostTensor random_floats(DType dt, std::vector<std::int64_t> shape, std::mt19937& rng) {
+  HostTensor t = HostTensor::zeros(dt, shape);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    float v = nd(rng);
+    if (u(rng) < 0.01f) v *= 40.0f;
+    std::uint8_t* p = t.mutable_data() + i * static_cast<std::int64_t>(t.itemsize());
+    if (dt == DType::kBFloat16) {
+      const std::uint16_t b = float_to_bf16(v);
+      std::memcpy(p, &b, 2);
+    } else if (dt == DType::kFloat16) {
+      const std::uint16_t b = float_to_fp16(v);
+      std::memcpy(p, &b, 2);
+    } else if (dt == DType::kFloat32) {
+      std::memcpy(p, &v, 4);
+    } else {
+      const double d = v;
+      std::memcpy(p, &d, 8);
+    }
+  }
+  return t;
+}
+
+HostTensor ids_tensor(DType dt, std::int64_t t, std::mt19937& rng) {
+  HostTensor ids = HostTensor::zeros(dt, {t});
+  std::uniform_int_distribution<std::int64_t> tok(0, 128255);
+  for (std::int64_t i = 0; i < t; ++i) {
+    const std::int64_t v = tok(rng);
+    if (dt == DType::kInt64) {
+      std::memcpy(ids.mutable_data() + 8 * i, &v, 8);
+    } else {
+      const auto v32 = static_cast<std::int32_t>(v);
+      std::memcpy(ids.mutable_data() + 4 * i, &v32, 4);
+    }
+  }
+  return ids;
+}
+
+Record make_record(const std::string& id, std::int64_t t, std::int64_t h, int k, DType dt,
+                   unsigned seed, std::optional<DType> mask = DType::kInt64,
+                   DType ids = DType::kInt64) {
+  std::mt19937 rng(seed);
+  Record r;
+  r.conversation_id = id;
+  r.input_ids = ids_tensor(ids, t, rng);
+  r.hidden_states = random_floats(dt, {t, h}, rng);
+  r.aux_hidden_states = random_floats(dt, {t, k * h}, rng);
+  if (mask) {
+    HostTensor m = HostTensor::zeros(*mask, {t});
+    for (std::int64_t i = 0; i < t; ++i) {
+      const bool on = i >= t / 3;
+      if (*mask == DType::kInt64) {
+        const std::int64_t v = on;
+        std::memcpy(m.mutable_data() + 8 * i, &v, 8);
+      } else {
+        m.mutable_data()[i] = on;
+      }
+    }
+    r.loss_mask = m;
+  }
+  return r;
+}
+
+void check_same(const Record& a, const Record& b) {
+  CHECK(a.conversation_id == b.conversation_id);
+  CHECK(a.input_ids.equal(b.input_ids));
+  CHECK(a.hidden_states.equal(b.hidden_states));
+  CHECK(a.aux_hidden_states.equal(b.aux_hidden_states));
+  REQUIRE(a.loss_mask.has_value() == b.loss_mask.has_value());
+  if (a.loss_mask) CHECK(a.loss_mask->equal(*b.loss_mask));
+}
+
+EksEncodeOptions small_blocks(EksCodec c = EksCodec::kZstd) {
+  EksEncodeOptions o;
+  o.codec = c;
+  o.block_bytes = 1024;  // several blocks per tensor even for small test records
+  return o;
+}
+
+void write_shard(const std::string& path, const std::vector<Record>& recs,
+                 const EksEncodeOptions& opts) {
+  EksWriter w(path, opts);
+  for (const auto& r : recs) w.add(r);
+  w.finish();
+}
+
+// Byte positions of index fields, found by walking the documented layout (independently
+// of the reader).
+struct IndexMap {
+  std::uint64_t index_offset = 0;
+  struct Rec {
+    std::uint64_t entry = 0, data_offset = 0, data_size = 0, codec = 0;
+    std::vector<std::uint64_t> tensor_blocks;  // first block entry of each tensor
+  };
+  std::vector<Rec> recs;
+};
+
+IndexMap map_index(const std::vector<std::uint8_t>& b) {
+  IndexMap m;
+  const std::uint64_t tr = b.size() - 32;
+  m.index_offset = load_le64(&b[tr]);
+  std::uint64_t p = m.index_offset;
+  const std::uint32_t n = load_le32(&b[p]);
+  p += 4;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    IndexMap::Rec r;
+    r.entry = p;
+    p += 2 + load_le16(&b[p]);
+    r.data_offset = p;
+    r.data_size = p + 8;
+    p += 24;
+    r.codec = p;
+    const std::uint8_t nt = b[p + 1];
+    p += 2;
+    for (std::uint8_t k = 0; k < nt; ++k) {
+      const std::uint8_t ndim = b[p + 3];
+      p += 4 + 8ull * ndim + 4;
+      const std::uint32_t nb = load_le32(&b[p]);
+      p += 4;
+      r.tensor_blocks.push_back(p);
+      p += 20ull * nb;
+    }
+    m.recs.push_back(r);
+  }
+  return m;
+}
+
+// Re-seals the index checksum after an edit, so that the edit itself is what the reader sees.
+void reseal(std::vector<std::uint8_t>& b) {
+  const std::uint64_t tr = b.size() - 32;
+  const std::uint64_t off = load_le64(&b[tr]);
+  const std::uint64_t h = codec::xxh3_64(&b[off], tr - off);
+  for (int i = 0; i < 8; ++i) b[tr + 16 + i] = static_cast<std::uint8_t>(h >> (8 * i));
+}
+
+void put_le(std::vector<std::uint8_t>& b, std::uint64_t at, std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) b[at + i] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+
+template <class E>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no exception";
+}
+
+}  // namespace
+
+TEST_CASE("eks: byte planes split most significant byte first and merge back") {
+  for (std::size_t es : {1u, 2u, 4u, 8u}) {
+    const std::size_t n = 37;
+    std::vector<std::uint8_t> src(n * es), planes(n * es), back(n * es);
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i * 7 + 3);
+    codec::split_byte_planes(src.data(), n, es, planes.data());
+    CHECK(planes[0] == src[es - 1]);          // first plane: top byte of element 0
+    CHECK(planes[n * (es - 1)] == src[0]);    // last plane: low byte of element 0
+    CHECK(planes[1] == src[2 * es - 1]);
+    codec::merge_byte_planes(planes.data(), n, es, back.data());
+    CHECK(back == src);
+  }
+}
+
+TEST_CASE("eks: e4m3 encodes every finite code back to itself, rounds to even, saturates") {
+  for (int v = 0; v < 256; ++v) {
+    const float f = codec::e4m3_to_float(static_cast<std::uint8_t>(v));
+    if ((v & 0x7f) == 0x7f) {
+      CHECK(std::isnan(f));
+      continue;
+    }
+    CHECK(codec::float_to_e4m3(f) == v);
+  }
+  CHECK(codec::e4m3_to_float(0x7e) == 448.0f);
+  CHECK(codec::e4m3_to_float(0x08) == std::ldexp(1.0f, -6));  // smallest normal
+  CHECK(codec::e4m3_to_float(0x01) == std::ldexp(1.0f, -9));  // smallest subnormal
+  CHECK(codec::float_to_e4m3(1.0625f) == codec::float_to_e4m3(1.0f));    // tie -> even
+  CHECK(codec::float_to_e4m3(1.1875f) == codec::float_to_e4m3(1.25f));   // tie -> even
+  CHECK(codec::float_to_e4m3(1.07f) == codec::float_to_e4m3(1.125f));
+  CHECK(codec::float_to_e4m3(3.0f * std::ldexp(1.0f, -10)) == 0x02);  // 1.5 sub-ulps -> 2
+  CHECK(codec::float_to_e4m3(1e6f) == 0x7e);
+  CHECK(codec::float_to_e4m3(-INFINITY) == 0xfe);
+  CHECK(codec::float_to_e4m3(NAN) == 0x7f);
+  CHECK(codec::float_to_e4m3(-0.0f) == 0x80);
+}
+
+TEST_CASE("eks: round trip is bit-exact for every dtype, with and without loss mask") {
+  test::TempDir d("eks");
+  std::vector<Record> recs = {
+      make_record("a", 37, 16, 3, DType::kBFloat16, 1),
+      make_record("b", 5, 8, 3, DType::kFloat16, 2, DType::kBool, DType::kInt32),
+      make_record("c", 64, 12, 2, DType::kFloat32, 3, std::nullopt),
+      make_record("d", 9, 4, 1, DType::kFloat64, 4, DType::kUInt8),
+      make_record("empty", 0, 16, 3, DType::kBFloat16, 5),
+  };
+  // A non-contiguous hidden_states view (every other column of a wider tensor).
+  Record nc = make_record("strided", 11, 8, 3, DType::kBFloat16, 6);
+  std::mt19937 rng(7);
+  HostTensor wide = random_floats(DType::kBFloat16, {11, 16}, rng);
+  nc.hidden_states = wide;
+  nc.hidden_states.shape = {11, 8};
+  nc.hidden_states.strides = {16, 2};
+  recs.push_back(nc);
+
+  write_shard(d / "s.eks", recs, small_blocks());
+  CHECK(detect_file_format(d / "s.eks") == Format::kEks);
+  auto r = EksReader::open(d / "s.eks");
+  REQUIRE(r->size() == recs.size());
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    check_same(r->read(i), recs[i]);
+    const RecordInfo info = r->info(i);
+    CHECK(info.conversation_id == recs[i].conversation_id);
+    CHECK(info.tokens == recs[i].tokens());
+    CHECK(info.hidden_size == recs[i].hidden_size());
+    CHECK(info.aux_width == recs[i].aux_width());
+    CHECK(info.hidden_dtype == recs[i].hidden_states.dtype);
+    CHECK(info.ids_dtype == recs[i].input_ids.dtype);
+    CHECK(info.has_loss_mask == recs[i].loss_mask.has_value());
+    CHECK(info.codec == "zstd");
+    CHECK(info.byte_offset >= kEksHeaderSize);
+    CHECK((info.byte_size > 0) == (recs[i].tokens() > 0));
+  }
+  // Blocks of ~1 KiB: hidden rows of a are 32 bytes, so 32 rows per block, 2 blocks.
+  const EksTensorEntry* h = r->entry(0).tensor(EksRole::kHiddenStates);
+  REQUIRE(h != nullptr);
+  CHECK(h->rows_per_block == 32);
+  CHECK(h->blocks.size() == 2);
+  CHECK(h->transform == EksTransform::kBytePlanes);
+  CHECK(r->entry(1).tensor(EksRole::kLossMask)->transform == EksTransform::kNone);
+  CHECK(r->find("c") == std::optional<std::size_t>(2));
+  CHECK_FALSE(r->find("nope").has_value());
+
+  // The generic interface finds the same shard by magic bytes.
+  auto g = open_reader(d / "s.eks");
+  CHECK(g->format() == Format::kEks);
+  check_same(g->read(3), recs[3]);
+}
+
+TEST_CASE("eks: an encoded record is deterministic and bf16 hidden states shrink") {
+  Record rec = make_record("x", 256, 256, 3, DType::kBFloat16, 11);
+  EksEncodeOptions o;
+  const EksEncodedRecord a = encode_eks_record(rec, o);
+  const EksEncodedRecord b = encode_eks_record(rec, o);
+  CHECK(a.data == b.data);
+  CHECK(a.raw_bytes == static_cast<std::uint64_t>(256 * 8 + 256 * 256 * 2 * 4 + 256 * 8));
+  // Gaussian bf16 has ~11-12 bits of entropy per value: well under 16 after the shuffle.
+  CHECK(static_cast<double>(a.data.size()) < 0.85 * static_cast<double>(a.raw_bytes));
+}
+
+TEST_CASE("eks: read_prefix decodes only the blocks it needs") {
+  test::TempDir d("eks");
+  std::vector<Record> recs = {make_record("p", 100, 16, 3, DType::kBFloat16, 21),
+                              make_record("q", 40, 16, 3, DType::kBFloat16, 22)};
+  write_shard(d / "s.eks", recs, small_blocks());
+  auto r = EksReader::open(d / "s.eks");
+  for (std::int64_t n : {0, 1, 31, 32, 33, 64, 99, 100, 1000}) {
+    const Record p = r->read_prefix(0, n);
+    const Record want = recs[0].prefix(n);
+    CHECK(p.tokens() == std::min<std::int64_t>(n, 100));
+    check_same(p, Record{want.conversation_id, want.input_ids.contiguous(),
+                         want.hidden_states.contiguous(), want.aux_hidden_states.contiguous(),
+                         want.loss_mask->contiguous()});
+  }
+  // Wreck every frame of record 0 that starts at row 32 or later: a 32-row prefix still
+  // decodes (those frames are never touched), the full record does not.
+  auto bytes = test::read_bytes(d / "s.eks");
+  const EksRecordEntry e = r->entry(0);
+  int wrecked = 0;
+  for (const auto& t : e.tensors)
+    for (std::size_t b = 0; b < t.blocks.size(); ++b)
+      if (b * t.rows_per_block >= 32) {
+        std::memset(&bytes[e.data_offset + t.blocks[b].offset], 0xAB, t.blocks[b].stored_size);
+        ++wrecked;
+      }
+  CHECK(wrecked >= 5);
+  test::write_bytes(d / "wrecked.eks", bytes);
+  auto w = EksReader::open(d / "wrecked.eks");
+  const Record p = w->read_prefix(0, 32);
+  CHECK(p.hidden_states.equal(recs[0].hidden_states.rows(32).contiguous()));
+  CHECK_THROWS_AS(w->read(0), FormatError);
+  check_same(w->read(1), recs[1]);
+}
+
+TEST_CASE("eks: fp8 codec keeps ids and mask exact and hidden states within e4m3 error") {
+  test::TempDir d("eks");
+  std::vector<Record> recs = {make_record("f", 70, 32, 3, DType::kBFloat16, 31),
+                              make_record("g", 20, 16, 3, DType::kFloat32, 32)};
+  // Row 3 of f: all zeros; row 4: holds an infinity and a NaN.
+  HostTensor& hs = recs[0].hidden_states;
+  std::memset(hs.mutable_data() + 3 * 32 * 2, 0, 32 * 2);
+  const std::uint16_t inf = 0x7f80, nan = 0x7fc0;
+  std::memcpy(hs.mutable_data() + (4 * 32 + 1) * 2, &inf, 2);
+  std::memcpy(hs.mutable_data() + (4 * 32 + 2) * 2, &nan, 2);
+
+  write_shard(d / "f.eks", recs, small_blocks(EksCodec::kFp8));
+  auto r = EksReader::open(d / "f.eks");
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    const Record got = r->read(i);
+    CHECK(r->info(i).codec == "fp8");
+    CHECK(got.input_ids.equal(recs[i].input_ids));
+    CHECK(got.loss_mask->equal(*recs[i].loss_mask));
+    for (const auto* pair : {&recs[i].hidden_states, &recs[i].aux_hidden_states}) {
+      const HostTensor& want = *pair;
+      const HostTensor& have = pair == &recs[i].hidden_states ? got.hidden_states
+                                                              : got.aux_hidden_states;
+      REQUIRE(have.shape == want.shape);
+      CHECK(have.dtype == want.dtype);
+      const std::int64_t cols = want.shape[1];
+      double worst = 0;
+      for (std::int64_t row = 0; row < want.shape[0]; ++row) {
+        double amax = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double v = want.get(row * cols + c);
+          if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+        }
+        const double scale = amax / 448.0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double v = want.get(row * cols + c), q = have.get(row * cols + c);
+          if (std::isnan(v)) {
+            CHECK(std::isnan(q));
+            continue;
+          }
+          if (std::isinf(v)) {
+            CHECK(q == doctest::Approx(std::copysign(amax, v)).epsilon(0.01));
+            continue;
+          }
+          // Half an e4m3 ulp (1/16 relative) or half a subnormal step, plus the rounding
+          // of the result back to bf16.
+          const double bound = std::max(std::fabs(v) / 16.0, scale * std::ldexp(1.0, -10)) +
+                               std::fabs(v) / 128.0 + 1e-30;
+          worst = std::max(worst, std::fabs(q - v) / bound);
+        }
+      }
+      CHECK(worst <= 1.0);
+      CHECK(worst > 0.0);  // it is lossy: a test that cannot tell would pass with raw bytes
+    }
+  }
+  // The all-zero row stays zero.
+  const Record got = r->read(0);
+  for (int c = 0; c < 32; ++c) CHECK(got.hidden_states.get(3 * 32 + c) == 0.0);
+  // fp8 of float64 is refused.
+  Record f64 = make_record("h", 4, 4, 1, DType::kFloat64, 33);
+  CHECK(error_of<UsageError>([&] { encode_eks_record(f64, small_blocks(EksCodec::kFp8)); }) ==
+        "fp8 codec: hidden_states is float64; only bfloat16, float16 and float32 can be "
+        "quantized");
+}
+
+TEST_CASE("eks: concurrent reads from many threads return the right records") {
+  test::TempDir d("eks");
+  std::vector<Record> recs;
+  for (int i = 0; i < 12; ++i)
+    recs.push_back(make_record("c" + std::to_string(i), 20 + 7 * i, 16, 3, DType::kBFloat16,
+                               100 + static_cast<unsigned>(i)));
+  write_shard(d / "s.eks", recs, small_blocks());
+  auto r = EksReader::open(d / "s.eks");
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 40; ++k) {
+        const std::size_t i = static_cast<std::size_t>((k * 5 + t * 3) % 12);
+        const std::int64_t n = (k % 3 == 0) ? -1 : (k * 13) % 90;
+        const Record got = r->read_prefix(i, n);
+        const Record want = n < 0 ? recs[i] : recs[i].prefix(n);
+        if (!got.hidden_states.equal(want.hidden_states.contiguous()) ||
+            !got.aux_hidden_states.equal(want.aux_hidden_states.contiguous()) ||
+            !got.input_ids.equal(want.input_ids.contiguous()))
+          ++mismatches;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(mismatches.load() == 0);
+}
+
+TEST_CASE("eks: writer is atomic and refuses misuse") {
+  test::TempDir d("eks");
+  const Record rec = make_record("w", 10, 8, 3, DType::kBFloat16, 41);
+  {
+    EksWriter w(d / "s.eks", small_blocks());
+    w.add(rec);
+    CHECK(w.size() == 1);
+    CHECK(w.bytes_written() > kEksHeaderSize);
+    CHECK_FALSE(fs::exists(d / "s.eks"));
+  }
+  // Destroyed before finish(): neither the shard nor its temp file remains.
+  CHECK(fs::is_empty(d.path()));
+  EksWriter w(d / "s.eks", small_blocks());
+  w.add(rec);
+  w.finish();
+  CHECK(fs::exists(d / "s.eks"));
+  CHECK_THROWS_AS(w.add(rec), Error);
+  CHECK_THROWS_AS(w.finish(), Error);
+  // A record that fails Record::check never reaches the shard.
+  Record bad = rec;
+  bad.hidden_states = bad.hidden_states.rows(5);
+  EksWriter w2(d / "t.eks", small_blocks());
+  CHECK(error_of<FormatError>([&] { w2.add(bad); }) ==
+        "conversation 'w': hidden_states: 5 rows but input_ids has 10 tokens");
+  // An empty shard is valid.
+  w2.finish();
+  CHECK(EksReader::open(d / "t.eks")->size() == 0);
+
+  // Through the generic writer: codec and level come from WriterOptions.
+  WriterOptions wo;
+  wo.format = Format::kEks;
+  wo.codec = "fp8";
+  auto gw = create_writer(d / "g.eks", wo);
+  gw->add(rec);
+  gw->finish();
+  CHECK(open_reader(d / "g.eks")->info(0).codec == "fp8");
+  wo.codec = "lz4";
+  CHECK(error_of<UsageError>([&] { create_writer(d / "h.eks", wo); }) ==
+        "unknown .eks codec 'lz4' (use zstd or fp8)");
+  wo.codec = "zstd";
+  wo.level = 99;
+  CHECK(error_of<UsageError>([&] { create_writer(d / "h.eks", wo); }) ==
+        "zstd level 99 is out of range (1..22)");
+}
+
+TEST_CASE("eks: corrupt shards fail with errors that name shard, field and record") {
+  test::TempDir d("eks");
+  std::vector<Record> recs = {make_record("r0", 40, 16, 3, DType::kBFloat16, 51),
+                              make_record("r1", 40, 16, 3, DType::kBFloat16, 52),
+                              make_record("r2", 40, 16, 3, DType::kBFloat16, 53)};
+  write_shard(d / "good.eks", recs, small_blocks());
+  const auto good = test::read_bytes(d / "good.eks");
+  const IndexMap m = map_index(good);
+  const std::string p = d / "bad.eks";
+  const std::uint64_t size = good.size(), tr = size - 32;
+  auto reader_error = [&](std::vector<std::uint8_t> bytes) {
+    test::write_bytes(p, bytes);
+    return error_of<FormatError>([&] { EksReader::open(p); });
+  };
+
+  SUBCASE("whole-shard damage: open fails") {
+    CHECK(reader_error({}) ==
+          p + ": header at byte 0: file is 0 bytes, too short for an .eks shard (16-byte "
+              "header + 32-byte trailer): truncated");
+    auto b = good;
+    b[3] = 'X';
+    CHECK(reader_error(b) ==
+          p + ": magic at byte 0: not an .eks shard (the file does not start with 'EKSHARD1')");
+    b = good;
+    b[8] = 2;
+    test::write_bytes(p, b);
+    CHECK(error_of<UnsupportedError>([&] { EksReader::open(p); }) ==
+          p + ": version at byte 8: .eks version 2 (this build reads version 1)");
+    // Truncated (a killed writer never produces this: it writes to a temp name).
+    b.assign(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(size - 100));
+    CHECK(reader_error(b) ==
+          p + ": trailer at byte " + std::to_string(size - 132) +
+              ": no 'EKSINDEX' trailer at the end of the file: the shard is truncated, was "
+              "never finished, or its trailer is damaged");
+    b = good;
+    b[size - 1] = 'Y';
+    CHECK(reader_error(b).find("no 'EKSINDEX' trailer") != std::string::npos);
+    // Damaged trailer: the index offset points elsewhere.
+    b = good;
+    put_le(b, tr, m.index_offset + 8, 8);
+    CHECK(reader_error(b) ==
+          p + ": trailer at byte " + std::to_string(tr) + ": index at byte " +
+              std::to_string(m.index_offset + 8) + " with " + std::to_string(tr - m.index_offset) +
+              " bytes does not end where the trailer starts (byte " + std::to_string(tr) +
+              "): trailer damaged");
+    b = good;
+    put_le(b, tr, 1ull << 62, 8);
+    CHECK(reader_error(b).find("trailer damaged") != std::string::npos);
+    // A flipped bit in the index: the index checksum catches it.
+    b = good;
+    b[m.recs[1].data_size] ^= 0x10;
+    test::write_bytes(p, b);
+    const std::string msg = error_of<ChecksumError>([&] { EksReader::open(p); });
+    CHECK(msg.rfind(p + ": index at byte " + std::to_string(m.index_offset) + ": xxh3 0x", 0) == 0);
+    CHECK(msg.find("in the trailer: index or trailer damaged") != std::string::npos);
+    // A record count the index cannot hold (resealed, so only the count is wrong).
+    b = good;
+    put_le(b, m.index_offset, 0xffffffffu, 4);
+    reseal(b);
+    CHECK(reader_error(b) == p + ": index record_count at byte " + std::to_string(m.index_offset) +
+                                 ": 4294967295 records cannot fit in " +
+                                 std::to_string(tr - m.index_offset) + " index bytes");
+  }
+
+  SUBCASE("damage inside one record: only that record fails") {
+    auto b = good;
+    const auto ref = EksReader::open(d / "good.eks");
+    const EksRecordEntry e1 = ref->entry(1);
+    const EksTensorEntry& h1 = *e1.tensor(EksRole::kHiddenStates);
+    const std::uint64_t frame_at = e1.data_offset + h1.blocks[0].offset;
+    std::string want;
+    SUBCASE("index entry points past the end of the data") {
+      put_le(b, m.recs[1].data_size, size, 8);
+      reseal(b);
+      want = p + ": record 1 ('r1') at byte " + std::to_string(e1.data_offset) + ": data of " +
+             std::to_string(size) + " bytes at byte " + std::to_string(e1.data_offset) +
+             " lies outside the data area [16, " + std::to_string(m.index_offset) + ")";
+    }
+    SUBCASE("block entry points past the end of its record") {
+      put_le(b, m.recs[1].tensor_blocks[1], e1.data_size - 4, 8);  // hidden block 0 offset
+      reseal(b);
+      want = p + ": record 1 ('r1') hidden_states block 0 at byte " +
+             std::to_string(e1.data_offset + e1.data_size - 4) + ": frame of " +
+             std::to_string(h1.blocks[0].stored_size) + " bytes at record offset " +
+             std::to_string(e1.data_size - 4) + " lies past the record's end (" +
+             std::to_string(e1.data_size) + " bytes)";
+    }
+    SUBCASE("checksum mismatch") {
+      const std::uint64_t hash_at = m.recs[1].tensor_blocks[1] + 12;
+      put_le(b, hash_at, h1.blocks[0].xxh3 ^ 1, 8);
+      reseal(b);
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "xxh3 of the decoded bytes is 0x%016llx but the index says 0x%016llx",
+                    static_cast<unsigned long long>(h1.blocks[0].xxh3),
+                    static_cast<unsigned long long>(h1.blocks[0].xxh3 ^ 1));
+      want = p + ": record 1 ('r1') hidden_states block 0 at byte " + std::to_string(frame_at) +
+             ": " + buf;
+      test::write_bytes(p, b);
+      CHECK(error_of<ChecksumError>([&] { EksReader::open(p)->read(1); }) == want);
+      // Switched off, the wrong checksum goes unnoticed; verify_record always checks.
+      EksReadOptions fast;
+      fast.verify_checksums = false;
+      auto r = EksReader::open(p, fast);
+      check_same(r->read(1), recs[1]);
+      CHECK_THROWS_AS(r->verify_record(1), ChecksumError);
+    }
+    SUBCASE("zstd frame header destroyed") {
+      std::memset(&b[frame_at], 0, 4);
+      want = p + ": record 1 ('r1') hidden_states block 0 at byte " + std::to_string(frame_at) +
+             ": not a zstd frame (bad frame header)";
+    }
+    SUBCASE("zstd frame body that does not decode") {
+      // Keep magic and frame header; give the first block the reserved block type 3.
+      const std::uint8_t fhd = b[frame_at + 4];
+      const bool single = (fhd >> 5) & 1;
+      const int fcs[4] = {single ? 1 : 0, 2, 4, 8};
+      const int dict[4] = {0, 1, 2, 4};
+      const std::uint64_t header = 4 + 1 + (single ? 0 : 1) + dict[fhd & 3] + fcs[fhd >> 6];
+      b[frame_at + header] |= 0x06;
+      want = p + ": record 1 ('r1') hidden_states block 0 at byte " + std::to_string(frame_at) +
+             ": zstd frame does not decode: ";
+    }
+    SUBCASE("unknown codec in the index") {
+      b[m.recs[1].codec] = 7;
+      reseal(b);
+      want = p + ": record 1 ('r1') codec at byte " + std::to_string(m.recs[1].codec + 1) +
+             ": unknown codec 7";
+    }
+    test::write_bytes(p, b);
+    auto r = EksReader::open(p);  // opening still works
+    REQUIRE(r->size() == 3);
+    const std::string got = error_of<FormatError>([&] { r->read(1); });
+    CHECK(got.rfind(want, 0) == 0);
+    if (got.rfind(want, 0) != 0) MESSAGE(got);
+    CHECK(r->info(1).conversation_id == "r1");
+    check_same(r->read(0), recs[0]);
+    check_same(r->read(2), recs[2]);
+  }
+}
+
+TEST_CASE("eks: an independent Python reading of the documented layout agrees") {
+  if (!test::python_has("numpy")) return;
+  test::TempDir d("eks");
+  std::vector<Record> recs = {make_record("py-0", 45, 16, 3, DType::kBFloat16, 61),
+                              make_record("py-1", 7, 8, 2, DType::kFloat32, 62, DType::kBool)};
+  write_shard(d / "s.eks", recs, small_blocks());
+  // Parses header, trailer and index per eks_format.h, pipes each tensor's frames through
+  // `zstd -dc`, undoes the byte planes and writes the tensor bytes out.
+  const char* script = R"PY(
+import struct, subprocess, sys, numpy as np
+path, out = sys.argv[1], sys.argv[2]
+b = open(path, "rb").read()
+assert b[:8] == b"EKSHARD1" and struct.unpack_from("<HHI", b, 8) == (1, 0, 0)
+io, isz, _ = struct.unpack_from("<QQQ", b, len(b) - 32)
+assert b[-8:] == b"EKSINDEX" and io + isz == len(b) - 32
+p = io
+(n,) = struct.unpack_from("<I", b, p); p += 4
+SIZE = [1, 1, 1, 2, 4, 8, 2, 2, 4, 8]
+ROLE = ["input_ids", "hidden_states", "aux_hidden_states", "loss_mask"]
+for r in range(n):
+    (l,) = struct.unpack_from("<H", b, p); p += 2
+    cid = b[p:p + l].decode(); p += l
+    off, size, tokens, codec, nt = struct.unpack_from("<QQqBB", b, p); p += 26
+    assert codec == 0
+    for _ in range(nt):
+        role, dt, tr, nd = struct.unpack_from("<BBBB", b, p); p += 4
+        shape = struct.unpack_from("<%dq" % nd, b, p); p += 8 * nd
+        rpb, nb = struct.unpack_from("<II", b, p); p += 8
+        blocks = [struct.unpack_from("<QIQ", b, p + 20 * k) for k in range(nb)]; p += 20 * nb
+        assert shape[0] == tokens
+        frames = b"".join(b[off + o: off + o + s] for o, s, _ in blocks)
+        raw = subprocess.run(["zstd", "-dc"], input=frames, capture_output=True, check=True).stdout
+        es, row = SIZE[dt], int(np.prod(shape[1:])) * SIZE[dt]
+        res, q = bytearray(), 0
+        for k in range(nb):
+            rows = min(rpb, tokens - k * rpb)
+            chunk = np.frombuffer(raw[q:q + rows * row], np.uint8); q += rows * row
+            if tr == 1:
+                chunk = chunk.reshape(es, -1)[::-1].T.reshape(-1)
+            res += chunk.tobytes()
+        assert q == len(raw)
+        open("%s/%s.%s" % (out, cid, ROLE[role]), "wb").write(res)
+print(n)
+)PY";
+  const auto res = test::python(script, {d / "s.eks", d.path()});
+  REQUIRE_MESSAGE(res.exit_code == 0, res.err);
+  CHECK(res.out == "2\n");
+  for (const auto& r : recs) {
+    auto bytes_of = [](const HostTensor& t) {
+      std::vector<std::uint8_t> v(t.nbytes());
+      t.copy_to(v.data());
+      return v;
+    };
+    CHECK(test::read_bytes(d / (r.conversation_id + ".input_ids")) == bytes_of(r.input_ids));
+    CHECK(test::read_bytes(d / (r.conversation_id + ".hidden_states")) == bytes_of(r.hidden_states));
+    CHECK(test::read_bytes(d / (r.conversation_id + ".aux_hidden_states")) ==
+          bytes_of(r.aux_hidden_states));
+    CHECK(test::read_bytes(d / (r.conversation_id + ".loss_mask")) == bytes_of(*r.loss_mask));
+  }
+}
