@@ -1,5 +1,6 @@
 #include "formats/registry.h"
 #include "formats/eks_format.h"
+#include "formats/hdf5_format.h"
 #include "formats/safetensors_format.h"
 
 namespace eaglekit {
@@ -9,6 +10,7 @@ const std::vector<FormatEntry>& format_registry() {
       // {Format::kPt, open_pt_reader, create_pt_writer},  (one row per format)
       {Format::kSafetensors, open_safetensors_reader, create_safetensors_writer},
       {Format::kEks, open_eks_reader, create_eks_writer},
+      {Format::kHdf5, open_hdf5_reader, create_hdf5_writer},
   };
   return kEntries;
 }
