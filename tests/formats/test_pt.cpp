@@ -1,0 +1,770 @@
+#include <doctest/doctest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <vector>
+
+#include "formats/byte_source.h"
+#include "formats/error.h"
+#include "formats/format.h"
+#include "formats/pickle.h"
+#include "formats/pt_format.h"
+#include "formats/zip.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string fixture(const std::string& name) { return test::shared_testdata("pt/" + name); }
+
+// --- the formulas of tests/data/pt/make_variants.py (T=5, H=4, k=3) -------------------
+constexpr int kT = 5, kH = 4, kK = 3;
+double want_id(std::int64_t t) { return 3.0 + 7.0 * static_cast<double>(t); }
+double want_hidden(std::int64_t i) { return static_cast<double>(i) / 2.0; }  // i = t*H + h
+double want_aux(std::int64_t i) { return -static_cast<double>(i) / 4.0; }   // i = t*3H + j
+double want_mask(std::int64_t t) { return t % 3 == 1 ? 0.0 : 1.0; }
+
+void check_variant(const Record& r, const json& e) {
+  CHECK(r.conversation_id == e["conversation_id"].get<std::string>());
+  CHECK(dtype_name(r.input_ids.dtype) == e["ids_dtype"].get<std::string>());
+  CHECK(dtype_name(r.hidden_states.dtype) == e["hidden_dtype"].get<std::string>());
+  CHECK(r.aux_hidden_states.dtype == r.hidden_states.dtype);
+  REQUIRE(r.input_ids.shape == std::vector<std::int64_t>{kT});
+  REQUIRE(r.hidden_states.shape == std::vector<std::int64_t>{kT, kH});
+  REQUIRE(r.aux_hidden_states.shape == std::vector<std::int64_t>{kT, kK * kH});
+  for (std::int64_t t = 0; t < kT; ++t) CHECK(r.input_ids.get(t) == want_id(t));
+  for (std::int64_t i = 0; i < kT * kH; ++i) CHECK(r.hidden_states.get(i) == want_hidden(i));
+  for (std::int64_t i = 0; i < kT * kK * kH; ++i) CHECK(r.aux_hidden_states.get(i) == want_aux(i));
+  const std::string mask = e["loss_mask"];
+  if (mask == "none") {
+    CHECK_FALSE(r.loss_mask.has_value());
+  } else {
+    REQUIRE(r.loss_mask.has_value());
+    CHECK(dtype_name(r.loss_mask->dtype) == mask);
+    REQUIRE(r.loss_mask->shape == std::vector<std::int64_t>{kT});
+    for (std::int64_t t = 0; t < kT; ++t) CHECK(r.loss_mask->get(t) == want_mask(t));
+  }
+}
+
+void check_variant_dir(const std::string& dir) {
+  std::ifstream f(dir + "/variants.json");
+  REQUIRE(f.good());
+  const json manifest = json::parse(f);
+  REQUIRE(manifest.size() >= 9);
+  for (const auto& [name, e] : manifest.items()) {
+    CAPTURE(name);
+    const auto reader = open_reader(dir + "/" + name);
+    REQUIRE(reader->format() == Format::kPt);
+    REQUIRE(reader->size() == 1);
+    check_variant(reader->read(0), e);
+    const RecordInfo info = reader->info(0);
+    CHECK(info.conversation_id == e["conversation_id"].get<std::string>());
+    CHECK(info.tokens == kT);
+    CHECK(info.hidden_size == kH);
+    CHECK(info.aux_width == kK * kH);
+    CHECK(info.has_loss_mask == (e["loss_mask"] != "none"));
+    CHECK(info.byte_size == fs::file_size(dir + "/" + name));
+    // The prefix is a view of the same bytes.
+    const Record p = reader->read_prefix(0, 2);
+    CHECK(p.tokens() == 2);
+    CHECK(p.hidden_states.shape[0] == 2);
+    CHECK(p.aux_hidden_states.get(2 * kK * kH - 1) == want_aux(2 * kK * kH - 1));
+  }
+}
+
+// A small record with known contents.
+Record make_record(std::int64_t t, std::int64_t h, DType dt, bool mask) {
+  Record r;
+  r.conversation_id = "rec-1";
+  r.input_ids = HostTensor::zeros(DType::kInt64, {t});
+  for (std::int64_t i = 0; i < t; ++i) {
+    const std::int64_t v = 1000 + i;
+    std::memcpy(r.input_ids.mutable_data() + 8 * i, &v, 8);
+  }
+  auto fill = [&](std::vector<std::int64_t> shape, float scale) {
+    HostTensor x = HostTensor::zeros(dt, shape);
+    for (std::int64_t i = 0; i < x.numel(); ++i) {
+      const float f = scale * static_cast<float>(i % 97) - 3.0f;
+      if (dt == DType::kFloat32) std::memcpy(x.mutable_data() + 4 * i, &f, 4);
+      else {
+        const std::uint16_t b = dt == DType::kBFloat16 ? float_to_bf16(f) : float_to_fp16(f);
+        std::memcpy(x.mutable_data() + 2 * i, &b, 2);
+      }
+    }
+    return x;
+  };
+  r.hidden_states = fill({t, h}, 0.5f);
+  r.aux_hidden_states = fill({t, 3 * h}, -0.25f);
+  if (mask) {
+    r.loss_mask = HostTensor::zeros(DType::kBool, {t});
+    for (std::int64_t i = 0; i < t; ++i) r.loss_mask->mutable_data()[i] = i % 2;
+  }
+  return r;
+}
+
+// An archive with our own data.pkl and storage records (for corruptions).
+void write_archive(const std::string& path, const std::string& pkl,
+                   const std::vector<std::pair<std::string, std::string>>& records,
+                   const std::string& prefix = "archive/") {
+  ZipWriter w(path);
+  w.add(prefix + "data.pkl", pkl.data(), pkl.size());
+  for (const auto& [name, bytes] : records) w.add(prefix + name, bytes.data(), bytes.size());
+  w.finish();
+}
+
+// data.pkl for {'input_ids': LongStorage key '0' numel NUMEL, offset OFF, size (N,)} plus the
+// float hidden/aux tensors of storage '1' (numel 8: hidden [2, 1] at 0, aux [2, 3] view at 2).
+std::string record_pickle(std::int64_t numel, std::int64_t off, std::int64_t n,
+                          const std::string& hidden_key = "hidden_states") {
+  pickle::PickleWriter w;
+  auto tensor = [&](const char* cls, const char* key, std::int64_t storage_numel,
+                    std::int64_t offset, std::vector<std::int64_t> shape,
+                    std::vector<std::int64_t> stride) {
+    w.global("torch._utils", "_rebuild_tensor_v2");
+    w.mark();
+    w.mark();
+    w.str("storage");
+    w.global("torch", cls);
+    w.str(key);
+    w.str("cpu");
+    w.integer(storage_numel);
+    w.tuple_from_mark();
+    w.binpersid();
+    w.integer(offset);
+    w.mark();
+    for (auto s : shape) w.integer(s);
+    w.tuple_from_mark();
+    w.mark();
+    for (auto s : stride) w.integer(s);
+    w.tuple_from_mark();
+    w.boolean(false);
+    w.global("collections", "OrderedDict");
+    w.mark();
+    w.tuple_from_mark();
+    w.reduce();
+    w.tuple_from_mark();
+    w.reduce();
+  };
+  w.empty_dict();
+  w.mark();
+  w.str("input_ids");
+  tensor("LongStorage", "0", numel, off, {n}, {1});
+  w.str(hidden_key);
+  tensor("FloatStorage", "1", 8, 0, {2, 1}, {1, 1});
+  w.str("aux_hidden_states");
+  tensor("FloatStorage", "1", 8, 2, {2, 3}, {3, 1});
+  w.setitems();
+  w.stop();
+  return w.bytes();
+}
+
+std::string zeros(std::size_t n) { return std::string(n, '\0'); }
+
+template <class E>
+std::string open_error(const std::string& path) {
+  try {
+    PtReader r(path);
+    (void)r.read(0);
+  } catch (const E& e) {
+    CHECK(typeid(e) == typeid(E));
+    return e.what();
+  } catch (const std::exception& e) {
+    FAIL("unexpected exception type " << typeid(e).name() << ": " << e.what());
+  }
+  return "<no error>";
+}
+
+// Importing torch takes seconds; ask once.
+bool python_has_torch() {
+  static const bool kHas = test::python_has("torch");
+  return kHas;
+}
+
+bool has(const std::string& haystack, const std::string& needle) {
+  if (haystack.find(needle) != std::string::npos) return true;
+  MESSAGE("'" << needle << "' not in: " << haystack);
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("pt: torch 1.5 float32 bare tensor") {
+  const PtContents c = read_pt(fixture("torch1.5.0_zip_float32_tensor.pt"));
+  REQUIRE(c.entries.size() == 1);
+  const HostTensor* t = c.tensor("");
+  REQUIRE(t != nullptr);
+  CHECK(t->dtype == DType::kFloat32);
+  CHECK(t->shape == std::vector<std::int64_t>{4});
+  const float want[] = {1.2f, -3.4f, 5.6f, -7.8f};
+  for (int i = 0; i < 4; ++i) CHECK(t->get(i) == static_cast<double>(want[i]));
+  // A bare tensor is no record.
+  CHECK(has(open_error<FormatError>(fixture("torch1.5.0_zip_float32_tensor.pt")),
+            "data.pkl: expected a dict of tensors, got a tensor"));
+}
+
+TEST_CASE("pt: torch 1.13 float16 and protocol-4 bfloat16 tensors") {
+  const PtContents h = read_pt(fixture("torch1.13.1_zip_float16_tensor.pt"));
+  const HostTensor* t = h.tensor("");
+  REQUIRE(t != nullptr);
+  CHECK(t->dtype == DType::kFloat16);
+  const double want16[] = {1.2001953125, -3.400390625, 5.6015625, -7.80078125};
+  for (int i = 0; i < 4; ++i) CHECK(t->get(i) == want16[i]);
+
+  const PtContents b = read_pt(fixture("torch1.13.1_zip_proto4_bfloat16_tensor.pt"));
+  t = b.tensor("");
+  REQUIRE(t != nullptr);
+  CHECK(t->dtype == DType::kBFloat16);
+  const double wantbf[] = {1.203125, -3.40625, 5.59375, -7.8125};
+  for (int i = 0; i < 4; ++i) CHECK(t->get(i) == wantbf[i]);
+}
+
+TEST_CASE("pt: torch 2.1 int64 tensor with fortran strides") {
+  const PtContents c = read_pt(fixture("torch2.1-2.2_zip_int64_fortran_strides.pth"));
+  const HostTensor* t = c.tensor("tensor_fortran");
+  REQUIRE(t != nullptr);
+  CHECK(t->dtype == DType::kInt64);
+  CHECK(t->shape == std::vector<std::int64_t>{2, 3, 4});
+  CHECK(t->strides == std::vector<std::int64_t>{1, 2, 6});
+  CHECK_FALSE(t->is_contiguous());
+  for (int i = 0; i < 24; ++i) CHECK(t->get(i) == i + 1);
+  const HostTensor dense = t->contiguous();
+  for (int i = 0; i < 24; ++i) CHECK(dense.get(i) == i + 1);
+}
+
+TEST_CASE("pt: torch 2.7 bfloat16 dict, parameter and nested checkpoint") {
+  const PtContents d = read_pt(fixture("torch2.7plus_zip_bfloat16_dict.pt"));
+  const HostTensor* t = d.tensor("tensor");
+  REQUIRE(t != nullptr);
+  CHECK(t->dtype == DType::kBFloat16);
+  const std::uint8_t raw[] = {0xc0, 0x3f, 0x20, 0xc0, 0x60, 0x40};
+  CHECK(std::memcmp(t->data, raw, 6) == 0);
+  CHECK(t->get(1) == -2.5);
+  CHECK(reinterpret_cast<std::uintptr_t>(t->data) % 64 == 0);  // zero-copy into the mapping
+
+  const PtContents p = read_pt(fixture("torch2.7plus_zip_parameter.pt"));
+  t = p.tensor("param");
+  REQUIRE(t != nullptr);
+  CHECK(t->shape == std::vector<std::int64_t>{3, 3});
+  CHECK(t->strides == std::vector<std::int64_t>{3, 1});
+  CHECK(t->get(0) == doctest::Approx(1.0249).epsilon(1e-4));
+  CHECK(t->get(1) == doctest::Approx(0.2223).epsilon(1e-3));
+  CHECK(t->get(2) == doctest::Approx(-0.7381).epsilon(1e-4));
+
+  const PtContents n = read_pt(fixture("torch2.7plus_zip_nested_checkpoint.pt"));
+  const struct {
+    const char* name;
+    std::vector<std::int64_t> shape;
+  } want[] = {{"model_state_dict.fc1.weight", {10, 5}},
+              {"model_state_dict.fc1.bias", {10}},
+              {"model_state_dict.fc2.weight", {3, 10}},
+              {"model_state_dict.fc2.bias", {3}},
+              {"optimizer_state_dict.state.0.momentum_buffer", {10, 5}}};
+  for (const auto& w : want) {
+    CAPTURE(w.name);
+    const HostTensor* x = n.tensor(w.name);
+    REQUIRE(x != nullptr);
+    CHECK(x->dtype == DType::kFloat32);
+    CHECK(x->shape == w.shape);
+  }
+  const HostTensor* b2 = n.tensor("model_state_dict.fc2.bias");
+  CHECK(b2->get(0) == doctest::Approx(1.4371).epsilon(1e-4));
+  CHECK(b2->get(1) == doctest::Approx(-0.4401).epsilon(1e-3));
+  CHECK(b2->get(2) == doctest::Approx(0.4996).epsilon(1e-3));
+  const PtValue* epoch = n.find("epoch");
+  REQUIRE(epoch != nullptr);
+  CHECK(std::get<std::int64_t>(*epoch) == 42);
+  CHECK(std::get<double>(*n.find("loss")) == 0.123);
+}
+
+TEST_CASE("pt: legacy (non-zip) torch file is refused clearly") {
+  const std::string path = fixture("torch2.x_legacy_shared_storage_views.pt");
+  CHECK(detect_file_format(path) == Format::kTorchLegacy);
+  try {
+    (void)open_reader(path);
+    FAIL("legacy file opened");
+  } catch (const UnsupportedError& e) {
+    CHECK(has(e.what(), path + ": magic at byte 0: legacy (pre-1.6, non-zip) torch.save file"));
+  }
+  CHECK(has(open_error<UnsupportedError>(path), "legacy (pre-1.6, non-zip) torch.save file"));
+  CHECK_THROWS_AS(read_pt(path), UnsupportedError);
+}
+
+TEST_CASE("pt: every torch.save variant reads equal (committed files)") {
+  check_variant_dir(test::source_dir() + "/tests/data/pt/variants");
+}
+
+TEST_CASE("pt: every torch.save variant reads equal (written now by Python torch)") {
+  if (!python_has_torch()) {
+    MESSAGE("skipped: /usr/bin/python3 has no torch (apt-get install python3-torch)");
+    return;
+  }
+  test::TempDir d("ptvar");
+  const auto r = test::run("/usr/bin/python3 " +
+                           test::quote(test::source_dir() + "/tests/data/pt/make_variants.py") +
+                           " " + test::quote(d.path()));
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  check_variant_dir(d.path());
+}
+
+TEST_CASE("pt: files we write load in torch.load bit-exactly") {
+  if (!python_has_torch()) {
+    MESSAGE("skipped: /usr/bin/python3 has no torch (apt-get install python3-torch)");
+    return;
+  }
+  test::TempDir d("ptw");
+  json manifest = json::object();
+  auto describe = [](const std::vector<PtEntry>& entries) {
+    json list = json::array();
+    for (const auto& e : entries) {
+      json j;
+      j["name"] = e.name;
+      if (const auto* t = std::get_if<HostTensor>(&e.value)) {
+        j["kind"] = "tensor";
+        j["dtype"] = std::string(dtype_name(t->dtype));
+        j["shape"] = t->shape;
+        const HostTensor c = t->contiguous();
+        static const char* kHex = "0123456789abcdef";
+        std::string hex;
+        for (std::size_t i = 0; i < c.nbytes(); ++i) {
+          hex.push_back(kHex[c.data[i] >> 4]);
+          hex.push_back(kHex[c.data[i] & 15]);
+        }
+        j["hex"] = hex;
+      } else if (std::holds_alternative<std::monostate>(e.value)) {
+        j["kind"] = "none";
+      } else if (const auto* b = std::get_if<bool>(&e.value)) {
+        j["kind"] = "bool";
+        j["value"] = *b;
+      } else if (const auto* i = std::get_if<std::int64_t>(&e.value)) {
+        j["kind"] = "int";
+        j["value"] = std::to_string(*i);
+      } else if (const auto* f = std::get_if<double>(&e.value)) {
+        j["kind"] = "float";
+        j["value"] = *f;
+      } else {
+        j["kind"] = "str";
+        j["value"] = std::get<std::string>(e.value);
+      }
+      list.push_back(j);
+    }
+    return list;
+  };
+
+  // 1. Every dtype, 0-d, empty, strided and offset views, and scalar values.
+  std::vector<PtEntry> all;
+  const DType dtypes[] = {DType::kBool,    DType::kUInt8,   DType::kInt8,    DType::kInt16,
+                          DType::kInt32,   DType::kInt64,   DType::kFloat16, DType::kBFloat16,
+                          DType::kFloat32, DType::kFloat64};
+  for (DType dt : dtypes) {
+    HostTensor t = HostTensor::zeros(dt, {3, 5});
+    for (std::size_t i = 0; i < t.nbytes(); ++i)
+      t.mutable_data()[i] = static_cast<std::uint8_t>(dt == DType::kBool ? i % 2 : (i * 37 + 11) & 0xff);
+    all.push_back({"t_" + std::string(dtype_name(dt)), t});
+  }
+  HostTensor base = HostTensor::zeros(DType::kFloat32, {4, 6});
+  for (int i = 0; i < 24; ++i) {
+    const float f = static_cast<float>(i) * 1.5f - 7.f;
+    std::memcpy(base.mutable_data() + 4 * i, &f, 4);
+  }
+  HostTensor transposed = base;
+  transposed.shape = {6, 4};
+  transposed.strides = {1, 6};
+  all.push_back({"transposed", transposed});
+  all.push_back({"rows_1_3", base.slice_rows(1, 3)});
+  all.push_back({"scalar", HostTensor::zeros(DType::kFloat64, {})});
+  all.push_back({"empty", HostTensor::zeros(DType::kBFloat16, {0, 3})});
+  all.push_back({"none", std::monostate{}});
+  all.push_back({"flag", true});
+  all.push_back({"small", std::int64_t{-5}});
+  all.push_back({"big", std::int64_t{1} << 40});
+  all.push_back({"ratio", 0.123});
+  all.push_back({"text", std::string("h\xc3\xa9llo")});
+  write_pt(d / "all.pt", all);
+  manifest["all.pt"] = describe(all);
+
+  // 2. The same with ZIP64 fields on every entry.
+  PtWriteOptions z64;
+  z64.force_zip64 = true;
+  z64.archive_name = "renamed";
+  write_pt(d / "zip64.pt", all, z64);
+  manifest["zip64.pt"] = describe(all);
+
+  // 3. More than 1000 entries (SETITEMS in batches).
+  std::vector<PtEntry> many;
+  for (int i = 0; i < 1201; ++i) many.push_back({"k" + std::to_string(i), std::int64_t{i * 3}});
+  many.push_back({"ids", HostTensor::zeros(DType::kInt64, {2})});
+  write_pt(d / "many.pt", many);
+  manifest["many.pt"] = describe(many);
+
+  // 4. A record through the registry's writer (ModelOpt schema).
+  const Record rec = make_record(7, 8, DType::kBFloat16, true);
+  {
+    auto w = create_writer(d / "rec-1.pt", WriterOptions{});
+    w->add(rec);
+    w->finish();
+  }
+  manifest["rec-1.pt"] = describe({{"input_ids", rec.input_ids},
+                                   {"hidden_states", rec.hidden_states},
+                                   {"aux_hidden_states", rec.aux_hidden_states},
+                                   {"conversation_id", rec.conversation_id},
+                                   {"loss_mask", *rec.loss_mask}});
+  std::ofstream(d / "manifest.json") << manifest.dump();
+
+  const auto r = test::python(R"(
+import json, sys, torch
+d = sys.argv[1]
+manifest = json.load(open(d + '/manifest.json'))
+for name, entries in manifest.items():
+    # torch 1.13's weights_only unpickler lacks BINFLOAT; use it where no float values are.
+    safe = not any(e['kind'] == 'float' for e in entries)
+    obj = torch.load(d + '/' + name, weights_only=safe)
+    assert isinstance(obj, dict), name
+    assert list(obj.keys()) == [e['name'] for e in entries], name
+    for e in entries:
+        v = obj[e['name']]
+        where = name + ':' + e['name']
+        if e['kind'] == 'tensor':
+            assert isinstance(v, torch.Tensor), where
+            assert str(v.dtype) == 'torch.' + e['dtype'], (where, v.dtype)
+            assert list(v.shape) == e['shape'], (where, v.shape)
+            raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert raw.hex() == e['hex'], where
+        elif e['kind'] == 'none':
+            assert v is None, where
+        elif e['kind'] == 'int':
+            assert type(v) is int and v == int(e['value']), where
+        elif e['kind'] == 'float':
+            assert type(v) is float and v == e['value'], where
+        else:
+            assert type(v) is type(e['value']) and v == e['value'], (where, v)
+print('ok', len(manifest))
+)",
+                              {d.path()});
+  INFO(r.out);
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out == "ok 4\n");
+
+  // Our reader agrees with what we wrote, and the output is deterministic.
+  const PtContents back = read_pt(d / "zip64.pt");
+  REQUIRE(back.entries.size() == all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    CAPTURE(all[i].name);
+    CHECK(back.entries[i].name == all[i].name);
+    if (const auto* t = std::get_if<HostTensor>(&all[i].value)) {
+      const HostTensor* u = std::get_if<HostTensor>(&back.entries[i].value);
+      REQUIRE(u != nullptr);
+      CHECK(u->equal(*t));
+    } else {
+      CHECK(back.entries[i].value.index() == all[i].value.index());
+      CHECK(std::visit(
+          [&](const auto& want) {
+            using V = std::decay_t<decltype(want)>;
+            if constexpr (std::is_same_v<V, HostTensor>) return false;
+            else return std::get<V>(back.entries[i].value) == want;
+          },
+          all[i].value));
+    }
+  }
+  write_pt(d / "again.pt", all);
+  CHECK(test::read_bytes(d / "again.pt") == test::read_bytes(d / "all.pt"));
+}
+
+TEST_CASE("pt: record round trip through our writer and reader") {
+  test::TempDir d("ptrt");
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (bool mask : {false, true}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(mask);
+      const Record rec = make_record(6, 4, dt, mask);
+      const std::string path = d / "x.pt";
+      PtWriter w(path);
+      w.add(rec);
+      CHECK_THROWS_AS(w.add(rec), UsageError);
+      w.finish();
+      PtReader r(path);
+      const Record back = r.read(0);
+      CHECK(back.conversation_id == "rec-1");
+      CHECK(back.input_ids.equal(rec.input_ids));
+      CHECK(back.hidden_states.equal(rec.hidden_states));
+      CHECK(back.aux_hidden_states.equal(rec.aux_hidden_states));
+      REQUIRE(back.loss_mask.has_value() == mask);
+      if (mask) CHECK(back.loss_mask->equal(*rec.loss_mask));
+      ZipArchive z(ByteSource::open_file(path));
+      for (const auto& e : z.entries()) CHECK(e.data_offset % 64 == 0);
+      std::vector<std::string> names;
+      for (const auto& e : z.entries()) names.push_back(e.name);
+      std::vector<std::string> want = {"archive/data.pkl", "archive/byteorder", "archive/data/0",
+                                       "archive/data/1", "archive/data/2"};
+      if (mask) want.push_back("archive/data/3");
+      want.push_back("archive/version");
+      want.push_back("archive/.data/serialization_id");
+      CHECK(names == want);
+      CHECK(z.text(*z.find("archive/version")) == "3\n");
+    }
+  }
+  {  // A writer dropped before finish() leaves nothing behind.
+    PtWriter w(d / "never.pt");
+    w.add(make_record(2, 2, DType::kFloat32, false));
+  }
+  CHECK_FALSE(fs::exists(d / "never.pt"));
+  CHECK_THROWS_AS(write_pt(d / "dup.pt", {{"a", true}, {"a", false}}), UsageError);
+  CHECK_FALSE(fs::exists(d / "dup.pt"));
+}
+
+namespace {
+
+// A file image in page-aligned memory whose pages can be protected.
+class ProtectableBytes final : public ByteSource {
+ public:
+  static std::shared_ptr<ProtectableBytes> make(const std::vector<std::uint8_t>& bytes) {
+    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t len = (bytes.size() + page - 1) / page * page;
+    void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    std::memcpy(p, bytes.data(), bytes.size());
+    return std::shared_ptr<ProtectableBytes>(
+        new ProtectableBytes(static_cast<std::uint8_t*>(p), bytes.size(), len));
+  }
+  ~ProtectableBytes() override { ::munmap(map_, len_); }
+  // Makes every whole page inside [begin, end) unreadable.
+  void protect(std::uint64_t begin, std::uint64_t end) const {
+    const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t b = (begin + page - 1) / page * page;
+    const std::uint64_t e = end / page * page;
+    REQUIRE(e > b);
+    REQUIRE(::mprotect(map_ + b, e - b, PROT_NONE) == 0);
+  }
+
+ private:
+  ProtectableBytes(std::uint8_t* p, std::size_t n, std::size_t len)
+      : ByteSource(p, n, "protected.pt"), map_(p), len_(len) {}
+  std::uint8_t* map_;
+  std::size_t len_;
+};
+
+}  // namespace
+
+TEST_CASE("pt: read_prefix touches only the rows it returns") {
+  test::TempDir d("ptpre");
+  const std::int64_t T = 16, H = 1024, n = 3;  // fp32 rows of 4 KiB (hidden) and 12 KiB (aux)
+  const Record rec = make_record(T, H, DType::kFloat32, true);
+  write_pt(d / "big.pt", {{"input_ids", rec.input_ids},
+                          {"hidden_states", rec.hidden_states},
+                          {"aux_hidden_states", rec.aux_hidden_states},
+                          {"loss_mask", *rec.loss_mask}});
+  const auto bytes = test::read_bytes(d / "big.pt");
+  const auto mem = ProtectableBytes::make(bytes);
+  {
+    ZipArchive z(mem);
+    const ZipEntry* hid = z.find("archive/data/1");
+    const ZipEntry* aux = z.find("archive/data/2");
+    REQUIRE(hid != nullptr);
+    REQUIRE(aux != nullptr);
+    mem->protect(hid->data_offset + n * H * 4, hid->data_offset + hid->size);
+    mem->protect(aux->data_offset + n * 3 * H * 4, aux->data_offset + aux->size);
+  }
+  PtReader reader(mem, "big.pt");
+  CHECK(reader.info(0).tokens == T);
+  CHECK(reader.info(0).conversation_id == "big");
+  const Record p = reader.read_prefix(0, n);
+  CHECK(p.tokens() == n);
+  CHECK(p.hidden_states.shape == std::vector<std::int64_t>{n, H});
+  CHECK(p.aux_hidden_states.shape == std::vector<std::int64_t>{n, 3 * H});
+  // Zero-copy: the views point into the protected image; copying them reads only rows < n.
+  CHECK(p.hidden_states.data >= mem->data());
+  CHECK(p.hidden_states.data < mem->data() + mem->size());
+  CHECK(p.hidden_states.contiguous().equal(rec.hidden_states.rows(n)));
+  CHECK(p.aux_hidden_states.contiguous().equal(rec.aux_hidden_states.rows(n)));
+  CHECK(p.input_ids.equal(rec.input_ids.rows(n)));
+  CHECK(p.loss_mask->equal(rec.loss_mask->rows(n)));
+  CHECK(reader.read_prefix(0, 100).tokens() == T);  // clamped, still views
+}
+
+TEST_CASE("pt: corruption table") {
+  test::TempDir d("ptbad");
+  const std::string good_path = d / "good.pt";
+  write_pt(good_path, {{"input_ids", make_record(4, 2, DType::kFloat32, true).input_ids},
+                       {"hidden_states", make_record(4, 2, DType::kFloat32, true).hidden_states},
+                       {"aux_hidden_states", make_record(4, 2, DType::kFloat32, true).aux_hidden_states},
+                       {"conversation_id", std::string("c")}});
+  const auto good = test::read_bytes(good_path);
+  REQUIRE(PtReader(good_path).read(0).tokens() == 4);
+
+  SUBCASE("bad magic") {
+    auto b = good;
+    std::memcpy(b.data(), "XXXX", 4);
+    test::write_bytes(d / "magic.pt", b);
+    CHECK(open_error<FormatError>(d / "magic.pt") ==
+          d / "magic.pt" + ": magic at byte 0: not a torch.save zip archive (no PK\\3\\4 at byte 0)");
+    CHECK_THROWS_WITH_AS(open_reader(d / "magic.pt"),
+                         doctest::Contains("magic at byte 0: not a record file"), FormatError);
+  }
+  SUBCASE("truncated at every byte") {
+    for (std::size_t cut = 0; cut < good.size(); ++cut) {
+      CAPTURE(cut);
+      std::vector<std::uint8_t> b(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut));
+      try {
+        PtReader r(ByteSource::from_bytes(b, "cut.pt"), "cut.pt");
+        FAIL("truncated file opened");
+      } catch (const FormatError& e) {
+        CHECK(std::string(e.what()).rfind("cut.pt: ", 0) == 0);
+      }
+    }
+  }
+  SUBCASE("a hole cut out before the central directory") {
+    std::size_t cd = 0;
+    for (std::size_t i = 0; i + 4 <= good.size(); ++i)
+      if (std::memcmp(good.data() + i, "PK\1\2", 4) == 0) {
+        cd = i;
+        break;
+      }
+    REQUIRE(cd > 0);
+    for (std::size_t cut = 0; cut < cd; cut += 3) {
+      CAPTURE(cut);
+      std::vector<std::uint8_t> b(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut));
+      b.insert(b.end(), good.begin() + static_cast<std::ptrdiff_t>(cd), good.end());
+      CHECK_THROWS_AS(PtReader(ByteSource::from_bytes(b, "hole.pt"), "hole.pt"), FormatError);
+    }
+  }
+  SUBCASE("every flipped byte is a FormatError or a clean read, never a crash") {
+    for (std::size_t i = 0; i < good.size(); ++i) {
+      auto b = good;
+      b[i] ^= 0x41;
+      try {
+        PtReader r(ByteSource::from_bytes(b, "flip.pt"), "flip.pt");
+        const Record rec = r.read(0);
+        (void)rec.hidden_states.contiguous();
+        (void)rec.aux_hidden_states.contiguous();
+      } catch (const FormatError&) {
+      }
+    }
+  }
+  SUBCASE("central directory past the end") {
+    auto b = good;
+    std::size_t end64 = 0;
+    for (std::size_t i = 0; i + 4 <= b.size(); ++i)
+      if (std::memcmp(b.data() + i, "PK\6\6", 4) == 0) end64 = i;
+    for (int k = 0; k < 8; ++k) b[end64 + 48 + k] = k == 3 ? 1 : 0;  // cd offset 16 MiB
+    test::write_bytes(d / "cd.pt", b);
+    const std::string m = open_error<FormatError>(d / "cd.pt");
+    CHECK(has(m, d / "cd.pt" + ": zip central directory at byte "));
+    CHECK(has(m, "offset 16777216 + size "));
+  }
+  SUBCASE("oversized entry count") {
+    auto b = good;
+    std::size_t end64 = 0;
+    for (std::size_t i = 0; i + 4 <= b.size(); ++i)
+      if (std::memcmp(b.data() + i, "PK\6\6", 4) == 0) end64 = i;
+    for (int k = 0; k < 8; ++k) b[end64 + 32 + k] = 0x7f;
+    test::write_bytes(d / "count.pt", b);
+    CHECK(has(open_error<FormatError>(d / "count.pt"), "entry count 9187201950435737471 does not fit"));
+  }
+  SUBCASE("wrong storage numel (record shorter than declared)") {
+    write_archive(d / "numel.pt", record_pickle(10, 0, 2), {{"data/0", zeros(16)}, {"data/1", zeros(32)}});
+    const std::string m = open_error<FormatError>(d / "numel.pt");
+    CHECK(has(m, d / "numel.pt" + ": storage 'archive/data/0' at byte "));
+    CHECK(has(m, "wrong storage numel: data.pkl says 10 x int64 but the record holds 16 bytes"));
+  }
+  SUBCASE("wrong storage numel (tensor reaches past its storage)") {
+    write_archive(d / "extent.pt", record_pickle(4, 2, 3), {{"data/0", zeros(32)}, {"data/1", zeros(32)}});
+    const std::string m = open_error<FormatError>(d / "extent.pt");
+    CHECK(has(m, "tensor 'input_ids' at byte "));
+    CHECK(has(m, "wrong storage numel: offset 2, size [3], stride [1] need 5 elements of int64 "
+                 "but storage 'archive/data/0' holds 4"));
+  }
+  SUBCASE("views sharing one storage inside it read fine") {
+    write_archive(d / "ok.pt", record_pickle(4, 2, 2), {{"data/0", zeros(32)}, {"data/1", zeros(32)}});
+    const Record r = PtReader(d / "ok.pt").read(0);
+    CHECK(r.tokens() == 2);
+    CHECK(r.conversation_id == "ok");
+    CHECK(r.aux_hidden_states.data == r.hidden_states.data + 8);  // same storage, offset 2
+  }
+  SUBCASE("missing storage record") {
+    write_archive(d / "nostore.pt", record_pickle(4, 0, 2), {{"data/1", zeros(32)}});
+    CHECK(has(open_error<FormatError>(d / "nostore.pt"),
+              "its storage 'archive/data/0' is missing from the archive"));
+  }
+  SUBCASE("unknown opcode") {
+    std::string pkl = record_pickle(4, 0, 2);
+    pkl[2] = static_cast<char>(0xfe);
+    write_archive(d / "op.pt", pkl, {{"data/0", zeros(32)}, {"data/1", zeros(32)}});
+    CHECK(open_error<FormatError>(d / "op.pt") ==
+          d / "op.pt" + ": data.pkl at byte 2: unknown opcode 0xfe");
+  }
+  SUBCASE("a pickle naming os.system") {
+    const std::string pkl = std::string("\x80\x02") + "cos\nsystem\n" + "X\x02" + std::string(3, '\0') +
+                            "ls\x85R.";
+    write_archive(d / "evil.pt", pkl, {});
+    CHECK(open_error<FormatError>(d / "evil.pt") ==
+          d / "evil.pt" + ": data.pkl at byte 2: global 'os.system' is not allowed (only tensor "
+                          "dicts can be read)");
+    CHECK_THROWS_AS(read_pt(d / "evil.pt"), FormatError);
+  }
+  SUBCASE("big-endian archive") {
+    ZipWriter w(d / "big.pt");
+    const std::string pkl = record_pickle(4, 0, 2);
+    w.add("archive/data.pkl", pkl.data(), pkl.size());
+    w.add("archive/byteorder", "big", 3);
+    w.finish();
+    const std::string m = open_error<UnsupportedError>(d / "big.pt");
+    CHECK(has(m, d / "big.pt" + ": byteorder at byte "));
+    CHECK(has(m, "big-endian archive; only little-endian torch.save files are read"));
+  }
+  SUBCASE("deflated data.pkl") {
+    auto b = good;
+    for (std::size_t i = 0; i + 4 <= b.size(); ++i)
+      if (std::memcmp(b.data() + i, "PK\1\2", 4) == 0) {
+        b[i + 10] = 8;  // method of the first central entry (data.pkl)
+        break;
+      }
+    test::write_bytes(d / "deflate.pt", b);
+    CHECK(has(open_error<UnsupportedError>(d / "deflate.pt"),
+              "zip entry 'archive/data.pkl' at byte 0: compressed with method 8 (deflate)"));
+  }
+  SUBCASE("records not inside a folder") {
+    ZipWriter w(d / "flat.pt");
+    w.add("data.pkl", "\x80\x02N.", 4);
+    w.finish();
+    CHECK(open_error<FormatError>(d / "flat.pt") ==
+          d / "flat.pt" + ": zip entry 'data.pkl' at byte 0: not inside a folder, so this is not a "
+                          "torch.save archive");
+  }
+  SUBCASE("missing and mistyped keys") {
+    write_pt(d / "noaux.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {2})},
+                              {"hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})}});
+    CHECK(open_error<FormatError>(d / "noaux.pt") ==
+          d / "noaux.pt" + ": aux_hidden_states: missing from the record (looked for "
+                           "'aux_hidden_states', 'aux_hidden_state', 'hidden_state_features')");
+    write_pt(d / "strhid.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {2})},
+                               {"hidden_states", std::string("oops")},
+                               {"aux_hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})}});
+    CHECK(has(open_error<FormatError>(d / "strhid.pt"), "hidden_states at byte "));
+    CHECK(has(open_error<FormatError>(d / "strhid.pt"), "is a str, expected a tensor"));
+    write_pt(d / "rows.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {3})},
+                             {"hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})},
+                             {"aux_hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})}});
+    CHECK(open_error<FormatError>(d / "rows.pt") ==
+          d / "rows.pt" + ": hidden_states: 2 rows but input_ids has 3 tokens");
+  }
+}
+
+TEST_CASE("pt: conversation id from the file name") {
+  CHECK(conversation_id_from_path("/a/b/123.pt") == "123");
+  CHECK(conversation_id_from_path("7.ckpt.gz") == "7");
+  CHECK(conversation_id_from_path("conv.1.pt") == "conv.1");
+  CHECK(conversation_id_from_path("noext") == "noext");
+  CHECK(conversation_id_from_path(".hidden") == ".hidden");
+}
