@@ -1,13 +1,14 @@
 #include "formats/registry.h"
 #include "formats/eks_format.h"
 #include "formats/hdf5_format.h"
+#include "formats/pt_format.h"
 #include "formats/safetensors_format.h"
 
 namespace eaglekit {
 
 const std::vector<FormatEntry>& format_registry() {
   static const std::vector<FormatEntry> kEntries = {
-      // {Format::kPt, open_pt_reader, create_pt_writer},  (one row per format)
+      {Format::kPt, open_pt_reader, create_pt_writer},
       {Format::kSafetensors, open_safetensors_reader, create_safetensors_writer},
       {Format::kEks, open_eks_reader, create_eks_writer},
       {Format::kHdf5, open_hdf5_reader, create_hdf5_writer},
