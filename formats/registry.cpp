@@ -1,5 +1,6 @@
 #include "formats/registry.h"
 #include "formats/eks_format.h"
+#include "formats/gzip_source.h"
 #include "formats/hdf5_format.h"
 #include "formats/pt_format.h"
 #include "formats/safetensors_format.h"
@@ -12,6 +13,7 @@ const std::vector<FormatEntry>& format_registry() {
       {Format::kSafetensors, open_safetensors_reader, create_safetensors_writer},
       {Format::kEks, open_eks_reader, create_eks_writer},
       {Format::kHdf5, open_hdf5_reader, create_hdf5_writer},
+      {Format::kPtGzip, open_pt_gzip_reader, create_pt_gzip_writer},
   };
   return kEntries;
 }
