@@ -323,6 +323,17 @@ class Unpickler {
       push(v);
       return;
     }
+    // Valid torch files whose element types we have no DType for: say so, not "unsafe".
+    static const char* const kOtherDtypes[] = {
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+        "float8_e5m2fnuz", "complex32", "complex64", "complex128", "qint8", "quint8", "qint32"};
+    bool other = module == "torch" && name.size() > 7 &&
+                 name.compare(name.size() - 7, 7, "Storage") == 0;
+    for (const char* d : kOtherDtypes) other = other || (module == "torch" && name == d);
+    if (other)
+      throw UnsupportedError(path_, op_at_, field_,
+                             "'" + full + "': this element type is not supported (eaglekit reads "
+                             "bool, uint8, int8-int64, float16, bfloat16, float32, float64)");
     fail(op_at_, "global '" + full + "' is not allowed (only tensor dicts can be read)");
   }
 
@@ -389,7 +400,7 @@ class Unpickler {
       return rebuild_tensor(name, a, std::nullopt);
     }
     if (name == "torch._utils._rebuild_tensor_v3") {
-      want_args(8, 8);  // (..., hooks, dtype, metadata)
+      want_args(7, 8);  // (..., hooks, dtype[, metadata])
       const Value* d = arg(a, 6, Kind::kGlobal, name, "argument 7 (dtype)");
       if (!d->has_dtype || d->s.rfind("torch.", 0) != 0 || d->s.find("Storage") != std::string::npos)
         fail(op_at_, name + ": argument 7 is '" + d->s + "', expected a torch dtype");

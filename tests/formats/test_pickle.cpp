@@ -120,6 +120,44 @@ TEST_CASE("pickle: writer output is what torch writes and reads back as a tensor
   CHECK(b.find(bin({'K', 2, 'K', 3, 0x86})) != std::string::npos);  // (2, 3) as TUPLE2
 }
 
+TEST_CASE("pickle: _rebuild_tensor_v3 over an UntypedStorage takes its dtype argument") {
+  PickleWriter w;
+  w.global("torch._utils", "_rebuild_tensor_v3");
+  w.mark();
+  w.mark();
+  w.str("storage");
+  w.global("torch", "UntypedStorage");
+  w.str("0");
+  w.str("cpu");
+  w.integer(12);  // bytes
+  w.tuple_from_mark();
+  w.binpersid();
+  w.integer(1);
+  w.mark();
+  w.integer(5);
+  w.tuple_from_mark();
+  w.mark();
+  w.integer(1);
+  w.tuple_from_mark();
+  w.boolean(false);
+  w.global("collections", "OrderedDict");
+  w.mark();
+  w.tuple_from_mark();
+  w.reduce();
+  w.global("torch", "bfloat16");
+  w.tuple_from_mark();
+  w.reduce();
+  w.stop();
+  const Pickle pk = load(w.bytes());
+  const Value& t = pk.root();
+  REQUIRE(t.kind == Kind::kTensor);
+  CHECK(t.dtype == DType::kBFloat16);
+  CHECK(t.storage->dtype == DType::kUInt8);
+  CHECK(t.storage->i == 12);
+  CHECK(t.storage_offset == 1);
+  CHECK(t.shape == std::vector<std::int64_t>{5});
+}
+
 TEST_CASE("pickle: Python pickles of protocols 2-5 parse to the same tree") {
   if (!test::python_has("pickle")) {
     MESSAGE("skipped: /usr/bin/python3 is missing");
@@ -180,6 +218,17 @@ TEST_CASE("pickle: hostile and broken pickles") {
     CHECK(error_of(p) ==
           "x.pt: data.pkl at byte 18: global 'builtins.eval' is not allowed (only tensor dicts "
           "can be read)");
+  }
+  SUBCASE("a storage class of an element type we do not read") {
+    try {
+      load(std::string("\x80\x02") + "ctorch\nComplexFloatStorage\n.");
+      FAIL("no error");
+    } catch (const UnsupportedError& e) {
+      CHECK(std::string(e.what()) ==
+            "x.pt: data.pkl at byte 2: 'torch.ComplexFloatStorage': this element type is not "
+            "supported (eaglekit reads bool, uint8, int8-int64, float16, bfloat16, float32, "
+            "float64)");
+    }
   }
   SUBCASE("unknown opcode") {
     CHECK(error_of(bin({0x80, 2, 'N', 0xff})) == "x.pt: data.pkl at byte 3: unknown opcode 0xff");
