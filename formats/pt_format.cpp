@@ -500,7 +500,10 @@ std::unique_ptr<RecordReader> open_pt_reader(const std::string& path) {
   return std::make_unique<PtReader>(path);
 }
 
-std::unique_ptr<RecordWriter> create_pt_writer(const std::string& path, const WriterOptions&) {
+std::unique_ptr<RecordWriter> create_pt_writer(const std::string& path, const WriterOptions& opts) {
+  std::error_code ec;
+  if (!opts.overwrite && std::filesystem::exists(path, ec))
+    throw UsageError(path + ": exists (pass overwrite to replace it)");
   return std::make_unique<PtWriter>(path);
 }
 

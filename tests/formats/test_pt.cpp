@@ -520,6 +520,9 @@ TEST_CASE("pt: record round trip through our writer and reader") {
     w.add(make_record(2, 2, DType::kFloat32, false));
   }
   CHECK_FALSE(fs::exists(d / "never.pt"));
+  WriterOptions keep;
+  keep.overwrite = false;
+  CHECK_THROWS_WITH_AS(create_writer(d / "x.pt", keep), doctest::Contains("x.pt: exists"), UsageError);
   CHECK_THROWS_AS(write_pt(d / "dup.pt", {{"a", true}, {"a", false}}), UsageError);
   CHECK_FALSE(fs::exists(d / "dup.pt"));
 }
