@@ -20,7 +20,7 @@ namespace eaglekit {
 
 namespace {
 
-constexpr std::uint64_t kInputSlice = 1u << 20;   // zlib counts in 32-bit uInt
+constexpr std::uint64_t kInputSlice = 1u << 20;  // zlib counts in 32-bit uInt
 constexpr std::uint64_t kMinGrowth = 1u << 20;
 // Deflate cannot expand data by more than about 1032:1; a trailer's size hint beyond that
 // is garbage (a truncated or corrupt file) and must not drive a huge allocation.
@@ -61,8 +61,9 @@ std::uint64_t gunzip_limit() {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(env, &end, 10);
   if (end == env || *end != '\0' || v == 0)
-    throw UsageError(std::string("EAGLEKIT_GUNZIP_MAX_BYTES must be a positive byte count, got \"") +
-                     env + "\"");
+    throw UsageError(
+        std::string("EAGLEKIT_GUNZIP_MAX_BYTES must be a positive byte count, got \"") + env +
+        "\"");
   return v;
 }
 
@@ -114,9 +115,10 @@ std::shared_ptr<const ByteSource> gunzip(const ByteSource& in, std::uint64_t max
       if (rest == 0 || all_zero(data + at, rest)) break;
       if (rest < 2 || data[at] != 0x1f || data[at + 1] != 0x8b)
         throw FormatError(name, at, "gzip stream",
-                          std::to_string(rest) + " bytes after the gzip member that started at "
-                                                 "byte " + std::to_string(member_start) +
-                              " are not another gzip member");
+                          std::to_string(rest) +
+                              " bytes after the gzip member that started at "
+                              "byte " +
+                              std::to_string(member_start) + " are not another gzip member");
       member_start = at;
       if (inflateReset(zs) != Z_OK) throw FormatError(name, at, "gzip stream", "cannot restart");
       continue;
@@ -129,9 +131,9 @@ std::shared_ptr<const ByteSource> gunzip(const ByteSource& in, std::uint64_t max
                                 std::string(" of the member that started at byte ") +
                                 std::to_string(member_start) +
                                 " does not match its decompressed bytes (" + msg + ")");
-      throw FormatError(name, consumed(), "gzip stream",
-                        msg + " (in the member that started at byte " +
-                            std::to_string(member_start) + ")");
+      throw FormatError(
+          name, consumed(), "gzip stream",
+          msg + " (in the member that started at byte " + std::to_string(member_start) + ")");
     }
     if (ret == Z_MEM_ERROR) throw std::bad_alloc();
     if (ret != Z_OK && ret != Z_BUF_ERROR)

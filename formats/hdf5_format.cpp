@@ -105,8 +105,7 @@ std::string take_hdf5_error() {
   throw FormatError(path, std::nullopt, field, detail.empty() ? what : what + " (" + detail + ")");
 }
 
-[[noreturn]] void fail(const std::string& path, const std::string& field,
-                       const std::string& what) {
+[[noreturn]] void fail(const std::string& path, const std::string& field, const std::string& what) {
   throw FormatError(path, std::nullopt, field, what);
 }
 
@@ -195,7 +194,8 @@ std::optional<std::string> read_string_attr(hid_t obj, const char* name, const s
   } else {
     const std::size_t n = H5Tget_size(type.get());
     std::vector<char> buf(n + 1, '\0');
-    if (H5Aread(attr.get(), type.get(), buf.data()) < 0) fail_h5(path, field, "cannot read " + what);
+    if (H5Aread(attr.get(), type.get(), buf.data()) < 0)
+      fail_h5(path, field, "cannot read " + what);
     out.assign(buf.data(), std::strlen(buf.data()));
     while (!out.empty() && out.back() == ' ') out.pop_back();  // space-padded strings
   }
@@ -227,11 +227,16 @@ std::string describe_type(hid_t type) {
     case H5T_INTEGER:
       return std::to_string(size * 8) + "-bit " +
              (H5Tget_sign(type) == H5T_SGN_NONE ? "unsigned " : "") + "integers";
-    case H5T_FLOAT: return std::to_string(size * 8) + "-bit floats";
-    case H5T_STRING: return "strings";
-    case H5T_ENUM: return "an enum";
-    case H5T_COMPOUND: return "a compound type";
-    default: return "an unsupported HDF5 type";
+    case H5T_FLOAT:
+      return std::to_string(size * 8) + "-bit floats";
+    case H5T_STRING:
+      return "strings";
+    case H5T_ENUM:
+      return "an enum";
+    case H5T_COMPOUND:
+      return "a compound type";
+    default:
+      return "an unsupported HDF5 type";
   }
 }
 
@@ -292,9 +297,9 @@ DType stored_dtype(hid_t dset, Role role, const std::string& path, const std::st
              describe_type(type.get()));
   }
   if (declared && *declared != got)
-    fail(path, field,
-         "dtype attribute \"" + *attr + "\" does not match the stored " +
-             describe_type(type.get()));
+    fail(
+        path, field,
+        "dtype attribute \"" + *attr + "\" does not match the stored " + describe_type(type.get()));
   return got;
 }
 
@@ -303,13 +308,26 @@ DType stored_dtype(hid_t dset, Role role, const std::string& path, const std::st
 Hid memory_type(hid_t dset, DType dtype) {
   hid_t native = H5I_INVALID_HID;
   switch (dtype) {
-    case DType::kInt64: native = H5T_NATIVE_INT64; break;
-    case DType::kInt32: native = H5T_NATIVE_INT32; break;
-    case DType::kUInt8: native = H5T_NATIVE_UINT8; break;
-    case DType::kBFloat16: native = H5T_NATIVE_UINT16; break;
-    case DType::kFloat32: native = H5T_NATIVE_FLOAT; break;
-    case DType::kFloat64: native = H5T_NATIVE_DOUBLE; break;
-    default: break;
+    case DType::kInt64:
+      native = H5T_NATIVE_INT64;
+      break;
+    case DType::kInt32:
+      native = H5T_NATIVE_INT32;
+      break;
+    case DType::kUInt8:
+      native = H5T_NATIVE_UINT8;
+      break;
+    case DType::kBFloat16:
+      native = H5T_NATIVE_UINT16;
+      break;
+    case DType::kFloat32:
+      native = H5T_NATIVE_FLOAT;
+      break;
+    case DType::kFloat64:
+      native = H5T_NATIVE_DOUBLE;
+      break;
+    default:
+      break;
   }
   if (native != H5I_INVALID_HID) return Hid(H5Tcopy(native), H5Tclose);
   Hid file_type(H5Dget_type(dset), H5Tclose);
@@ -339,7 +357,8 @@ std::string dataset_codec(hid_t dset, const std::string& path, const std::string
                                  ") that this libhdf5 cannot decode; re-save it with gzip or "
                                  "no compression");
     }
-    if (id == H5Z_FILTER_DEFLATE) codec = "hdf5-gzip";
+    if (id == H5Z_FILTER_DEFLATE)
+      codec = "hdf5-gzip";
     else if (id != H5Z_FILTER_SHUFFLE && id != H5Z_FILTER_FLETCHER32 && codec == "raw")
       codec = "hdf5-filtered";
   }
@@ -488,8 +507,8 @@ Hdf5Reader::Hdf5Reader(std::string path) : path_(std::move(path)) {
     if (!file_.valid()) fail_h5(path_, "HDF5 file", "cannot open");
     Hid root(H5Gopen2(file_.get(), "/", H5P_DEFAULT), H5Gclose);
     if (!root.valid()) fail_h5(path_, "/", "cannot open the root group");
-    const auto tag = read_string_attr(root.get(), "eaglekit_format", path_,
-                                      "root attribute eaglekit_format");
+    const auto tag =
+        read_string_attr(root.get(), "eaglekit_format", path_, "root attribute eaglekit_format");
     if (tag) {
       if (*tag != kShardTag)
         fail(path_, "root attribute eaglekit_format",
@@ -510,11 +529,12 @@ Hdf5Reader::Hdf5Reader(std::string path) : path_(std::move(path)) {
 void Hdf5Reader::open_shard(hid_t root) {
   const std::string& p = path_;
   const auto version = read_int_attr(root, "version", p, "root attribute version");
-  if (!version) fail(p, "root attribute version", "missing (an eaglekit HDF5 shard has version = 1)");
+  if (!version)
+    fail(p, "root attribute version", "missing (an eaglekit HDF5 shard has version = 1)");
   if (*version != kShardVersion)
-    throw UnsupportedError(p, std::nullopt, "root attribute version",
-                           "shard version " + std::to_string(*version) +
-                               "; this eaglekit reads version 1");
+    throw UnsupportedError(
+        p, std::nullopt, "root attribute version",
+        "shard version " + std::to_string(*version) + "; this eaglekit reads version 1");
   const auto hidden_size = read_int_attr(root, "hidden_size", p, "root attribute hidden_size");
   if (!hidden_size) fail(p, "root attribute hidden_size", "missing");
   const auto aux_layers = read_int_attr(root, "aux_layers", p, "root attribute aux_layers");
@@ -581,8 +601,7 @@ void Hdf5Reader::open_shard(hid_t root) {
   const auto kh = static_cast<hsize_t>(*aux_layers) * h;
   auto check_rows = [&](const std::vector<hsize_t>& dims, const std::string& field) {
     if (dims[0] != total)
-      fail(p, field,
-           std::to_string(dims[0]) + " rows but input_ids has " + std::to_string(total));
+      fail(p, field, std::to_string(dims[0]) + " rows but input_ids has " + std::to_string(total));
   };
   check_rows(hid_dims, "/hidden_states");
   check_rows(aux_dims, "/aux_hidden_states");
@@ -608,7 +627,8 @@ void Hdf5Reader::open_shard(hid_t root) {
     fail(p, "/aux_hidden_states",
          "dtype " + std::string(dtype_name(aux_.dtype)) + " differs from hidden_states " +
              std::string(dtype_name(hidden_.dtype)));
-  if (mask_.dset.valid()) mask_.dtype = stored_dtype(mask_.dset.get(), Role::kMask, p, "/loss_mask");
+  if (mask_.dset.valid())
+    mask_.dtype = stored_dtype(mask_.dset.get(), Role::kMask, p, "/loss_mask");
 
   std::string codec = "raw";
   for (const Column* c : {&ids_, &hidden_, &aux_, &mask_}) {
@@ -618,8 +638,7 @@ void Hdf5Reader::open_shard(hid_t root) {
   }
 
   const std::vector<std::string> ids = read_strings(ids_ds.get(), n, p, "/conversation_ids");
-  const std::size_t row_bytes = dtype_size(ids_.dtype) +
-                                (h + kh) * dtype_size(hidden_.dtype) +
+  const std::size_t row_bytes = dtype_size(ids_.dtype) + (h + kh) * dtype_size(hidden_.dtype) +
                                 (mask_.dset.valid() ? dtype_size(mask_.dtype) : 0);
   entries_.resize(n);
   for (hsize_t i = 0; i < n; ++i) {
@@ -642,8 +661,8 @@ void Hdf5Reader::open_shard(hid_t root) {
 
 void Hdf5Reader::open_groups() {
   std::vector<std::string> groups;
-  if (H5Ovisit2(file_.get(), H5_INDEX_NAME, H5_ITER_INC, collect_groups, &groups,
-                H5O_INFO_BASIC) < 0)
+  if (H5Ovisit2(file_.get(), H5_INDEX_NAME, H5_ITER_INC, collect_groups, &groups, H5O_INFO_BASIC) <
+      0)
     fail_h5(path_, "/", "cannot list the groups");
   for (const std::string& name : groups) {
     const std::string group = name == "." ? "/" : "/" + name;
@@ -652,8 +671,8 @@ void Hdf5Reader::open_groups() {
         H5Lexists(file_.get(), child_path(group, "hidden_states").c_str(), H5P_DEFAULT);
     if (a < 0 || b < 0) fail_h5(path_, group, "cannot look up");
     if (a == 0 || b == 0) continue;
-    const std::string id = group == "/" ? fs::path(path_).stem().string()
-                                        : group.substr(group.rfind('/') + 1);
+    const std::string id =
+        group == "/" ? fs::path(path_).stem().string() : group.substr(group.rfind('/') + 1);
     add_group_record(group, id);
   }
   if (entries_.empty())
@@ -664,8 +683,7 @@ void Hdf5Reader::open_groups() {
 
 void Hdf5Reader::add_group_record(const std::string& group, const std::string& id) {
   const std::string& p = path_;
-  const std::string needs =
-      "a record group holds input_ids, hidden_states and aux_hidden_states";
+  const std::string needs = "a record group holds input_ids, hidden_states and aux_hidden_states";
   const std::string f_ids = child_path(group, "input_ids");
   const std::string f_hid = child_path(group, "hidden_states");
   const std::string f_aux = child_path(group, "aux_hidden_states");
@@ -805,8 +823,8 @@ class Hdf5Writer final : public RecordWriter {
     std::vector<std::uint8_t> buf;
   };
 
-  void create_column(Column& c, const std::string& name, hid_t file_type, hid_t mem_type,
-                     int rank, hsize_t width, std::size_t itemsize, const char* dtype_attr);
+  void create_column(Column& c, const std::string& name, hid_t file_type, hid_t mem_type, int rank,
+                     hsize_t width, std::size_t itemsize, const char* dtype_attr);
   void append(Column& c, const std::uint8_t* p, hsize_t rows);
   void write_rows(Column& c, const std::uint8_t* p, hsize_t rows);
   void append_ones(Column& c, hsize_t rows);
@@ -823,7 +841,7 @@ class Hdf5Writer final : public RecordWriter {
   bool started_ = false;  // first record seen: shapes fixed, columns created
   bool has_mask_ = false;
   bool finished_ = false;
-  bool broken_ = false;   // a write failed: the file is not trustworthy
+  bool broken_ = false;  // a write failed: the file is not trustworthy
   DType dtype_ = DType::kFloat32;
   std::int64_t hidden_size_ = 0;
   std::int64_t aux_width_ = 0;
@@ -881,8 +899,8 @@ void Hdf5Writer::fail_write(const std::string& what) {
   throw IoError(temp_path_ + ": " + what + (detail.empty() ? std::string() : ": " + detail));
 }
 
-void Hdf5Writer::create_column(Column& c, const std::string& name, hid_t file_type,
-                               hid_t mem_type, int rank, hsize_t width, std::size_t itemsize,
+void Hdf5Writer::create_column(Column& c, const std::string& name, hid_t file_type, hid_t mem_type,
+                               int rank, hsize_t width, std::size_t itemsize,
                                const char* dtype_attr) {
   c.name = name;
   c.file_type = Hid(H5Tcopy(file_type), H5Tclose);
@@ -988,8 +1006,8 @@ void Hdf5Writer::add(const Record& r) {
   if (started_) {
     if (r.hidden_size() != hidden_size_ || r.aux_width() != aux_width_ ||
         r.hidden_states.dtype != dtype_)
-      throw UsageError(where + ": hidden size " + std::to_string(r.hidden_size()) +
-                       ", aux width " + std::to_string(r.aux_width()) + ", dtype " +
+      throw UsageError(where + ": hidden size " + std::to_string(r.hidden_size()) + ", aux width " +
+                       std::to_string(r.aux_width()) + ", dtype " +
                        std::string(dtype_name(r.hidden_states.dtype)) +
                        " differ from the shard's " + std::to_string(hidden_size_) + ", " +
                        std::to_string(aux_width_) + ", " + std::string(dtype_name(dtype_)) +
@@ -1069,8 +1087,10 @@ void Hdf5Writer::add(const Record& r) {
   append(hidden_, hidden.data, t);
   append(aux_, aux.data, t);
   if (has_mask_) {
-    if (r.loss_mask) append(mask_, mask.data(), t);
-    else append_ones(mask_, t);
+    if (r.loss_mask)
+      append(mask_, mask.data(), t);
+    else
+      append_ones(mask_, t);
   }
   seen_.insert(r.conversation_id);
   conversation_ids_.push_back(r.conversation_id);

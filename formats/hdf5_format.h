@@ -49,9 +49,9 @@ std::recursive_mutex& hdf5_mutex();
 std::unique_ptr<RecordReader> open_hdf5_reader(const std::string& path);
 
 struct Hdf5WriterOptions {
-  int gzip_level = 0;           // 0: no filter; 1-9: shuffle + gzip at that level
+  int gzip_level = 0;                   // 0: no filter; 1-9: shuffle + gzip at that level
   std::uint64_t chunk_bytes = 1 << 20;  // target bytes per chunk of each per-token dataset
-  bool overwrite = true;        // false: UsageError when the output exists
+  bool overwrite = true;                // false: UsageError when the output exists
 };
 
 // Writes an eaglekit HDF5 shard. Records must share hidden size, aux width and hidden

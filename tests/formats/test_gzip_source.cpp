@@ -250,7 +250,8 @@ TEST_CASE("gzip: truncated and corrupt streams name the file and the compressed 
     b[at] ^= 0x55;
     return b;
   };
-  const std::string truncated = ": truncated: the input ends inside the gzip member that started at byte 0 (";
+  const std::string truncated =
+      ": truncated: the input ends inside the gzip member that started at byte 0 (";
   for (std::size_t keep : {n / 2, n - 3, std::size_t{5}, std::size_t{2}}) {
     INFO("kept " << keep);
     const std::string p = variant("cut" + std::to_string(keep) + ".gz", cut(keep));
@@ -287,8 +288,7 @@ TEST_CASE("gzip: truncated and corrupt streams name the file and the compressed 
     auto bytes = good;
     bytes[3] = 0xe0;  // reserved header flag bits
     const std::string p = variant("flags.gz", bytes);
-    CHECK(starts_with(error_of([&] { gunzip_file(p, 1u << 20); }),
-                      p + ": gzip stream at byte "));
+    CHECK(starts_with(error_of([&] { gunzip_file(p, 1u << 20); }), p + ": gzip stream at byte "));
     CHECK_THROWS_AS(gunzip_file(p, 1u << 20), FormatError);
   }
   {

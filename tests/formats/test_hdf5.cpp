@@ -201,7 +201,8 @@ with h5py.File(sys.argv[2], "w") as f:
     f.attrs["aux_layers"] = recs[0]["aux"].shape[1] // recs[0]["hid"].shape[1]
     f.create_dataset("conversation_ids", data=[r["id"] for r in recs],
                      dtype=h5py.string_dtype("utf-8"))
-    f.create_dataset("offsets", data=np.cumsum([0] + [len(r["ids"]) for r in recs]).astype(np.int64))
+    lengths = [len(r["ids"]) for r in recs]
+    f.create_dataset("offsets", data=np.cumsum([0] + lengths).astype(np.int64))
     kw = dict(chunks=True, compression="gzip", compression_opts=4, shuffle=True)
     f.create_dataset("input_ids", data=np.concatenate([r["ids"] for r in recs]), **kw)
     f.create_dataset("loss_mask", data=np.concatenate([r["mask"] for r in recs]), **kw)
@@ -333,7 +334,8 @@ with h5py.File(sys.argv[2], "r") as f:
     assert ids == [r["id"] for r in recs], ids
     assert h5py.check_string_dtype(f["conversation_ids"].dtype).encoding == "utf-8"
     off = f["offsets"][()]
-    assert off.dtype == np.int64 and list(off) == list(np.cumsum([0] + [len(r["ids"]) for r in recs]))
+    lengths = [len(r["ids"]) for r in recs]
+    assert off.dtype == np.int64 and list(off) == list(np.cumsum([0] + lengths))
     assert f["input_ids"].dtype == np.int64 and f["loss_mask"].dtype == np.uint8
     hs = f["hidden_states"]
     dt = recs[0]["dtype"]
@@ -414,9 +416,10 @@ TEST_CASE("hdf5: writer refuses mixed shapes and duplicate ids; unfinished leave
   {
     auto w = create_hdf5_shard_writer(p, {});
     w->add(make_record("a", 5, 8, 3, DType::kBFloat16, std::nullopt, 1));
-    CHECK(error_of([&] { w->add(make_record("b", 5, 16, 3, DType::kBFloat16, std::nullopt, 2)); }) ==
-          p + ": record \"b\": hidden size 16, aux width 48, dtype bfloat16 differ from the "
-              "shard's 8, 24, bfloat16 (records in one shard share them)");
+    CHECK(error_of([&] {
+            w->add(make_record("b", 5, 16, 3, DType::kBFloat16, std::nullopt, 2));
+          }) == p + ": record \"b\": hidden size 16, aux width 48, dtype bfloat16 differ from the "
+                    "shard's 8, 24, bfloat16 (records in one shard share them)");
     CHECK(error_of([&] { w->add(make_record("c", 5, 8, 3, DType::kFloat16, std::nullopt, 2)); }) ==
           p + ": record \"c\": hidden size 8, aux width 24, dtype float16 differ from the "
               "shard's 8, 24, bfloat16 (records in one shard share them)");
@@ -447,8 +450,9 @@ TEST_CASE("hdf5: writer refuses mixed shapes and duplicate ids; unfinished leave
 TEST_CASE("hdf5: a prefix read touches only its chunks") {
   // Two records of 8 rows in gzip chunks of 4 rows; the last chunk of record 1 is garbage.
   test::TempDir d("h5");
-  const std::vector<Record> records = {make_record("r0", 8, 8, 1, DType::kFloat32, std::nullopt, 1),
-                                       make_record("r1", 8, 8, 1, DType::kFloat32, std::nullopt, 2)};
+  const std::vector<Record> records = {
+      make_record("r0", 8, 8, 1, DType::kFloat32, std::nullopt, 1),
+      make_record("r1", 8, 8, 1, DType::kFloat32, std::nullopt, 2)};
   dump_records(d / "in", records);
   python_ok(R"PY(
 recs = load(sys.argv[1])
@@ -491,13 +495,16 @@ TEST_CASE("hdf5: corrupt shards fail naming the file and the dataset") {
   const Case cases[] = {
       {"missing_hidden", "del f['hidden_states']",
        "/hidden_states: missing dataset (an eaglekit HDF5 shard holds conversation_ids, offsets, "
-       "input_ids, hidden_states and aux_hidden_states)", false},
+       "input_ids, hidden_states and aux_hidden_states)",
+       false},
       {"missing_offsets", "del f['offsets']",
        "/offsets: missing dataset (an eaglekit HDF5 shard holds conversation_ids, offsets, "
-       "input_ids, hidden_states and aux_hidden_states)", false},
+       "input_ids, hidden_states and aux_hidden_states)",
+       false},
       {"missing_ids", "del f['conversation_ids']",
        "/conversation_ids: missing dataset (an eaglekit HDF5 shard holds conversation_ids, "
-       "offsets, input_ids, hidden_states and aux_hidden_states)", false},
+       "offsets, input_ids, hidden_states and aux_hidden_states)",
+       false},
       {"not_monotone", "f['offsets'][...] = [0, 6, 4, 15]",
        "/offsets: not monotone: offsets[2] = 4 < offsets[1] = 6", false},
       {"past_end", "f['offsets'][...] = [0, 4, 20, 15]",
@@ -522,13 +529,16 @@ TEST_CASE("hdf5: corrupt shards fail naming the file and the dataset") {
        "/aux_hidden_states: width 24 but aux_layers * hidden_size is 16", false},
       {"unknown_dtype_attr", "f['hidden_states'].attrs['dtype'] = 'bfloat17'",
        "/hidden_states: unknown dtype attribute \"bfloat17\" (expected \"bfloat16\", \"float16\", "
-       "\"float32\" or \"float64\")", false},
+       "\"float32\" or \"float64\")",
+       false},
       {"uint16_without_attr", "del f['aux_hidden_states'].attrs['dtype']",
        "/aux_hidden_states: 16-bit integers without the attribute dtype = \"bfloat16\" (bf16 is "
-       "stored as uint16 with that attribute)", false},
+       "stored as uint16 with that attribute)",
+       false},
       {"attr_mismatch", "f['hidden_states'].attrs['dtype'] = 'float32'",
        "/hidden_states: dtype attribute \"float32\" does not match the stored 16-bit unsigned "
-       "integers", false},
+       "integers",
+       false},
       {"float_ids", "del f['input_ids']; f['input_ids'] = np.zeros(15, np.float32)",
        "/input_ids: expected integer token ids, got 32-bit floats", false},
       {"dtype_differs",
@@ -553,10 +563,12 @@ TEST_CASE("hdf5: corrupt shards fail naming the file and the dataset") {
        "x = f['hidden_states'][()]; del f['hidden_states']; "
        "f.create_dataset('hidden_states', data=x, compression='lzf').attrs['dtype'] = 'bfloat16'",
        "/hidden_states: compressed with HDF5 filter 32000 (lzf) that this libhdf5 cannot decode; "
-       "re-save it with gzip or no compression", true},
+       "re-save it with gzip or no compression",
+       true},
       {"no_records_no_tag", "del f.attrs['eaglekit_format']; del f['hidden_states']",
        "/: neither an eaglekit HDF5 shard (no root attribute eaglekit_format) nor a file with "
-       "record groups (no group holds both input_ids and hidden_states)", false},
+       "record groups (no group holds both input_ids and hidden_states)",
+       false},
   };
   std::string script = R"PY(
 import shutil
@@ -577,8 +589,7 @@ def case(name, code):
     with h5py.File(p, "r+") as f:
         exec(code)
 )PY";
-  for (const Case& c : cases)
-    script += "case(" + py_str(c.name) + ", " + py_str(c.mutate) + ")\n";
+  for (const Case& c : cases) script += "case(" + py_str(c.name) + ", " + py_str(c.mutate) + ")\n";
   python_ok(script, {d.path()});
   REQUIRE(open_reader(d / "base.h5")->size() == 3);
   for (const Case& c : cases) {
@@ -645,14 +656,15 @@ TEST_CASE("hdf5: truncated and non-HDF5 files give clean errors") {
     const std::string t = d / ("t" + std::to_string(keep) + ".h5");
     test::write_bytes(t, std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + keep));
     const std::string err = error_of([&] { open_reader(t); });
-    CHECK(err.rfind(t + ": HDF5 file: cannot open (truncated file: eof = " + std::to_string(keep), 0) ==
-          0);
+    CHECK(err.rfind(t + ": HDF5 file: cannot open (truncated file: eof = " + std::to_string(keep),
+                    0) == 0);
     CHECK_THROWS_AS(open_reader(t), FormatError);
   }
   CHECK_THROWS_AS(open_hdf5_reader(d / "missing.h5"), IoError);
   test::write_bytes(d / "junk.h5", std::vector<std::uint8_t>(100, 7));
-  CHECK(error_of([&] { open_hdf5_reader(d / "junk.h5"); })
-            .rfind(d / "junk.h5" + ": HDF5 file: cannot open (", 0) == 0);
+  CHECK(error_of([&] {
+          open_hdf5_reader(d / "junk.h5");
+        }).rfind(d / "junk.h5" + ": HDF5 file: cannot open (", 0) == 0);
 }
 
 TEST_CASE("hdf5: concurrent reads from many threads agree") {
