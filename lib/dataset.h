@@ -2,6 +2,10 @@
 // conversations read from JSONL (SPEC.md section 2), the records matched to them by
 // conversation id, and the reference train/eval split (SPEC.md section 4).
 //
+// Duplicates are never resolved by picking one: an id that appears more than once in the
+// conversations or in the index is left out of the dataset and listed in
+// Dataset::duplicate_ids, so the caller can say so (validate lists them too).
+//
 // Thread safety: plain values; const access from many threads is fine.
 #pragma once
 
@@ -9,6 +13,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace eaglekit {
@@ -23,6 +28,10 @@ struct Conversation {
 // --data: a .jsonl file, a folder (every *.jsonl in it, sorted by name, concatenated), or any
 // other file holding one JSON array. Throws FormatError naming file and line for bad JSON
 // or an object with no id.
+//
+// An id key holding null counts as absent (as in the reference); one holding anything but
+// a string or an integer, or an empty string, is an error. Blank lines in JSONL are skipped.
+// Throws IoError when the path cannot be read, Error when a folder has no *.jsonl.
 std::vector<Conversation> load_conversations(const std::string& path);
 
 // One trainable sample: a record located through the index.
@@ -37,7 +46,15 @@ struct Dataset {
   std::vector<std::string> files;   // paths of record files
   std::vector<SampleRef> samples;   // matched records, in conversation order
   std::size_t conversations = 0;    // conversations read
-  std::size_t quarantined = 0;      // matched but excluded by the quarantine list
+  std::size_t quarantined = 0;      // has a record but excluded by the quarantine list
+  // What else was left out, so that the caller can tell the user. Counts are of
+  // conversations, each under the first reason that applies in this order: missing,
+  // quarantined, duplicates, unreadable, too_short.
+  std::size_t missing = 0;          // no record at all in the index
+  std::size_t duplicates = 0;       // id not unique in the conversations or in the index
+  std::size_t unreadable = 0;       // its record is marked bad in the index
+  std::size_t too_short = 0;        // its record has fewer than 2 tokens (nothing to predict)
+  std::vector<std::string> duplicate_ids;  // sorted; ids left out for not being unique
 };
 
 // Records matched to conversations by id, in conversation order; bad index entries
@@ -46,14 +63,27 @@ struct Dataset {
 Dataset match_dataset(const std::vector<Conversation>& conversations, const DatasetIndex& index,
                       const std::set<std::string>& quarantine = {});
 
+// match_dataset without the throw: an empty Dataset::samples when nothing matched.
+Dataset match_records(const std::vector<Conversation>& conversations, const DatasetIndex& index,
+                      const std::set<std::string>& quarantine = {});
+
 // Reads a quarantine file (one conversation id per line, '#' comments allowed).
+// A line whose first non-blank character is '#' is a comment; ids are trimmed of
+// surrounding blanks. Throws IoError when the file cannot be read.
 std::set<std::string> load_quarantine(const std::string& path);
+
+// Writes ids in the form load_quarantine reads, atomically. `groups` pairs a comment
+// (written as "# COMMENT") with the ids under it; an id is written once. Throws Error for
+// an id that would not read back the same (empty, surrounding blanks, leading '#', newline).
+void write_quarantine(const std::string& path,
+                      const std::vector<std::pair<std::string, std::vector<std::string>>>& groups);
 
 struct Split {
   std::vector<SampleRef> train;
   std::vector<SampleRef> eval;
 };
 // The reference split: the first floor((1 - eval_fraction) * n) samples train, the rest eval.
+// Throws UsageError when eval_fraction is outside [0, 1].
 Split split_dataset(const std::vector<SampleRef>& samples, double eval_fraction = 0.05);
 
 }  // namespace eaglekit
