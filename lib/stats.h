@@ -1,0 +1,65 @@
+// `eaglekit stats`: what a dataset index holds in numbers, from the index alone (no record
+// is opened): the token-count distribution, bytes on disk per token, records per format and
+// dtype, and a disk estimate for a planned dump of the same width.
+//
+// Thread safety: pure functions of their arguments.
+// Throws: UsageError for bad options; what DatasetIndex accessors throw on a damaged index.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace eaglekit {
+
+class DatasetIndex;
+
+struct StatsOptions {
+  std::int64_t plan_conversations = 0;  // > 0 (or plan_tokens > 0): estimate a planned dump
+  double plan_tokens = 0;               // tokens per conversation; 0: the dataset's mean
+};
+
+struct HistogramBin {
+  std::int64_t lo = 0;  // tokens in [lo, hi]
+  std::int64_t hi = 0;
+  std::size_t count = 0;
+};
+
+struct DatasetStats {
+  std::size_t records = 0;       // ok entries (everything below counts only these)
+  std::size_t bad_records = 0;
+  std::size_t files = 0;         // files holding at least one ok record
+  std::int64_t total_tokens = 0;
+  // Nearest-rank percentiles of tokens per record (0 when there are no records).
+  std::int64_t min_tokens = 0, median_tokens = 0, p90_tokens = 0, p99_tokens = 0, max_tokens = 0;
+  double mean_tokens = 0;
+  std::vector<HistogramBin> histogram;  // power-of-two bins, empty ones inside the range kept
+  std::uint64_t bytes_on_disk = 0;      // sizes of those files
+  double bytes_per_token = 0;           // on disk, whatever the codec
+  std::map<std::string, std::size_t> per_format;  // "pt" -> records
+  std::map<std::string, std::size_t> per_dtype;   // hidden dtype -> records
+  std::map<std::string, std::size_t> per_codec;
+  std::map<std::int64_t, std::size_t> per_hidden_size;
+  // The most common width, and the raw (uncompressed) bytes one token takes at it:
+  // int64 id + (H + aux width) elements of the dtype.
+  std::int64_t hidden_size = 0;
+  std::int64_t aux_width = 0;
+  std::string dtype;
+  double raw_bytes_per_token = 0;
+  // The planned dump, when asked for.
+  bool has_plan = false;
+  std::int64_t plan_conversations = 0;
+  double plan_tokens = 0;           // per conversation
+  double plan_bytes_raw = 0;        // uncompressed, at the dataset's width and dtype
+  double plan_bytes_on_disk = 0;    // at this dataset's measured bytes per token
+};
+
+DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts = {});
+
+std::string stats_to_json(const DatasetStats& stats);
+// Text form with a histogram of bars.
+std::string stats_to_text(const DatasetStats& stats);
+
+}  // namespace eaglekit

@@ -1,0 +1,500 @@
+#include "lib/validate.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include "formats/byte_source.h"
+#include "formats/eks_format.h"
+#include "formats/error.h"
+#include "formats/format.h"
+#include "formats/record.h"
+#include "formats/zip.h"
+#include "lib/dataset.h"
+#include "lib/index.h"
+#include "lib/progress.h"
+
+namespace eaglekit {
+
+namespace {
+
+constexpr std::size_t kShow = 5;  // problems listed per category in the text form
+
+// "PATH", "PATH#KEY" or "PATH#RECORD" for an entry.
+std::string location(const DatasetIndex& index, const IndexEntry& e) {
+  const IndexFile f = index.file(e.file);
+  std::string loc(f.path);
+  if (!e.key.empty()) loc += "#" + std::string(e.key);
+  else if (f.entry_count > 1) loc += "#" + std::to_string(e.record);
+  return loc;
+}
+
+template <class T>
+T majority(const std::map<T, std::size_t>& counts, T fallback) {
+  T best = fallback;
+  std::size_t n = 0;
+  for (const auto& [v, c] : counts)
+    if (c > n) {
+      best = v;
+      n = c;
+    }
+  return best;
+}
+
+// Index of the first NaN/Inf element (row-major), if any. Integer tensors have none.
+std::optional<std::int64_t> first_nonfinite(const HostTensor& t) {
+  if (!is_floating(t.dtype) || t.numel() == 0) return std::nullopt;
+  const HostTensor c = t.is_contiguous() ? t : t.contiguous();
+  const std::uint8_t* p = c.data;
+  const std::int64_t n = c.numel();
+  switch (c.dtype) {
+    case DType::kBFloat16:
+    case DType::kFloat16: {
+      const std::uint16_t mask = c.dtype == DType::kBFloat16 ? 0x7f80 : 0x7c00;
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        if ((v & mask) == mask) return i;
+      }
+      return std::nullopt;
+    }
+    case DType::kFloat32:
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint32_t v;
+        std::memcpy(&v, p + 4 * i, 4);
+        if ((v & 0x7f800000u) == 0x7f800000u) return i;
+      }
+      return std::nullopt;
+    case DType::kFloat64:
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint64_t v;
+        std::memcpy(&v, p + 8 * i, 8);
+        if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return i;
+      }
+      return std::nullopt;
+    default:
+      return std::nullopt;
+  }
+}
+
+// torch.save zips carry a CRC-32 per entry that readers skip (zero-copy views); --deep
+// checks them all.
+void verify_zip_crcs(const std::string& path) {
+  const ZipArchive zip(ByteSource::open_file(path));
+  for (const ZipEntry& e : zip.entries()) {
+    const std::uint8_t* data = zip.data(e);
+    const unsigned long crc = crc32_z(0L, data, static_cast<z_size_t>(e.size));
+    if (static_cast<std::uint32_t>(crc) != e.crc32) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "CRC-32 stored %08x, computed %08x", e.crc32,
+                    static_cast<unsigned>(crc));
+      throw ChecksumError(path, e.data_offset, "zip entry " + e.name, buf);
+    }
+  }
+}
+
+std::unique_ptr<RecordReader> open_for_deep(const std::string& path, Format f) {
+  if (f == Format::kPt) verify_zip_crcs(path);
+  if (f == Format::kEks) {
+    EksReadOptions o;
+    o.verify_checksums = true;
+    return EksReader::open(path, o);
+  }
+  return open_reader(path);
+}
+
+enum class DeepOutcome : std::uint8_t { kOk, kUnreadable, kShape, kNonfinite };
+struct DeepResult {
+  DeepOutcome outcome = DeepOutcome::kOk;
+  std::string detail;
+};
+
+DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std::string& where) {
+  Record r;
+  try {
+    r = reader.read(e.record);
+  } catch (const std::exception& ex) {
+    return {classify_error(ex) == EntryError::kShape ? DeepOutcome::kShape : DeepOutcome::kUnreadable,
+            ex.what()};
+  }
+  try {
+    r.check(where);
+  } catch (const FormatError& ex) {
+    return {DeepOutcome::kShape, ex.what()};
+  }
+  if (r.tokens() != e.tokens || r.hidden_size() != e.hidden_size || r.aux_width() != e.aux_width ||
+      r.hidden_states.dtype != e.hidden_dtype)
+    return {DeepOutcome::kShape,
+            where + ": the index says " + std::to_string(e.tokens) + " tokens, hidden " +
+                std::to_string(e.hidden_size) + ", aux " + std::to_string(e.aux_width) + ", " +
+                std::string(dtype_name(e.hidden_dtype)) + " but the record has " +
+                std::to_string(r.tokens()) + ", " + std::to_string(r.hidden_size()) + ", " +
+                std::to_string(r.aux_width()) + ", " +
+                std::string(dtype_name(r.hidden_states.dtype)) +
+                " (the file changed since indexing: run `eaglekit index` again)"};
+  const std::pair<const char*, const HostTensor*> tensors[] = {
+      {"hidden_states", &r.hidden_states}, {"aux_hidden_states", &r.aux_hidden_states}};
+  for (const auto& [name, t] : tensors) {
+    if (const auto i = first_nonfinite(*t)) {
+      const std::int64_t cols = t->dim() == 2 ? t->shape[1] : 1;
+      const double v = t->get(*i);
+      return {DeepOutcome::kNonfinite,
+              std::string(std::isnan(v) ? "NaN" : "Inf") + " in " + name + " at token " +
+                  std::to_string(*i / cols) + ", column " + std::to_string(*i % cols)};
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+ValidateReport validate_dataset(const ValidateOptions& o) {
+  if (o.data.empty()) throw UsageError("validate: --data CONVERSATIONS is required");
+  if (o.index.empty()) throw UsageError("validate: --index INDEX is required");
+  if (o.max_length < 0) throw UsageError("validate: --max-length must be >= 0");
+  if (o.jobs < 0) throw UsageError("validate: --jobs must be >= 0");
+
+  ValidateReport rep;
+  const std::vector<Conversation> convs = load_conversations(o.data);
+  const DatasetIndex index = DatasetIndex::load(o.index);
+  rep.conversations = convs.size();
+  rep.records = index.size();
+  rep.deep = o.deep;
+  rep.max_length = o.max_length;
+
+  const Dataset d = match_records(convs, index);
+  rep.matched = d.samples.size();
+  std::unordered_set<std::string_view> matched_ids;
+  matched_ids.reserve(d.samples.size());
+  for (const auto& s : d.samples) {
+    matched_ids.insert(s.conversation_id);
+    rep.matched_tokens += s.tokens;
+    if (o.max_length > 0 && s.tokens > o.max_length) {
+      ++rep.truncated_records;
+      rep.truncated_tokens += s.tokens - o.max_length;
+    }
+  }
+
+  std::unordered_map<std::string_view, std::size_t> conv_count, entry_count;
+  conv_count.reserve(convs.size());
+  for (const auto& c : convs) ++conv_count[c.id];
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    const std::string_view id = index.conversation_id(i);
+    if (!id.empty()) ++entry_count[id];
+  }
+
+  // Conversations without any record, each id once, in conversation order.
+  {
+    std::unordered_set<std::string_view> listed;
+    for (const auto& c : convs)
+      if (entry_count.count(c.id) == 0 && listed.insert(c.id).second) rep.missing.push_back(c.id);
+  }
+  {
+    std::set<std::string> dups;
+    for (const auto& [id, n] : conv_count)
+      if (n > 1) dups.emplace(id);
+    for (const auto& [id, n] : entry_count)
+      if (n > 1) dups.emplace(id);
+    rep.duplicate_ids.assign(dups.begin(), dups.end());
+  }
+
+  // The dataset's shape: the most common among records the loader would use.
+  std::map<std::int64_t, std::size_t> hidden_counts, aux_counts;
+  std::map<DType, std::size_t> dtype_counts;
+  auto tally = [&](bool matched_only) {
+    for (std::size_t i = 0; i < index.size(); ++i) {
+      const IndexEntry e = index.entry(i);
+      if (!e.ok || (matched_only && matched_ids.count(e.conversation_id) == 0)) continue;
+      ++hidden_counts[e.hidden_size];
+      ++aux_counts[e.aux_width];
+      ++dtype_counts[e.hidden_dtype];
+    }
+  };
+  tally(true);
+  if (hidden_counts.empty()) tally(false);
+  rep.hidden_size = majority<std::int64_t>(hidden_counts, 0);
+  rep.aux_width = majority<std::int64_t>(aux_counts, 0);
+  rep.dtype = majority<DType>(dtype_counts, DType::kBFloat16);
+
+  // Ids to quarantine, by category.
+  std::vector<std::string> q_unreadable, q_shape, q_dtype, q_nonfinite, q_short;
+  std::size_t fatal_shape = 0, fatal_dtype = 0, fatal_nonfinite = 0, fatal_unreadable = 0;
+  std::vector<std::size_t> deep_entries;
+
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    const IndexEntry e = index.entry(i);
+    const std::string id(e.conversation_id);
+    const std::string name = id.empty() ? location(index, e) : id;
+    const bool matched = !id.empty() && matched_ids.count(e.conversation_id) != 0;
+    if (!e.ok) {
+      if (e.error_kind == EntryError::kShape) {
+        rep.shape_mismatch.push_back({name, std::string(e.error)});
+        if (!id.empty()) q_shape.push_back(id);
+      } else {
+        rep.unreadable.push_back({location(index, e), std::string(e.error), id});
+        if (!id.empty()) q_unreadable.push_back(id);
+      }
+      continue;
+    }
+    if (id.empty() || conv_count.count(e.conversation_id) == 0) rep.orphans.push_back(name);
+
+    std::string shape;
+    if (e.hidden_size <= 0 || e.aux_width <= 0 || e.aux_width % e.hidden_size != 0)
+      shape = "aux width " + std::to_string(e.aux_width) + " is not a positive multiple of hidden size " +
+              std::to_string(e.hidden_size);
+    else if (e.hidden_size != rep.hidden_size)
+      shape = "hidden size " + std::to_string(e.hidden_size) + ", the dataset's is " +
+              std::to_string(rep.hidden_size);
+    else if (e.aux_width != rep.aux_width)
+      shape = "aux width " + std::to_string(e.aux_width) + " (" +
+              std::to_string(e.aux_width / e.hidden_size) + " layers), the dataset's is " +
+              std::to_string(rep.aux_width) + " (" + std::to_string(rep.aux_width / rep.hidden_size) +
+              " layers)";
+    if (!shape.empty()) {
+      rep.shape_mismatch.push_back({name, shape});
+      if (!id.empty()) q_shape.push_back(id);
+      if (matched) ++fatal_shape;
+    }
+    if (e.hidden_dtype != rep.dtype) {
+      rep.dtype_mismatch.push_back({name, "dtype " + std::string(dtype_name(e.hidden_dtype)) +
+                                              ", the dataset's is " + std::string(dtype_name(rep.dtype))});
+      if (!id.empty()) q_dtype.push_back(id);
+      if (matched) ++fatal_dtype;
+    }
+    if (e.tokens < 2) {
+      rep.too_short.push_back({name, std::to_string(e.tokens) + " tokens"});
+      if (!id.empty()) q_short.push_back(id);
+    }
+    if (o.deep && matched && shape.empty()) deep_entries.push_back(i);
+  }
+
+  if (o.deep) {
+    // Group by file: one reader per file, records of a shard read in parallel.
+    std::map<std::uint32_t, std::vector<std::size_t>> by_file;
+    for (std::size_t i : deep_entries) by_file[index.entry(i).file].push_back(i);
+    std::vector<std::pair<std::uint32_t, std::vector<std::size_t>>> groups(by_file.begin(), by_file.end());
+    std::vector<DeepResult> results(index.size());
+    Progress progress("reading records", static_cast<std::int64_t>(deep_entries.size()), o.progress);
+    tbb::task_arena arena(o.jobs > 0 ? o.jobs : tbb::task_arena::automatic);
+    arena.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<std::size_t>(0, groups.size(), 1),
+                        [&](const tbb::blocked_range<std::size_t>& gr) {
+        for (std::size_t g = gr.begin(); g != gr.end(); ++g) {
+          const IndexFile f = index.file(groups[g].first);
+          const auto& entries = groups[g].second;
+          std::unique_ptr<RecordReader> reader;
+          try {
+            reader = open_for_deep(std::string(f.path), f.format);
+          } catch (const std::exception& ex) {
+            const DeepOutcome out = classify_error(ex) == EntryError::kShape ? DeepOutcome::kShape
+                                                                             : DeepOutcome::kUnreadable;
+            for (std::size_t i : entries) results[i] = {out, ex.what()};
+            progress.add(static_cast<std::int64_t>(entries.size()));
+            continue;
+          }
+          tbb::parallel_for(tbb::blocked_range<std::size_t>(0, entries.size(), 1),
+                            [&](const tbb::blocked_range<std::size_t>& er) {
+            for (std::size_t k = er.begin(); k != er.end(); ++k) {
+              const std::size_t i = entries[k];
+              const IndexEntry e = index.entry(i);
+              results[i] = deep_check(*reader, e, location(index, e));
+              progress.add(1);
+            }
+          });
+        }
+      });
+    });
+    progress.finish();
+    rep.deep_records = deep_entries.size();
+    for (std::size_t i : deep_entries) {
+      const DeepResult& r = results[i];
+      if (r.outcome == DeepOutcome::kOk) continue;
+      const IndexEntry e = index.entry(i);
+      const std::string id(e.conversation_id);
+      switch (r.outcome) {
+        case DeepOutcome::kUnreadable:
+          rep.unreadable.push_back({location(index, e), r.detail, id});
+          q_unreadable.push_back(id);
+          ++fatal_unreadable;
+          break;
+        case DeepOutcome::kShape:
+          rep.shape_mismatch.push_back({id, r.detail});
+          q_shape.push_back(id);
+          ++fatal_shape;
+          break;
+        case DeepOutcome::kNonfinite:
+          rep.nonfinite.push_back({id, r.detail});
+          q_nonfinite.push_back(id);
+          ++fatal_nonfinite;
+          break;
+        case DeepOutcome::kOk:
+          break;
+      }
+    }
+  }
+
+  if (rep.matched == 0) {
+    try {
+      match_dataset(convs, index);
+    } catch (const Error& e) {
+      rep.fatal.push_back(e.what());
+    }
+    if (rep.fatal.empty()) rep.fatal.push_back("no conversation matched a usable record");
+  }
+  if (fatal_shape > 0)
+    rep.fatal.push_back(std::to_string(fatal_shape) + " matched records do not have the dataset's shape (hidden size " +
+                        std::to_string(rep.hidden_size) + ", aux width " + std::to_string(rep.aux_width) +
+                        ", tensors agreeing on the token count)");
+  if (fatal_dtype > 0)
+    rep.fatal.push_back(std::to_string(fatal_dtype) + " matched records are not " +
+                        std::string(dtype_name(rep.dtype)) + " like the rest");
+  if (fatal_nonfinite > 0)
+    rep.fatal.push_back(std::to_string(fatal_nonfinite) + " matched records hold NaN or Inf");
+  if (fatal_unreadable > 0)
+    rep.fatal.push_back(std::to_string(fatal_unreadable) +
+                        " matched records could not be read in full (the index lists them as ok)");
+  rep.ok = rep.fatal.empty();
+
+  if (!o.quarantine.empty()) {
+    const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
+        {"duplicate_ids", rep.duplicate_ids}, {"unreadable", q_unreadable},
+        {"shape_mismatch", q_shape},          {"dtype_mismatch", q_dtype},
+        {"nonfinite", q_nonfinite},           {"too_short", q_short},
+    };
+    write_quarantine(o.quarantine, groups);
+    std::unordered_set<std::string> ids;
+    for (const auto& g : groups) ids.insert(g.second.begin(), g.second.end());
+    rep.quarantine_path = o.quarantine;
+    rep.quarantined = ids.size();
+  }
+  return rep;
+}
+
+std::string validate_report_to_json(const ValidateReport& r) {
+  using nlohmann::json;
+  auto ids = [](const std::vector<Problem>& ps) {
+    json a = json::array();
+    for (const auto& p : ps) a.push_back(p.id);
+    return a;
+  };
+  json unreadable = json::array();
+  for (const auto& u : r.unreadable) unreadable.push_back({{"path", u.path}, {"error", u.error}});
+  json j = {{"ok", r.ok},
+            {"conversations", r.conversations},
+            {"records", r.records},
+            {"matched", r.matched},
+            {"missing", r.missing},
+            {"orphans", r.orphans},
+            {"duplicate_ids", r.duplicate_ids},
+            {"unreadable", unreadable},
+            {"shape_mismatch", ids(r.shape_mismatch)},
+            {"dtype_mismatch", ids(r.dtype_mismatch)},
+            {"nonfinite", ids(r.nonfinite)},
+            {"too_short", ids(r.too_short)},
+            {"fatal", r.fatal}};
+  if (r.max_length > 0)
+    j["truncation"] = {{"max_length", r.max_length},
+                       {"records", r.truncated_records},
+                       {"tokens", r.truncated_tokens}};
+  if (!r.quarantine_path.empty())
+    j["quarantine"] = {{"path", r.quarantine_path}, {"ids", r.quarantined}};
+  return j.dump(2) + "\n";
+}
+
+std::string validate_report_to_text(const ValidateReport& r) {
+  std::ostringstream os;
+  os << "conversations: " << r.conversations << ", records: " << r.records
+     << ", matched: " << r.matched << " (trainable samples)\n";
+  if (r.hidden_size > 0)
+    os << "dataset: hidden size " << r.hidden_size << ", aux width " << r.aux_width << " ("
+       << r.aux_width / r.hidden_size << " layers), " << dtype_name(r.dtype) << "\n";
+  if (r.deep) os << "deep: read " << r.deep_records << " matched records in full\n";
+
+  std::size_t warnings = 0;
+  auto section = [&](const char* name, std::size_t n, const std::string& what,
+                     const std::vector<std::string>& lines, const std::string& hint) {
+    if (n == 0) return;
+    ++warnings;
+    os << "\n" << name << ": " << n << " " << what << "\n";
+    for (std::size_t i = 0; i < lines.size() && i < kShow; ++i) os << "  " << lines[i] << "\n";
+    if (lines.size() > kShow) os << "  ... " << lines.size() - kShow << " more (--json lists all)\n";
+    os << "  hint: " << hint << "\n";
+  };
+  auto lines_of = [](const std::vector<Problem>& ps) {
+    std::vector<std::string> out;
+    for (const auto& p : ps) out.push_back(p.id + ": " + p.detail);
+    return out;
+  };
+  section("missing", r.missing.size(), "conversations have no record", r.missing,
+          "the loader skips them; dump their hidden states if they should train");
+  section("orphans", r.orphans.size(), "records match no conversation", r.orphans,
+          "harmless, unless --data is not the file the dump was made from");
+  section("duplicate_ids", r.duplicate_ids.size(),
+          "ids appear twice in the conversations or in the records", r.duplicate_ids,
+          "the loader leaves them out rather than pick one; delete the extra record (or "
+          "conversation) and re-run `eaglekit index`");
+  {
+    std::vector<std::string> lines;
+    for (const auto& u : r.unreadable) lines.push_back(u.error);
+    section("unreadable", r.unreadable.size(), "records cannot be read", lines,
+            "re-dump them and re-run `eaglekit index`; the loader skips those the index marks bad");
+  }
+  section("shape_mismatch", r.shape_mismatch.size(), "records do not have the dataset's shape",
+          lines_of(r.shape_mismatch),
+          "records from another model or a broken dump: re-dump them, or exclude them with "
+          "--quarantine FILE");
+  section("dtype_mismatch", r.dtype_mismatch.size(), "records have another dtype",
+          lines_of(r.dtype_mismatch),
+          "mixed dumps: re-dump them in the dataset's dtype, or exclude them with --quarantine FILE");
+  section("nonfinite", r.nonfinite.size(), "records hold NaN or Inf", lines_of(r.nonfinite),
+          "they would turn the loss into NaN: re-dump them, or exclude them with --quarantine FILE");
+  section("too_short", r.too_short.size(), "records have fewer than 2 tokens",
+          lines_of(r.too_short), "nothing to predict in them; the loader skips them");
+  if (r.max_length > 0) {
+    os << "\ntruncation: --max-length " << r.max_length << " cuts " << r.truncated_records
+       << " of " << r.matched << " matched records, dropping " << r.truncated_tokens << " of "
+       << r.matched_tokens << " tokens";
+    if (r.matched_tokens > 0) {
+      char pct[32];
+      std::snprintf(pct, sizeof pct, " (%.1f%%)",
+                    100.0 * static_cast<double>(r.truncated_tokens) / static_cast<double>(r.matched_tokens));
+      os << pct;
+    }
+    os << "\n";
+  }
+  if (!r.deep)
+    os << "\n(shallow check from the index; --deep also reads every value for NaN/Inf and "
+          "verifies checksums)\n";
+  if (!r.quarantine_path.empty())
+    os << "\nquarantine: wrote " << r.quarantined << " ids to " << r.quarantine_path
+       << "; pass it to training with --quarantine " << r.quarantine_path << "\n";
+  if (r.ok) {
+    os << "\nresult: trainable as is";
+    if (warnings > 0) os << " (" << warnings << " kinds of warnings above; the loader skips those records)";
+    os << "\n";
+  } else {
+    os << "\nresult: NOT trainable as is:\n";
+    for (const auto& f : r.fatal) os << "  - " << f << "\n";
+    if (r.matched > 0 && r.quarantine_path.empty())
+      os << "  run again with --quarantine FILE and pass FILE to training to leave these records out\n";
+  }
+  return os.str();
+}
+
+}  // namespace eaglekit

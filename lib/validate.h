@@ -1,0 +1,91 @@
+// `eaglekit validate`: checks an index's records against the conversations (SPEC.md
+// section 2) and against each other before training starts, so that a bad dump is found in
+// seconds rather than hours into a run.
+//
+// What is a warning and what is fatal follows one rule: a problem the loader skips by
+// itself (match_dataset leaves out conversations without a record, duplicated ids, records
+// the index marks bad, records under 2 tokens) is a warning; a problem in a record it would
+// train on (mixed hidden sizes or dtypes, NaN/Inf, a record --deep cannot read) makes the
+// dataset not trainable as is, and so does matching nothing. --quarantine writes the ids of
+// every problem record; the loader accepts that file and then skips them too.
+//
+// Thread safety: validate_dataset is reentrant; --deep reads records in parallel (TBB).
+// Throws: what load_conversations and DatasetIndex::load throw (IoError, FormatError),
+// UsageError for bad options, IoError when the quarantine file cannot be written.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "formats/dtype.h"
+
+namespace eaglekit {
+
+struct ValidateOptions {
+  std::string data;         // conversations: .jsonl, folder of them, or a JSON array file
+  std::string index;        // built by `eaglekit index`
+  bool deep = false;        // read every value of every matched record (NaN/Inf, checksums)
+  std::int64_t max_length = 0;  // > 0: report what truncation to this many tokens drops
+  std::string quarantine;   // non-empty: write the ids to exclude here
+  int jobs = 0;             // threads for --deep; 0: all cores
+  int progress = -1;        // -1: a progress line when stderr is a terminal
+};
+
+// One problem record. `id` is its conversation id, or "PATH" / "PATH#RECORD" when it has
+// none; `detail` says what is wrong in words.
+struct Problem {
+  std::string id;
+  std::string detail;
+};
+
+struct UnreadableRecord {
+  std::string path;            // file, "#RECORD" appended inside multi-record files
+  std::string error;
+  std::string conversation_id; // "" when unknown
+};
+
+struct ValidateReport {
+  bool ok = false;                  // trainable as is
+  std::size_t conversations = 0;
+  std::size_t records = 0;          // index entries, ok and bad
+  std::size_t matched = 0;          // samples the loader would train on
+  std::vector<std::string> missing;       // conversation ids with no record
+  std::vector<std::string> orphans;       // records with no conversation (id, or path)
+  std::vector<std::string> duplicate_ids; // twice in the conversations or in the records
+  std::vector<UnreadableRecord> unreadable;
+  std::vector<Problem> shape_mismatch;
+  std::vector<Problem> dtype_mismatch;
+  std::vector<Problem> nonfinite;         // only with deep
+  std::vector<Problem> too_short;
+  // The dataset's shape: the most common among matched records (all records when none
+  // matched); 0 / kBFloat16 when there are none.
+  std::int64_t hidden_size = 0;
+  std::int64_t aux_width = 0;
+  DType dtype = DType::kBFloat16;
+  bool deep = false;
+  std::size_t deep_records = 0;     // records read in full
+  // With max_length > 0: matched records longer than it, and the tokens cut.
+  std::int64_t max_length = 0;
+  std::size_t truncated_records = 0;
+  std::int64_t truncated_tokens = 0;
+  std::int64_t matched_tokens = 0;
+  std::vector<std::string> fatal;   // why the dataset is not trainable (empty when ok)
+  std::string quarantine_path;      // written when non-empty
+  std::size_t quarantined = 0;      // ids written to it
+
+  int exit_code() const { return ok ? 0 : 1; }
+};
+
+ValidateReport validate_dataset(const ValidateOptions& opts);
+
+// {"ok", "conversations", "records", "matched", "missing", "orphans", "duplicate_ids",
+//  "unreadable": [{"path", "error"}], "shape_mismatch", "dtype_mismatch", "nonfinite",
+//  "too_short"} (lists of ids), plus "truncation" with --max-length and "quarantine"
+// when one was written.
+std::string validate_report_to_json(const ValidateReport& report);
+// Counts, the first few of each problem and a hint of what to do.
+std::string validate_report_to_text(const ValidateReport& report);
+
+}  // namespace eaglekit
