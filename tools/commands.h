@@ -10,5 +10,7 @@ int run_synth(int argc, char** argv);
 int run_index(int argc, char** argv);
 int run_validate(int argc, char** argv);
 int run_stats(int argc, char** argv);
+int run_collate(int argc, char** argv);
+int run_loader_bench(int argc, char** argv);
 
 }  // namespace eaglekit::tools

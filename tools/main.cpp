@@ -16,6 +16,8 @@ const std::vector<Command>& commands() {
       {"index", "Index the records below folders (headers only; incremental)", run_index},
       {"validate", "Check records against the conversations and each other before training", run_validate},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
+      {"collate", "Write loader batches as torch.save dicts (inspection, interop)", run_collate},
+      {"loader-bench", "Stream batches without writing; report samples/s, bytes/s, waits", run_loader_bench},
   };
   return kCommands;
 }

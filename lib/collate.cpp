@@ -1,0 +1,561 @@
+#include "lib/collate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <new>
+
+#include "formats/error.h"
+
+namespace eaglekit {
+
+std::string_view collate_mode_name(CollateMode m) {
+  switch (m) {
+    case CollateMode::kPad: return "pad";
+    case CollateMode::kLongest: return "longest";
+    case CollateMode::kPack: return "pack";
+  }
+  return "pad";
+}
+
+std::optional<CollateMode> parse_collate_mode(std::string_view name) {
+  if (name == "pad") return CollateMode::kPad;
+  if (name == "longest") return CollateMode::kLongest;
+  if (name == "pack") return CollateMode::kPack;
+  return std::nullopt;
+}
+
+void CollateOptions::check() const {
+  if (max_length < 1) throw UsageError("max length must be at least 1");
+  if (pad_multiple < 1) throw UsageError("pad multiple must be at least 1");
+  if (cp_size < 1) throw UsageError("context-parallel size must be at least 1");
+  if (cp_rank < 0 || cp_rank >= cp_size)
+    throw UsageError("context-parallel rank " + std::to_string(cp_rank) + " is outside size " +
+                     std::to_string(cp_size));
+  if (first_token < 0) throw UsageError("first token must be >= 0");
+  if (last_token >= 0 && last_token <= first_token)
+    throw UsageError("last token must be greater than first token");
+  if (cp_size > 1 && (first_token != 0 || last_token >= 0))
+    throw UsageError("give either a token range or a context-parallel rank, not both");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Batch::named_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out = {
+      {"input_ids", input_ids},         {"attention_mask", attention_mask},
+      {"loss_mask", loss_mask},         {"labels", labels},
+      {"hidden_states", hidden_states}, {"aux_hidden_states", aux_hidden_states},
+  };
+  if (document_ids.defined()) out.emplace_back("document_ids", document_ids);
+  if (position_ids.defined()) out.emplace_back("position_ids", position_ids);
+  return out;
+}
+
+std::int64_t batch_length(const CollateOptions& opts, std::int64_t longest) {
+  if (opts.mode != CollateMode::kLongest) return opts.max_length;
+  longest = std::clamp<std::int64_t>(longest, 0, opts.max_length);
+  const std::int64_t m = opts.pad_multiple;
+  return std::min(opts.max_length, (longest + m - 1) / m * m);
+}
+
+std::pair<std::int64_t, std::int64_t> token_window(const CollateOptions& opts,
+                                                   std::int64_t length) {
+  if (opts.cp_size > 1)
+    return {opts.cp_rank * length / opts.cp_size, (opts.cp_rank + 1) * length / opts.cp_size};
+  const std::int64_t first = std::clamp<std::int64_t>(opts.first_token, 0, length);
+  const std::int64_t last =
+      opts.last_token < 0 ? length : std::clamp<std::int64_t>(opts.last_token, first, length);
+  return {first, last};
+}
+
+std::vector<std::vector<std::size_t>> pack_rows(const std::vector<std::size_t>& order,
+                                                const std::vector<std::int64_t>& lengths,
+                                                std::int64_t max_length) {
+  std::vector<std::vector<std::size_t>> rows;
+  std::vector<std::int64_t> fill;
+  std::vector<std::size_t> open;  // row numbers still accepting samples, oldest first
+  for (const std::size_t s : order) {
+    const std::int64_t len = std::clamp<std::int64_t>(lengths.at(s), 0, max_length);
+    std::size_t chosen = rows.size();
+    for (const std::size_t r : open) {
+      if (fill[r] + len <= max_length) {
+        chosen = r;
+        break;
+      }
+    }
+    if (chosen == rows.size()) {
+      rows.emplace_back();
+      fill.push_back(0);
+      open.push_back(chosen);
+      // A bounded window keeps packing close to the sample order (and O(n)).
+      if (open.size() > kPackWindow) open.erase(open.begin());
+    }
+    rows[chosen].push_back(s);
+    fill[chosen] += len;
+    if (fill[chosen] == max_length) open.erase(std::find(open.begin(), open.end(), chosen));
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory
+
+namespace {
+
+constexpr std::size_t kAlign = 64;
+
+struct Slab {
+  explicit Slab(std::size_t n)
+      : bytes(n), data(static_cast<std::uint8_t*>(::operator new(n, std::align_val_t(kAlign)))) {}
+  ~Slab() { ::operator delete(data, std::align_val_t(kAlign)); }
+  Slab(const Slab&) = delete;
+  Slab& operator=(const Slab&) = delete;
+  std::size_t bytes;
+  std::uint8_t* data;
+};
+
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+struct BatchMemory::Impl {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Slab>> slabs;
+  std::size_t keep = 4;
+  bool pinned = false;
+  std::atomic<std::uint64_t> allocated{0};
+};
+
+BatchMemory::BatchMemory(std::size_t keep, int pinned) : impl_(std::make_unique<Impl>()) {
+  impl_->keep = keep;
+  impl_->pinned = pinned < 0 ? at::hasCUDA() : pinned != 0;
+}
+
+BatchMemory::~BatchMemory() = default;
+
+bool BatchMemory::pinned() const { return impl_->pinned; }
+
+std::uint64_t BatchMemory::slabs_allocated() const { return impl_->allocated.load(); }
+
+std::vector<at::Tensor> BatchMemory::allocate(
+    const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs) {
+  std::vector<at::Tensor> out;
+  out.reserve(specs.size());
+  if (impl_->pinned) {
+    // Pinned tensors come from the CUDA caching host allocator, which records the events
+    // of non_blocking copies and never hands a block back while a copy may still read it.
+    for (const auto& [shape, type] : specs)
+      out.push_back(at::empty(shape, at::TensorOptions().dtype(type).pinned_memory(true)));
+    impl_->allocated += specs.size();
+    return out;
+  }
+  std::vector<std::size_t> offsets;
+  std::size_t total = 0;
+  for (const auto& [shape, type] : specs) {
+    std::size_t n = c10::elementSize(type);
+    for (auto d : shape) n *= static_cast<std::size_t>(d);
+    offsets.push_back(total);
+    total += align_up(n);
+  }
+  total = std::max<std::size_t>(total, kAlign);
+  std::shared_ptr<Slab> slab;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto& slabs = impl_->slabs;
+    // A slab is free when the pool holds the only reference: every tensor carved from it
+    // (and every view of those) has been destroyed.
+    std::size_t best = slabs.size();
+    for (std::size_t i = 0; i < slabs.size(); ++i) {
+      if (slabs[i].use_count() != 1 || slabs[i]->bytes < total) continue;
+      if (best == slabs.size() || slabs[i]->bytes < slabs[best]->bytes) best = i;
+    }
+    if (best < slabs.size()) {
+      slab = slabs[best];
+    } else {
+      // Too small free slabs are dropped first, so the pool does not grow past `keep`.
+      if (slabs.size() >= impl_->keep) {
+        for (auto it = slabs.begin(); it != slabs.end(); ++it) {
+          if (it->use_count() == 1) {
+            slabs.erase(it);
+            break;
+          }
+        }
+      }
+      slab = std::make_shared<Slab>(total);
+      ++impl_->allocated;
+      if (slabs.size() < impl_->keep) slabs.push_back(slab);
+    }
+  }
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const auto& [shape, type] = specs[i];
+    out.push_back(at::from_blob(
+        slab->data + offsets[i], shape, [slab](void*) {},
+        at::TensorOptions().dtype(type).device(at::kCPU)));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Types
+
+at::ScalarType to_scalar_type(DType t) {
+  switch (t) {
+    case DType::kBool: return at::kBool;
+    case DType::kUInt8: return at::kByte;
+    case DType::kInt8: return at::kChar;
+    case DType::kInt16: return at::kShort;
+    case DType::kInt32: return at::kInt;
+    case DType::kInt64: return at::kLong;
+    case DType::kFloat16: return at::kHalf;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat32: return at::kFloat;
+    case DType::kFloat64: return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return DType::kBool;
+    case at::kByte: return DType::kUInt8;
+    case at::kChar: return DType::kInt8;
+    case at::kShort: return DType::kInt16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    default:
+      throw UnsupportedError("<tensor>", std::nullopt, "dtype",
+                             std::string("no record dtype for ") + c10::toString(t));
+  }
+}
+
+HostTensor to_host_tensor(const at::Tensor& t) {
+  if (!t.defined()) throw Error("to_host_tensor: undefined tensor");
+  if (!t.device().is_cpu()) throw Error("to_host_tensor: tensor is not on the CPU");
+  auto c = std::make_shared<at::Tensor>(t.contiguous());
+  std::vector<std::int64_t> shape(c->sizes().begin(), c->sizes().end());
+  const void* data = c->data_ptr();
+  return HostTensor::view(to_dtype(c->scalar_type()), std::move(shape), data,
+                          std::shared_ptr<const void>(c, data));
+}
+
+RecordShape RecordShape::of(const Record& r) {
+  return RecordShape{r.hidden_size(), r.aux_width(), r.hidden_states.dtype};
+}
+
+RecordShape RecordShape::of(const RecordInfo& info) {
+  return RecordShape{info.hidden_size, info.aux_width, info.hidden_dtype};
+}
+
+// ---------------------------------------------------------------------------------------
+// Collation
+
+namespace {
+
+template <typename T>
+T load(const std::uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// Elements [a, b) of a 1-D tensor as int64 into dst.
+void copy_as_int64(const HostTensor& src, std::int64_t a, std::int64_t b, std::int64_t* dst) {
+  const std::int64_t stride = src.strides.at(0);
+  const std::size_t item = src.itemsize();
+  const std::uint8_t* base = src.data + a * stride * static_cast<std::int64_t>(item);
+  const std::int64_t n = b - a;
+  const auto step = stride * static_cast<std::int64_t>(item);
+  switch (src.dtype) {
+    case DType::kInt64:
+      if (stride == 1) {
+        std::memcpy(dst, base, static_cast<std::size_t>(n) * 8);
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) dst[i] = load<std::int64_t>(base + i * step);
+      }
+      return;
+    case DType::kInt32:
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = load<std::int32_t>(base + i * step);
+      return;
+    case DType::kBool:
+    case DType::kUInt8:
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = base[i * step];
+      return;
+    default:
+      // Other mask dtypes convert as torch's .to(torch.int64) does (truncation).
+      for (std::int64_t i = 0; i < n; ++i)
+        dst[i] = static_cast<std::int64_t>(load_as_double(src.data, src.dtype, (a + i) * stride));
+      return;
+  }
+}
+
+void fill_i64(std::int64_t* p, std::int64_t n, std::int64_t v) { std::fill(p, p + n, v); }
+
+struct Dest {
+  std::int64_t width = 0;  // W
+  std::int64_t hidden = 0, aux = 0;
+  std::size_t item = 2;
+  std::int64_t* ids = nullptr;
+  std::int64_t* attn = nullptr;
+  std::int64_t* loss = nullptr;
+  std::int64_t* labels = nullptr;
+  std::int64_t* docs = nullptr;  // pack only
+  std::int64_t* pos = nullptr;   // pack only
+  std::uint8_t* hs = nullptr;
+  std::uint8_t* aux_hs = nullptr;
+
+  // Columns [c0, c1) of row r become padding.
+  void pad(std::int64_t r, std::int64_t c0, std::int64_t c1) const {
+    if (c1 <= c0) return;
+    const std::int64_t at = r * width + c0, n = c1 - c0;
+    fill_i64(ids + at, n, 0);
+    fill_i64(attn + at, n, 0);
+    fill_i64(loss + at, n, 0);
+    fill_i64(labels + at, n, 0);
+    if (docs) fill_i64(docs + at, n, -1);
+    if (pos) fill_i64(pos + at, n, 0);
+    std::memset(hs + static_cast<std::size_t>(at * hidden) * item, 0,
+                static_cast<std::size_t>(n * hidden) * item);
+    std::memset(aux_hs + static_cast<std::size_t>(at * aux) * item, 0,
+                static_cast<std::size_t>(n * aux) * item);
+  }
+};
+
+struct Span {
+  std::int64_t begin, end;  // columns of the window
+};
+
+void check_fits(const Placement& p, const RecordShape& shape) {
+  const Record& r = *p.record;
+  const std::string where = "conversation " + p.conversation_id;
+  if (r.hidden_size() != shape.hidden)
+    throw FormatError(where, std::nullopt, "hidden_states",
+                      "hidden size " + std::to_string(r.hidden_size()) + " differs from the batch's " +
+                          std::to_string(shape.hidden));
+  if (r.aux_width() != shape.aux_width)
+    throw FormatError(where, std::nullopt, "aux_hidden_states",
+                      "width " + std::to_string(r.aux_width()) + " differs from the batch's " +
+                          std::to_string(shape.aux_width));
+  if (r.hidden_states.dtype != shape.dtype || r.aux_hidden_states.dtype != shape.dtype)
+    throw FormatError(where, std::nullopt, "hidden_states",
+                      "dtype " + std::string(dtype_name(r.hidden_states.dtype)) +
+                          " differs from the batch's " + std::string(dtype_name(shape.dtype)));
+}
+
+}  // namespace
+
+Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_t length,
+              const CollateOptions& opts, std::optional<RecordShape> shape, BatchMemory* memory,
+              bool parallel) {
+  opts.check();
+  const bool pack = opts.mode == CollateMode::kPack;
+  if (!shape) {
+    for (const auto& p : placements)
+      if (p.record) {
+        shape = RecordShape::of(*p.record);
+        break;
+      }
+  }
+  const RecordShape sh = shape.value_or(RecordShape{0, 0, DType::kBFloat16});
+  std::int64_t longest = 0;
+  for (const auto& p : placements) {
+    if (!p.record) continue;
+    p.record->check("conversation " + p.conversation_id);
+    check_fits(p, sh);
+    longest = std::max(longest, std::min(p.record->tokens(), opts.max_length));
+  }
+  if (opts.mode == CollateMode::kLongest && length <= 0) length = batch_length(opts, longest);
+  if (opts.mode != CollateMode::kLongest) length = opts.max_length;
+  const auto [first, last] = token_window(opts, length);
+  const std::int64_t width = last - first;
+
+  // Pad / longest: rows of bad samples are dropped and later rows move up.
+  std::vector<std::int64_t> out_row(static_cast<std::size_t>(rows), -1);
+  std::int64_t out_rows = rows;
+  if (!pack) {
+    std::vector<bool> good(static_cast<std::size_t>(rows), false);
+    for (const auto& p : placements)
+      if (p.record) good.at(static_cast<std::size_t>(p.row)) = true;
+    out_rows = 0;
+    for (std::int64_t r = 0; r < rows; ++r)
+      if (good[static_cast<std::size_t>(r)]) out_row[static_cast<std::size_t>(r)] = out_rows++;
+  } else {
+    for (std::int64_t r = 0; r < rows; ++r) out_row[static_cast<std::size_t>(r)] = r;
+  }
+
+  const at::ScalarType hs_type = to_scalar_type(sh.dtype);
+  std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>> specs = {
+      {{out_rows, width}, at::kLong},
+      {{out_rows, width}, at::kLong},
+      {{out_rows, width}, at::kLong},
+      {{out_rows, width}, at::kLong},
+      {{out_rows, width, sh.hidden}, hs_type},
+      {{out_rows, width, sh.aux_width}, hs_type},
+  };
+  if (pack) {
+    specs.push_back({{out_rows, width}, at::kLong});
+    specs.push_back({{out_rows, width}, at::kLong});
+  }
+  std::vector<at::Tensor> t;
+  if (memory) {
+    t = memory->allocate(specs);
+  } else {
+    for (const auto& [s, type] : specs) t.push_back(at::empty(s, at::TensorOptions().dtype(type)));
+  }
+
+  Batch b;
+  b.mode = opts.mode;
+  b.length = length;
+  b.first_token = first;
+  b.last_token = last;
+  b.input_ids = t[0];
+  b.attention_mask = t[1];
+  b.loss_mask = t[2];
+  b.labels = t[3];
+  b.hidden_states = t[4];
+  b.aux_hidden_states = t[5];
+  if (pack) {
+    b.document_ids = t[6];
+    b.position_ids = t[7];
+  }
+
+  Dest d;
+  d.width = width;
+  d.hidden = sh.hidden;
+  d.aux = sh.aux_width;
+  d.item = dtype_size(sh.dtype);
+  d.ids = b.input_ids.data_ptr<std::int64_t>();
+  d.attn = b.attention_mask.data_ptr<std::int64_t>();
+  d.loss = b.loss_mask.data_ptr<std::int64_t>();
+  d.labels = b.labels.data_ptr<std::int64_t>();
+  d.hs = static_cast<std::uint8_t*>(b.hidden_states.data_ptr());
+  d.aux_hs = static_cast<std::uint8_t*>(b.aux_hidden_states.data_ptr());
+  if (pack) {
+    d.docs = b.document_ids.data_ptr<std::int64_t>();
+    d.pos = b.position_ids.data_ptr<std::int64_t>();
+  }
+
+  // Each placement writes its own columns of its own row: no two tasks touch the same bytes.
+  std::vector<Span> spans(placements.size(), Span{0, 0});
+  std::vector<std::uint64_t> bytes(placements.size(), 0);
+  auto copy_one = [&](std::size_t i) {
+    const Placement& p = placements[i];
+    if (!p.record) return;
+    const Record& rec = *p.record;
+    const std::int64_t n = std::min(rec.tokens(), length - p.offset);
+    const std::int64_t a = std::max(p.offset, first), e = std::min(p.offset + n, last);
+    if (e <= a) return;
+    const std::int64_t r = out_row[static_cast<std::size_t>(p.row)];
+    const std::int64_t s0 = a - p.offset, s1 = e - p.offset;  // record rows
+    const std::int64_t at = r * width + (a - first), cnt = e - a;
+    copy_as_int64(rec.input_ids, s0, s1, d.ids + at);
+    fill_i64(d.attn + at, cnt, 1);
+    if (rec.loss_mask) copy_as_int64(*rec.loss_mask, s0, s1, d.loss + at);
+    else fill_i64(d.loss + at, cnt, 1);
+    fill_i64(d.labels + at, cnt, -100);
+    if (pack) {
+      fill_i64(d.docs + at, cnt, p.document);
+      for (std::int64_t k = 0; k < cnt; ++k) d.pos[at + k] = s0 + k;
+    }
+    rec.hidden_states.slice_rows(s0, s1).copy_to(d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
+    rec.aux_hidden_states.slice_rows(s0, s1).copy_to(d.aux_hs +
+                                                     static_cast<std::size_t>(at * d.aux) * d.item);
+    spans[i] = Span{a - first, e - first};
+    bytes[i] = static_cast<std::uint64_t>(cnt) *
+               (static_cast<std::uint64_t>(d.hidden + d.aux) * d.item + rec.input_ids.itemsize() +
+                (rec.loss_mask ? rec.loss_mask->itemsize() : 0));
+  };
+  if (parallel && placements.size() > 1) {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, placements.size(), 1),
+                      [&](const tbb::blocked_range<std::size_t>& range) {
+                        for (auto i = range.begin(); i != range.end(); ++i) copy_one(i);
+                      });
+  } else {
+    for (std::size_t i = 0; i < placements.size(); ++i) copy_one(i);
+  }
+
+  // Everything no record wrote is padding.
+  std::vector<std::vector<Span>> covered(static_cast<std::size_t>(out_rows));
+  for (std::size_t i = 0; i < placements.size(); ++i) {
+    if (spans[i].end <= spans[i].begin) continue;
+    covered[static_cast<std::size_t>(out_row[static_cast<std::size_t>(placements[i].row)])]
+        .push_back(spans[i]);
+  }
+  auto pad_row = [&](std::int64_t r) {
+    auto& c = covered[static_cast<std::size_t>(r)];
+    std::sort(c.begin(), c.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
+    std::int64_t col = 0;
+    for (const auto& s : c) {
+      d.pad(r, col, s.begin);
+      col = std::max(col, s.end);
+    }
+    d.pad(r, col, width);
+  };
+  if (parallel && out_rows > 1) {
+    tbb::parallel_for(std::int64_t{0}, out_rows, pad_row);
+  } else {
+    for (std::int64_t r = 0; r < out_rows; ++r) pad_row(r);
+  }
+
+  for (std::size_t i = 0; i < placements.size(); ++i) {
+    const auto& p = placements[i];
+    if (!p.record) {
+      ++b.skipped;
+      continue;
+    }
+    b.conversation_ids.push_back(p.conversation_id);
+    b.sample_rows.push_back(out_row[static_cast<std::size_t>(p.row)]);
+    b.tokens += spans[i].end - spans[i].begin;
+    b.bytes += bytes[i];
+  }
+  return b;
+}
+
+Batch collate_records(const std::vector<Record>& records, const CollateOptions& opts) {
+  opts.check();
+  std::vector<Placement> placements;
+  std::int64_t rows = 0;
+  if (opts.mode == CollateMode::kPack) {
+    std::vector<std::int64_t> lengths;
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      lengths.push_back(records[i].tokens());
+      order.push_back(i);
+    }
+    const auto packed = pack_rows(order, lengths, opts.max_length);
+    for (std::size_t r = 0; r < packed.size(); ++r) {
+      std::int64_t offset = 0, doc = 0;
+      for (const auto s : packed[r]) {
+        Placement p;
+        p.row = static_cast<std::int64_t>(r);
+        p.offset = offset;
+        p.document = doc++;
+        p.conversation_id = records[s].conversation_id;
+        p.record = records[s].prefix(opts.max_length);
+        offset += p.record->tokens();
+        placements.push_back(std::move(p));
+      }
+    }
+    rows = static_cast<std::int64_t>(packed.size());
+  } else {
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      Placement p;
+      p.row = static_cast<std::int64_t>(i);
+      p.conversation_id = records[i].conversation_id;
+      p.record = records[i].prefix(opts.max_length);
+      placements.push_back(std::move(p));
+    }
+    rows = static_cast<std::int64_t>(records.size());
+  }
+  return collate(placements, rows, 0, opts);
+}
+
+}  // namespace eaglekit

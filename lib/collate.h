@@ -1,0 +1,160 @@
+// Collation: records (already read and truncated) -> one Batch of LibTorch tensors, with
+// the reference semantics (SPEC.md section 5, DataCollatorForOffline) in pad mode and two
+// faster modes, `longest` and `pack`. Records are copied straight into preallocated batch
+// tensors (one copy from the file mapping to the batch); padding is written as zeros.
+//
+// Reference semantics, exactly (pad mode): each row holds one sample cut to max_length;
+// input_ids, hidden_states, aux_hidden_states as stored (ids widened to int64), zero
+// padded to exactly max_length; attention_mask = 1 and loss_mask = 1 (or the stored
+// mask) on tokens, 0 on padding; labels = -100 on tokens and 0 on padding (the reference
+// pads labels with zeros like every other key).
+//
+// Thread safety: collate() may run on many threads at once (distinct outputs); it uses TBB
+// inside. BatchMemory is thread-safe. Throws UsageError for bad options, FormatError for
+// a record that does not fit the batch (shape or dtype).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "formats/host_tensor.h"
+#include "formats/record.h"
+#include "lib/sampler.h"
+
+namespace eaglekit {
+
+enum class CollateMode {
+  kPad,      // the reference: every row padded to exactly max_length
+  kLongest,  // rows padded to the batch's longest sample, rounded up to pad_multiple
+  kPack,     // several samples per row of max_length, greedy, with document/position ids
+};
+std::string_view collate_mode_name(CollateMode m);  // "pad", "longest", "pack"
+std::optional<CollateMode> parse_collate_mode(std::string_view name);
+
+struct CollateOptions {
+  CollateMode mode = CollateMode::kPad;
+  std::int64_t max_length = 2048;
+  std::int64_t pad_multiple = 8;  // longest: batch length rounded up to this (capped at max_length)
+  // Token window held of every row: columns [first_token, last_token) of the row's full
+  // length L (last_token < 0: L; both clamped to L). For context parallelism, cp_size > 1
+  // instead gives rank cp_rank the chunk [r*L/c, (r+1)*L/c) (SPEC.md section 8).
+  std::int64_t first_token = 0;
+  std::int64_t last_token = -1;
+  int cp_rank = 0;
+  int cp_size = 1;
+  void check() const;  // throws UsageError
+};
+
+// One batch, as the trainer consumes it. B rows, W = last_token - first_token columns.
+struct Batch {
+  at::Tensor input_ids;          // [B, W] int64
+  at::Tensor attention_mask;     // [B, W] int64: 1 on tokens, 0 on padding
+  at::Tensor loss_mask;          // [B, W] int64: stored mask (else 1) on tokens, 0 on padding
+  at::Tensor labels;             // [B, W] int64: -100 on tokens, 0 on padding
+  at::Tensor hidden_states;      // [B, W, H], dtype as stored
+  at::Tensor aux_hidden_states;  // [B, W, k*H], dtype as stored
+  // pack mode only (undefined otherwise):
+  at::Tensor document_ids;  // [B, W] int64: 0, 1, ... per document of a row; -1 on padding
+  at::Tensor position_ids;  // [B, W] int64: restarts at 0 for each document; 0 on padding
+
+  CollateMode mode = CollateMode::kPad;
+  std::int64_t length = 0;       // L: full row length (max_length; longest: this batch's)
+  std::int64_t first_token = 0;  // the window [first_token, last_token) of each row held here
+  std::int64_t last_token = 0;
+  std::vector<std::string> conversation_ids;  // samples collated, in row order
+  std::vector<std::int64_t> sample_rows;      // row of each of those samples
+  std::int64_t tokens = 0;                    // sum of attention_mask
+  std::int64_t skipped = 0;                   // bad records left out of this batch
+  std::uint64_t bytes = 0;                    // record bytes copied into the batch
+  std::uint64_t epoch = 0;
+  std::uint64_t step = 0;
+  SamplerState state;  // restore this to continue right after this batch
+
+  std::int64_t rows() const { return input_ids.defined() ? input_ids.size(0) : 0; }
+  // The tensors in the reference's key order (pack adds document_ids, position_ids).
+  std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
+};
+
+// Row length of a batch whose longest sample has `longest` tokens (after truncation).
+std::int64_t batch_length(const CollateOptions& opts, std::int64_t longest);
+// The window of columns held for a row of length L: {first, last}.
+std::pair<std::int64_t, std::int64_t> token_window(const CollateOptions& opts, std::int64_t length);
+
+// Greedy deterministic packing of samples (in `order`) into rows of max_length: each sample
+// (its length cut to max_length) goes into the first of the last kPackWindow open rows
+// with room, else opens a new row; rows are emitted in the order they were opened.
+// lengths[i] is sample i's token count.
+constexpr std::size_t kPackWindow = 16;
+std::vector<std::vector<std::size_t>> pack_rows(const std::vector<std::size_t>& order,
+                                                const std::vector<std::int64_t>& lengths,
+                                                std::int64_t max_length);
+
+// Batch memory. On CPU: slabs recycled once the consumer has dropped every tensor of an
+// earlier batch (fresh pages would cost a page fault per 4 KiB). With CUDA present:
+// pinned tensors from LibTorch's caching host allocator, which tracks in-flight
+// non_blocking copies before reuse. Thread-safe.
+class BatchMemory {
+ public:
+  // keep: slabs kept for reuse; pinned: 1 / 0 / -1 = when CUDA is available.
+  explicit BatchMemory(std::size_t keep = 4, int pinned = -1);
+  ~BatchMemory();
+  BatchMemory(const BatchMemory&) = delete;
+  BatchMemory& operator=(const BatchMemory&) = delete;
+  bool pinned() const;
+  std::uint64_t slabs_allocated() const;  // fresh allocations so far (telemetry, tests)
+  // Uninitialized tensors of these shapes and types, carved from one slab (CPU) or
+  // allocated pinned. The slab returns to the pool when every tensor (and view) is gone.
+  std::vector<at::Tensor> allocate(
+      const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Layout of a record stream: fixed for a run; a record that differs is a bad record.
+struct RecordShape {
+  std::int64_t hidden = 0;     // H
+  std::int64_t aux_width = 0;  // k*H
+  DType dtype = DType::kBFloat16;
+  static RecordShape of(const Record& r);
+  static RecordShape of(const RecordInfo& info);
+};
+
+// One sample placed in a batch: its row, its first column in the full row, the record
+// cut to at most the columns it needs (views are fine), and its document index in the row.
+struct Placement {
+  std::int64_t row = 0;
+  std::int64_t offset = 0;
+  std::int64_t document = 0;
+  std::string conversation_id;
+  std::optional<Record> record;  // nullopt: a bad record (skipped)
+};
+
+// Collates placed records into a batch of `rows` rows. `length` is L (ignored in pad/pack
+// mode, where it is max_length; in longest mode 0 = from the records). Pad/longest: rows
+// whose sample is bad are dropped (later rows move up); pack: a bad sample leaves masked
+// padding in its row. `parallel`: copy records on TBB threads. Throws FormatError (naming
+// the conversation) when a record's shape or dtype differs from `shape` (default: the
+// first record's).
+Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_t length,
+              const CollateOptions& opts, std::optional<RecordShape> shape = std::nullopt,
+              BatchMemory* memory = nullptr, bool parallel = true);
+
+// The simplest use: one row per record (pad / longest), or records packed with pack_rows.
+Batch collate_records(const std::vector<Record>& records, const CollateOptions& opts);
+
+// A host view of a CPU tensor (any layout made contiguous first); the view keeps the
+// tensor alive. For writing batches with the format writers.
+HostTensor to_host_tensor(const at::Tensor& t);
+at::ScalarType to_scalar_type(DType t);
+DType to_dtype(at::ScalarType t);  // throws UnsupportedError for types records never hold
+
+}  // namespace eaglekit
