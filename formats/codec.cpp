@@ -3,6 +3,10 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -80,7 +84,20 @@ void split_byte_planes(const std::uint8_t* src, std::size_t n, std::size_t elem_
   if (elem_size == 2) {
     std::uint8_t* hi = dst;
     std::uint8_t* lo = dst + n;
-    for (std::size_t i = 0; i < n; ++i) {
+    std::size_t i = 0;
+#if defined(__SSE2__)
+    // 16 elements at a time: low bytes by masking, high bytes by shifting, then packed.
+    const __m128i mask = _mm_set1_epi16(0x00ff);
+    for (; i + 16 <= n; i += 16) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i + 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i),
+                       _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i),
+                       _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask)));
+    }
+#endif
+    for (; i < n; ++i) {
       std::uint16_t v;
       std::memcpy(&v, src + 2 * i, 2);
       hi[i] = static_cast<std::uint8_t>(v >> 8);
@@ -99,7 +116,17 @@ void merge_byte_planes(const std::uint8_t* src, std::size_t n, std::size_t elem_
   if (elem_size == 2) {
     const std::uint8_t* hi = src;
     const std::uint8_t* lo = src + n;
-    for (std::size_t i = 0; i < n; ++i) {
+    std::size_t i = 0;
+#if defined(__SSE2__)
+    // Interleaving 16 low bytes with 16 high bytes gives 16 little-endian elements.
+    for (; i + 16 <= n; i += 16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + i));
+      const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + i));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(l, h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(l, h));
+    }
+#endif
+    for (; i < n; ++i) {
       const auto v = static_cast<std::uint16_t>(lo[i] | (hi[i] << 8));
       std::memcpy(dst + 2 * i, &v, 2);
     }
@@ -174,6 +201,21 @@ void fp8_dequantize_rows(const float* scales, const std::uint8_t* codes, std::si
                          std::size_t cols, DType dtype, void* dst) {
   const auto& table = e4m3_table();
   auto* out = static_cast<std::uint8_t*>(dst);
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
+    // One scale per row: the 256 possible outputs of a row cost less to compute up front
+    // than one conversion per element (rows are thousands wide).
+    std::uint16_t lut[256];
+    for (std::size_t r = 0; r < rows; ++r) {
+      const float s = scales[r];
+      for (int c = 0; c < 256; ++c)
+        lut[c] = dtype == DType::kBFloat16 ? float_to_bf16(table[static_cast<std::size_t>(c)] * s)
+                                           : float_to_fp16(table[static_cast<std::size_t>(c)] * s);
+      const std::uint8_t* in = codes + r * cols;
+      std::uint8_t* o = out + 2 * r * cols;
+      for (std::size_t c = 0; c < cols; ++c) std::memcpy(o + 2 * c, &lut[in[c]], 2);
+    }
+    return;
+  }
   for (std::size_t r = 0; r < rows; ++r) {
     const float s = scales[r];
     const std::uint8_t* in = codes + r * cols;
@@ -202,20 +244,48 @@ void fp8_dequantize_rows(const float* scales, const std::uint8_t* codes, std::si
   }
 }
 
-std::size_t zstd_compress_append(const void* src, std::size_t n, int level,
+std::size_t zstd_compress_append(const void* src, std::size_t n, const ZstdSettings& settings,
                                  std::vector<std::uint8_t>& out) {
   auto& ctx = contexts();
   if (ctx.cctx == nullptr) ctx.cctx = ZSTD_createCCtx();
   if (ctx.cctx == nullptr) throw Error("zstd: cannot create a compression context");
+  ZSTD_CCtx* c = ctx.cctx;
+  auto check = [](std::size_t r) {
+    if (ZSTD_isError(r)) throw Error(std::string("zstd: compression failed: ") + ZSTD_getErrorName(r));
+    return r;
+  };
+  check(ZSTD_CCtx_reset(c, ZSTD_reset_session_and_parameters));
+  check(ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, settings.level));
+  if (settings.noisy) check(ZSTD_CCtx_setParameter(c, ZSTD_c_minMatch, 7));
+  check(ZSTD_CCtx_setPledgedSrcSize(c, n));
+
+  std::vector<std::size_t> parts = settings.parts;
+  if (parts.empty()) parts.push_back(n);
+  std::size_t total = 0;
+  for (auto p : parts) total += p;
+  if (total != n) throw Error("zstd: parts do not add up to the input size");
+
   const std::size_t old = out.size();
-  out.resize(old + ZSTD_compressBound(n));
-  const std::size_t r = ZSTD_compressCCtx(ctx.cctx, out.data() + old, out.size() - old, src, n, level);
-  if (ZSTD_isError(r)) {
-    out.resize(old);
-    throw Error(std::string("zstd: compression failed: ") + ZSTD_getErrorName(r));
+  // A flush adds a block header and may end a block early: a little slack per part.
+  out.resize(old + ZSTD_compressBound(n) + 64 * parts.size());
+  ZSTD_outBuffer o{out.data() + old, out.size() - old, 0};
+  const auto* p = static_cast<const std::uint8_t*>(src);
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    ZSTD_inBuffer in{p, parts[k], 0};
+    const ZSTD_EndDirective mode = k + 1 == parts.size() ? ZSTD_e_end : ZSTD_e_flush;
+    for (;;) {
+      const std::size_t left = check(ZSTD_compressStream2(c, &o, &in, mode));
+      if (left == 0 && in.pos == in.size) break;
+      if (o.pos == o.size) {  // never expected with the bound above; grow and go on
+        const std::size_t used = o.pos;
+        out.resize(out.size() + ZSTD_compressBound(n));
+        o = ZSTD_outBuffer{out.data() + old, out.size() - old, used};
+      }
+    }
+    p += parts[k];
   }
-  out.resize(old + r);
-  return r;
+  out.resize(old + o.pos);
+  return o.pos;
 }
 
 bool zstd_decompress_exact(const void* src, std::size_t src_n, void* dst, std::size_t dst_n,

@@ -228,13 +228,15 @@ EncodedBlock encode_block(const EksTensorEntry& te, const std::uint8_t* src, std
   Scratch& s = scratch();
   switch (te.transform) {
     case EksTransform::kNone:
-      codec::zstd_compress_append(src, bytes, level, out.frame);
+      codec::zstd_compress_append(src, bytes, codec::ZstdSettings{level, {}, false}, out.frame);
       out.xxh3 = codec::xxh3_64(src, bytes);
       break;
     case EksTransform::kBytePlanes: {
       std::uint8_t* planes = grow(s.a, bytes);
-      codec::split_byte_planes(src, elems, dtype_size(te.dtype), planes);
-      codec::zstd_compress_append(planes, bytes, level, out.frame);
+      const std::size_t es = dtype_size(te.dtype);
+      codec::split_byte_planes(src, elems, es, planes);
+      codec::ZstdSettings zs{level, std::vector<std::size_t>(es, elems), is_floating(te.dtype)};
+      codec::zstd_compress_append(planes, bytes, zs, out.frame);
       out.xxh3 = codec::xxh3_64(src, bytes);
       break;
     }
@@ -244,7 +246,8 @@ EncodedBlock encode_block(const EksTensorEntry& te, const std::uint8_t* src, std
       s.scales.resize(rows);
       codec::fp8_quantize_rows(src, te.dtype, rows, cols, s.scales.data(), payload + 4 * rows);
       std::memcpy(payload, s.scales.data(), 4 * rows);
-      codec::zstd_compress_append(payload, rows * (4 + cols), level, out.frame);
+      codec::ZstdSettings zs{level, {4 * rows, rows * cols}, true};
+      codec::zstd_compress_append(payload, rows * (4 + cols), zs, out.frame);
       // The checksum covers what a reader will return: the dequantized values.
       std::uint8_t* decoded = grow(s.b, bytes);
       codec::fp8_dequantize_rows(s.scales.data(), payload + 4 * rows, rows, cols, te.dtype,
