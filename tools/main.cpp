@@ -13,6 +13,7 @@ namespace eaglekit::tools {
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> kCommands = {
+      {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
       {"index", "Index the records below folders (headers only; incremental)", run_index},
       {"validate", "Check records against the conversations and each other before training", run_validate},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
