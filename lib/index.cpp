@@ -141,30 +141,35 @@ std::string clip_error(std::string e) {
   return e;
 }
 
-// Interns strings into the strings section.
+// The strings section. Paths, ids and errors are mostly unique and go in as they come;
+// only strings that repeat by nature (codecs, roots) are interned.
 class StringTable {
  public:
   std::uint64_t add(std::string_view s, const char* what) {
-    if (s.size() > kMaxStringLength)
-      throw UsageError(std::string("index: ") + what + " is " + std::to_string(s.size()) +
-                       " bytes; the index stores at most 16 MiB per string");
+    check(s, what);
     if (s.empty()) return 0;
-    auto it = seen_.find(std::string(s));
-    std::uint64_t off;
-    if (it != seen_.end()) {
-      off = it->second;
-    } else {
-      off = bytes_.size();
-      bytes_.insert(bytes_.end(), s.begin(), s.end());
-      if (bytes_.size() > kMaxStringsSize)
-        throw UsageError("index: strings exceed 1 TiB");
-      seen_.emplace(std::string(s), off);
-    }
+    const std::uint64_t off = bytes_.size();
+    bytes_.insert(bytes_.end(), s.begin(), s.end());
+    if (bytes_.size() > kMaxStringsSize) throw UsageError("index: strings exceed 1 TiB");
     return off | (static_cast<std::uint64_t>(s.size()) << 40);
+  }
+  std::uint64_t intern(std::string_view s, const char* what) {
+    check(s, what);
+    if (s.empty()) return 0;
+    const auto it = seen_.find(std::string(s));
+    if (it != seen_.end()) return it->second;
+    const std::uint64_t ref = add(s, what);
+    seen_.emplace(std::string(s), ref);
+    return ref;
   }
   const std::vector<std::uint8_t>& bytes() const { return bytes_; }
 
  private:
+  static void check(std::string_view s, const char* what) {
+    if (s.size() > kMaxStringLength)
+      throw UsageError(std::string("index: ") + what + " is " + std::to_string(s.size()) +
+                       " bytes; the index stores at most 16 MiB per string");
+  }
   std::vector<std::uint8_t> bytes_;
   std::unordered_map<std::string, std::uint64_t> seen_;
 };
@@ -476,7 +481,7 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   std::vector<std::uint8_t> buf(strings_off, 0);
   std::memcpy(buf.data(), kMagic, 8);
   for (std::size_t i = 0; i < roots.size(); ++i)
-    store_le64(buf.data() + roots_off + i * 8, strings.add(roots[i], "root path"));
+    store_le64(buf.data() + roots_off + i * 8, strings.intern(roots[i], "root path"));
 
   std::vector<std::string_view> ids;  // per entry, for sorting
   ids.reserve(static_cast<std::size_t>(n_entries));
@@ -495,9 +500,11 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
     for (const IndexedRecord& r : f.records) {
       std::uint8_t* p = buf.data() + entries_off + std::uint64_t{e} * kEntrySize;
       const RecordInfo& info = r.info;
-      store_le64(p, strings.add(info.conversation_id, "conversation id"));
-      store_le64(p + 8, strings.add(info.key, "record key"));
-      store_le64(p + 16, strings.add(info.codec, "codec"));
+      const std::uint64_t id_ref = strings.add(info.conversation_id, "conversation id");
+      store_le64(p, id_ref);
+      // Shards key their records by conversation id: one copy serves both.
+      store_le64(p + 8, info.key == info.conversation_id ? id_ref : strings.add(info.key, "record key"));
+      store_le64(p + 16, strings.intern(info.codec, "codec"));
       store_le64(p + 24, strings.add(clip_error(r.error), "error"));
       store_le64(p + 32, static_cast<std::uint64_t>(info.tokens));
       store_le64(p + 40, info.byte_offset);
@@ -613,16 +620,14 @@ std::string file_stem_id(const std::string& path) {
 namespace {
 
 // Reads one file's metadata. Never throws for a bad file: errors become bad entries.
-IndexedFile index_one_file(const std::string& path, std::uint64_t size, std::int64_t mtime_ns) {
+// `format` is what detection said (kUnknown when the head could not be read).
+IndexedFile index_one_file(const std::string& path, std::uint64_t size, std::int64_t mtime_ns,
+                           Format format) {
   IndexedFile f;
   f.path = path;
   f.size = size;
   f.mtime_ns = mtime_ns;
-  try {
-    f.format = detect_file_format(path);
-  } catch (const Error&) {
-    // open_reader below fails the same way and records it.
-  }
+  f.format = format;
   try {
     const auto reader = open_reader(path);
     f.format = reader->format();
@@ -713,6 +718,42 @@ bool reusable(const DatasetIndex& prev, std::size_t fi, std::uint64_t size, std:
   return true;
 }
 
+// Every regular file below root (or root itself), by the rules of find_record_files
+// (formats/format.h) but without reading a byte: symlinked folders are not followed,
+// unreadable folders are skipped, writers' temp files ("*.tmp.*") are left out. Format
+// detection happens later, in parallel, and only for files the previous index does not
+// already know unchanged.
+std::vector<std::string> list_candidate_files(const std::string& root) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (fs::is_regular_file(root, ec)) {
+    out.push_back(root);
+    return out;
+  }
+  if (!fs::is_directory(root, ec)) throw IoError(root + ": no such file or directory");
+  fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end;
+  if (ec) throw IoError::from_errno(root, "cannot list", ec.value());
+  for (; it != end; it.increment(ec)) {
+    if (ec) throw IoError::from_errno(it->path().string(), "cannot list", ec.value());
+    if (!it->is_regular_file(ec)) continue;
+    if (it->path().filename().string().find(".tmp.") != std::string::npos) continue;
+    out.push_back(it->path().string());
+  }
+  return out;
+}
+
+// The format by magic bytes; nullopt for a readable file that is not a record. A file whose
+// head cannot be read is kept (as kUnknown) so that it is reported, as find_record_files does.
+std::optional<Format> record_format(const std::string& path) {
+  try {
+    const Format f = detect_file_format(path);
+    if (f == Format::kUnknown) return std::nullopt;
+    return f;
+  } catch (const IoError&) {
+    return Format::kUnknown;
+  }
+}
+
 }  // namespace
 
 IndexReport build_index(const IndexOptions& opts) {
@@ -726,7 +767,7 @@ IndexReport build_index(const IndexOptions& opts) {
   std::vector<std::string> paths;
   for (const auto& root : opts.roots) {
     roots.push_back(absolute_path(root));
-    for (auto& p : find_record_files(root)) paths.push_back(absolute_path(p));
+    for (auto& p : list_candidate_files(root)) paths.push_back(absolute_path(p));
   }
   // Overlapping roots name a file twice; it is one file.
   std::sort(paths.begin(), paths.end());
@@ -750,7 +791,10 @@ IndexReport build_index(const IndexOptions& opts) {
     for (std::size_t i = 0; i < prev->file_count(); ++i) prev_files.emplace(prev->file(i).path, i);
   }
 
-  enum class Origin : std::uint8_t { kNew, kChanged, kUnchanged };
+  // One parallel pass per file: stat, then reuse the previous entries (unchanged files are
+  // not even opened), or detect the format by magic bytes (skipping files that are not
+  // records, as find_record_files does) and read every record's metadata.
+  enum class Origin : std::uint8_t { kNew, kChanged, kUnchanged, kNotRecord };
   std::vector<IndexedFile> files(paths.size());
   std::vector<Origin> origin(paths.size(), Origin::kNew);
   {
@@ -764,26 +808,26 @@ IndexReport build_index(const IndexOptions& opts) {
           // Stat before reading: a file that changes while it is read gets a newer
           // mtime than the one recorded, so the next run reads it again.
           struct stat st {};
+          const auto it = prev ? prev_files.find(path) : prev_files.end();
+          const bool known = it != prev_files.end();
           if (::stat(path.c_str(), &st) != 0) {
             files[i].path = path;
             files[i].error = IoError::from_errno(path, "cannot stat", errno).what();
             files[i].records.assign(1, IndexedRecord{});
             files[i].records[0].error = files[i].error;
             files[i].records[0].error_kind = EntryError::kIo;
+            origin[i] = known ? Origin::kChanged : Origin::kNew;
           } else {
             const auto size = static_cast<std::uint64_t>(st.st_size);
             const std::int64_t mtime = mtime_ns_of(st);
-            const auto it = prev ? prev_files.find(path) : prev_files.end();
-            if (it != prev_files.end()) {
-              if (reusable(*prev, it->second, size, mtime)) {
-                files[i] = reuse_file(*prev, it->second, path);
-                origin[i] = Origin::kUnchanged;
-              } else {
-                files[i] = index_one_file(path, size, mtime);
-                origin[i] = Origin::kChanged;
-              }
+            if (known && reusable(*prev, it->second, size, mtime)) {
+              files[i] = reuse_file(*prev, it->second, path);
+              origin[i] = Origin::kUnchanged;
+            } else if (const auto format = record_format(path)) {
+              files[i] = index_one_file(path, size, mtime, *format);
+              origin[i] = known ? Origin::kChanged : Origin::kNew;
             } else {
-              files[i] = index_one_file(path, size, mtime);
+              origin[i] = Origin::kNotRecord;
             }
           }
           progress.add(1, 0);
@@ -791,11 +835,26 @@ IndexReport build_index(const IndexOptions& opts) {
       });
     });
   }
+  {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < paths.size(); ++i) {
+      if (origin[i] == Origin::kNotRecord) continue;
+      if (kept != i) {
+        files[kept] = std::move(files[i]);
+        origin[kept] = origin[i];
+        paths[kept] = std::move(paths[i]);
+      }
+      ++kept;
+    }
+    files.resize(kept);
+    origin.resize(kept);
+    paths.resize(kept);
+  }
 
   for (Origin o : origin) {
     if (o == Origin::kNew) ++report.new_files;
     else if (o == Origin::kChanged) ++report.changed_files;
-    else ++report.unchanged_files;
+    else if (o == Origin::kUnchanged) ++report.unchanged_files;
   }
   if (prev) {
     std::unordered_map<std::string_view, bool> now;

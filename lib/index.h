@@ -166,8 +166,10 @@ struct IndexReport {
   double seconds = 0;
 };
 
-// Walks the roots (formats/format.h find_record_files), reads each record's metadata
-// (RecordReader::info, never tensor data) in parallel over files, and writes opts.out. A
+// Walks the roots and finds record files by magic bytes (the rules of formats/format.h
+// find_record_files, with detection done in parallel and skipped for files the previous
+// index knows unchanged), reads each record's metadata (RecordReader::info, never tensor
+// data) in parallel over files, and writes opts.out. A
 // file or record that cannot be read becomes a bad entry; it never stops the run. Throws
 // IoError when a root does not exist or the output cannot be written, UsageError on bad
 // options.

@@ -298,6 +298,9 @@ TEST_CASE("index: builds from nested folders; bad files become bad entries") {
     test::write_bytes(root + "/t/trunc.pt", bytes);
   }
   test::write_text(root + "/notes.txt", "not a record");
+  // Not indexed: a writer's temp file and a symlinked folder (no cycles, no double counts).
+  fs::copy_file(root + "/a.pt", root + "/x/.c.pt.tmp.123.0");
+  fs::create_directory_symlink(root + "/x", root + "/link");
   test::write_text(root + "/conversations.jsonl", "{\"id\": 1}\n");
 
   const std::string out = dir / "data.ekidx";
@@ -314,6 +317,11 @@ TEST_CASE("index: builds from nested folders; bad files become bad entries") {
   const DatasetIndex index = DatasetIndex::load(out);
   CHECK(index.roots() == std::vector<std::string>{abs(root)});
   REQUIRE(index.size() == 6);
+  // The same files formats/ finds.
+  std::vector<std::string> found, indexed;
+  for (const auto& f : find_record_files(root)) found.push_back(abs(f));
+  for (std::size_t i = 0; i < index.file_count(); ++i) indexed.emplace_back(index.file(i).path);
+  CHECK(indexed == found);
   // Files sorted by path; entries grouped by file.
   CHECK(index.file(0).path == abs(root + "/a.pt"));
   const auto a = index.entry(index.find("a").at(0));
