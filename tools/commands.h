@@ -12,5 +12,6 @@ int run_validate(int argc, char** argv);
 int run_stats(int argc, char** argv);
 int run_collate(int argc, char** argv);
 int run_loader_bench(int argc, char** argv);
+int run_launch(int argc, char** argv);
 
 }  // namespace eaglekit::tools

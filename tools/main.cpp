@@ -19,6 +19,7 @@ const std::vector<Command>& commands() {
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
       {"collate", "Write loader batches as torch.save dicts (inspection, interop)", run_collate},
       {"loader-bench", "Stream batches without writing; report samples/s, bytes/s, waits", run_loader_bench},
+      {"launch", "Run N local ranks of a distributed job (torchrun-style env, fail-fast)", run_launch},
   };
   return kCommands;
 }
