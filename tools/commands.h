@@ -7,6 +7,8 @@ namespace eaglekit::tools {
 int run_inspect(int argc, char** argv);
 int run_convert(int argc, char** argv);
 int run_synth(int argc, char** argv);
+int run_pack(int argc, char** argv);
+int run_verify(int argc, char** argv);
 int run_index(int argc, char** argv);
 int run_validate(int argc, char** argv);
 int run_stats(int argc, char** argv);

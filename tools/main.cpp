@@ -14,6 +14,8 @@ namespace eaglekit::tools {
 const std::vector<Command>& commands() {
   static const std::vector<Command> kCommands = {
       {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
+      {"pack", "Pack records of any format into compressed .eks shards (resumable)", run_pack},
+      {"verify", "Decode every record and check every checksum; list bad records", run_verify},
       {"index", "Index the records below folders (headers only; incremental)", run_index},
       {"validate", "Check records against the conversations and each other before training", run_validate},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
