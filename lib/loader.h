@@ -127,7 +127,8 @@ struct CollateReport {
   std::string to_json() const;
 };
 
-// Writes up to max_batches (< 0: one epoch) batches of the loader's current epoch as
+// Writes max_batches batches (continuing into the following epochs while the loader has
+// any; < 0: the rest of the current epoch) as
 // torch.save dicts DIR/batch_NNNNN.pt (keys as Batch::named_tensors), plus
 // DIR/batches.jsonl: one line per batch with its epoch, step, conversation ids, the row of
 // each, its token window and the sampler state after it. Creates DIR. Throws IoError.
@@ -136,12 +137,15 @@ CollateReport write_batches(Loader& loader, const std::string& out_dir, std::int
 struct BenchReport {
   std::int64_t batches = 0;
   double seconds = 0;
+  double cpu_seconds = 0;  // user + system time of the whole process (all threads) meanwhile
   LoaderStats stats;
-  std::string to_json() const;  // {"samples_per_s", "bytes_per_s", "wait_ms_per_batch", "batches", ...}
+  // {"samples_per_s", "bytes_per_s", "wait_ms_per_batch", "batches", "seconds", "cpu_s", ...}
+  std::string to_json() const;
   std::string to_text() const;
 };
 
-// Streams up to max_batches (< 0: one epoch) batches without writing them, touching
+// Streams max_batches batches (across epochs, as write_batches; < 0: the rest of the
+// current epoch) without writing them, touching
 // every batch the way a consumer would (it reads one value per tensor), and reports speed.
 BenchReport bench_loader(Loader& loader, std::int64_t max_batches);
 

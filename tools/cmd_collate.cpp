@@ -27,7 +27,7 @@ void add_loader_options(cxxopts::Options& options) {
       ("max-length", "Tokens per sample (and row length in pad and pack mode)", cxxopts::value<std::int64_t>()->default_value("2048"))
       ("mode", "pad (the reference), longest or pack", cxxopts::value<std::string>()->default_value("pad"))
       ("pad-multiple", "longest: round the batch length up to this", cxxopts::value<std::int64_t>()->default_value("8"))
-      ("batches", "Stop after N batches (default: one epoch)", cxxopts::value<std::int64_t>()->default_value("-1"))
+      ("batches", "Stop after N batches, continuing into later epochs (default: one epoch)", cxxopts::value<std::int64_t>()->default_value("-1"))
       ("shuffle", "Seeded per-epoch permutation instead of reference order")
       ("seed", "Shuffle seed", cxxopts::value<std::uint64_t>()->default_value("0"))
       ("drop-last", "Drop the last, partial global batch of an epoch")

@@ -13,15 +13,21 @@ namespace eaglekit::tools {
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> kCommands = {
-      {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
-      {"pack", "Pack records of any format into compressed .eks shards (resumable)", run_pack},
-      {"verify", "Decode every record and check every checksum; list bad records", run_verify},
       {"index", "Index the records below folders (headers only; incremental)", run_index},
       {"validate", "Check records against the conversations and each other before training", run_validate},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
+      {"inspect", "Show a record file's format, id, tensors (dtype, shape) and optional stats", run_inspect},
+      {"convert", "Convert records between pt, safetensors, hdf5 and eks (values exact)", run_convert},
+      {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
+      {"pack", "Pack records of any format into compressed .eks shards (resumable)", run_pack},
+      {"verify", "Decode every record and check every checksum; list bad records", run_verify},
       {"collate", "Write loader batches as torch.save dicts (inspection, interop)", run_collate},
       {"loader-bench", "Stream batches without writing; report samples/s, bytes/s, waits", run_loader_bench},
       {"launch", "Run N local ranks of a distributed job (torchrun-style env, fail-fast)", run_launch},
+      {"vocab", "Count token frequencies and write the draft vocabulary map d2t.pt", run_vocab},
+      {"train", "Train an EAGLE-3 draft with training-time test (checkpoints, resume, export)", run_train},
+      {"evaluate", "Offline acceptance estimate of a draft: pooled loss, acc, cond_acc, est_ar", run_evaluate},
+      {"export", "Write a checkpoint as the draft folder vLLM and SGLang load", run_export},
   };
   return kCommands;
 }

@@ -22,7 +22,7 @@ Commands:
           [--eval-fraction F] [--shuffle --seed S] [--batches N] --out DIR
   compare --data ... (same options) --ours DIR     exit 1 and say where on a mismatch
   bench   --data ... --batch-size B --max-length L [--workers 2] [--batches N]
-          prints {"samples_per_s", "bytes_per_s", "batches", "samples", "seconds"}
+          prints {"samples_per_s", "bytes_per_s", "batches", "samples", "seconds", "cpu_s"}
   synth   --out DIR --conversations N [--hidden H --aux-layers K --min-tokens A
           --max-tokens B --dtype bfloat16 --ids int64 --seed S --extra E]
           writes DIR/conversations.jsonl (N + E conversations, E without a record) and
@@ -30,8 +30,10 @@ Commands:
           loss_mask (int64, alternating bool), ids are strings or integers
 """
 import argparse
+import gc
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -233,13 +235,22 @@ def cmd_compare(args):
     print(json.dumps({"batches": n, "equal": True}))
 
 
+def cpu_seconds():
+    """User + system time of this process and its reaped children (DataLoader workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def cmd_bench(args):
     ds = make_dataset(args)
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
                         collate_fn=OfflineCollator(args.max_length))
     samples = nbytes = nb = 0
+    cpu0 = cpu_seconds()
     start = time.perf_counter()
-    for b in loader:
+    it = iter(loader)
+    for b in it:
         if args.batches >= 0 and nb >= args.batches:
             break
         nb += 1
@@ -249,8 +260,11 @@ def cmd_bench(args):
             b["hidden_states"].element_size() + b["input_ids"].element_size()
         nbytes += valid * per_token
     seconds = time.perf_counter() - start
+    del it  # shuts the workers down, so that their CPU time is counted
+    gc.collect()
+    cpu = cpu_seconds() - cpu0
     print(json.dumps({"samples_per_s": samples / seconds, "bytes_per_s": nbytes / seconds,
-                      "batches": nb, "samples": samples, "seconds": seconds}))
+                      "batches": nb, "samples": samples, "seconds": seconds, "cpu_s": cpu}))
 
 
 def cmd_synth(args):

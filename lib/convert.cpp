@@ -1,0 +1,208 @@
+#include "lib/convert.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "formats/error.h"
+#include "lib/progress.h"
+
+namespace eaglekit {
+
+namespace fs = std::filesystem;
+
+std::optional<Format> format_from_extension(const std::string& path) {
+  std::string ext = fs::path(path).extension().string();
+  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (ext == ".pt" || ext == ".ckpt" || ext == ".pth") return Format::kPt;
+  if (ext == ".safetensors") return Format::kSafetensors;
+  if (ext == ".h5" || ext == ".hdf5") return Format::kHdf5;
+  if (ext == ".eks") return Format::kEks;
+  return std::nullopt;
+}
+
+namespace {
+
+bool is_shard_format(Format f) { return f == Format::kHdf5 || f == Format::kEks; }
+
+std::string extension_of(Format f) {
+  switch (f) {
+    case Format::kSafetensors: return ".safetensors";
+    default: return ".pt";
+  }
+}
+
+// A file name for a conversation id: ids may hold characters a path cannot.
+std::string file_stem(const std::string& id) {
+  std::string s = id;
+  for (auto& c : s)
+    if (c == '/' || c == '\\' || c == '\0') c = '_';
+  if (s.empty() || s == "." || s == "..") s = "_" + s;
+  return s;
+}
+
+// One unit of work: every record of a file, or one record of an already open reader.
+struct Unit {
+  std::string path;
+  std::shared_ptr<const RecordReader> reader;  // null: open `path` when processed
+  std::optional<std::size_t> record;           // null: all records
+};
+
+std::vector<Record> read_unit(const Unit& u) {
+  std::shared_ptr<const RecordReader> reader = u.reader;
+  if (!reader) reader = open_reader(u.path);
+  std::vector<Record> out;
+  if (u.record) {
+    out.push_back(reader->read(*u.record));
+  } else {
+    for (std::size_t i = 0; i < reader->size(); ++i) out.push_back(reader->read(i));
+  }
+  return out;
+}
+
+std::int64_t file_size_or_zero(const std::string& p) {
+  std::error_code ec;
+  const auto n = fs::file_size(p, ec);
+  return ec ? 0 : static_cast<std::int64_t>(n);
+}
+
+}  // namespace
+
+ConvertResult convert_records(const std::string& src, const std::string& dst,
+                              const ConvertOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  std::error_code ec;
+  if (dst.empty()) throw UsageError("DST is empty");
+  const bool dst_is_dir = fs::is_directory(dst, ec) || dst.back() == '/';
+
+  // Sources.
+  std::vector<Unit> units;
+  bool src_single_record = false;
+  if (fs::is_directory(src, ec)) {
+    for (auto& f : find_record_files(src)) {
+      if (fs::exists(dst, ec) && fs::equivalent(f, dst, ec))
+        throw UsageError("DST " + dst + " is one of the source files; write elsewhere");
+      units.push_back({f, nullptr, std::nullopt});
+    }
+    if (units.empty()) throw Error(src + ": no record files found below this folder");
+  } else {
+    const RecordSpec rs = parse_record_spec(src);
+    std::shared_ptr<const RecordReader> reader = open_reader(rs.path);
+    if (rs.conversation_id) {
+      const auto i = reader->find(*rs.conversation_id);
+      if (!i)
+        throw Error(rs.path + ": no record with conversation id '" + *rs.conversation_id + "' (" +
+                    std::to_string(reader->size()) + " records in the file)");
+      units.push_back({rs.path, reader, *i});
+      src_single_record = true;
+    } else {
+      for (std::size_t i = 0; i < reader->size(); ++i) units.push_back({rs.path, reader, i});
+      src_single_record = reader->size() == 1;
+      if (units.empty()) throw Error(rs.path + ": holds no records");
+    }
+    if (fs::exists(dst, ec) && fs::equivalent(rs.path, dst, ec))
+      throw UsageError("DST " + dst + " is the source file; write elsewhere");
+  }
+
+  ConvertResult res;
+  res.output = dst;
+  res.format = options.format ? *options.format
+                              : (dst_is_dir ? Format::kPt
+                                            : format_from_extension(dst).value_or(Format::kPt));
+  if (res.format != Format::kPt && res.format != Format::kSafetensors &&
+      !is_shard_format(res.format))
+    throw UsageError("cannot write format " + std::string(format_name(res.format)) +
+                     " (pt, safetensors, hdf5 or eks)");
+  const bool shard = is_shard_format(res.format);
+  if (shard && dst_is_dir)
+    throw UsageError("DST " + dst + " is a folder, but " + std::string(format_name(res.format)) +
+                     " writes one shard file; name a file");
+  res.folder_output = !shard && !(src_single_record && !dst_is_dir);
+  WriterOptions wo = options.writer;
+  wo.format = res.format;
+
+  if (res.folder_output) {
+    fs::create_directories(dst, ec);
+    if (ec) throw IoError::from_errno(dst, "cannot create folder", ec.value());
+  } else {
+    const auto parent = fs::path(dst).parent_path();
+    if (!parent.empty()) {
+      fs::create_directories(parent, ec);
+      if (ec) throw IoError::from_errno(parent.string(), "cannot create folder", ec.value());
+    }
+  }
+
+  Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? 1 : 0);
+  tbb::task_arena arena(options.jobs > 0 ? options.jobs : tbb::task_arena::automatic);
+  std::atomic<std::int64_t> records{0}, files{0}, bytes{0};
+
+  if (res.folder_output) {
+    std::mutex mu;
+    std::set<std::string> names;  // output file names taken (duplicate ids collide)
+    arena.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
+                        [&](const tbb::blocked_range<std::size_t>& range) {
+        for (std::size_t u = range.begin(); u != range.end(); ++u) {
+          for (const Record& r : read_unit(units[u])) {
+            const std::string name = file_stem(r.conversation_id) + extension_of(res.format);
+            {
+              std::lock_guard<std::mutex> lock(mu);
+              if (!names.insert(name).second)
+                throw Error("two records have conversation id '" + r.conversation_id +
+                            "' (the second in " + units[u].path + "); a folder output names "
+                            "files by id, so ids must be unique");
+            }
+            const std::string out = (fs::path(dst) / name).string();
+            auto w = create_writer(out, wo);
+            w->add(r);
+            w->finish();
+            ++records;
+            ++files;
+            bytes += file_size_or_zero(out);
+          }
+          progress.add(1);
+        }
+      });
+    });
+  } else {
+    auto w = create_writer(dst, wo);
+    // Read a batch in parallel (decoding may be the costly part), then add in order.
+    const std::size_t batch = static_cast<std::size_t>(4 * std::max(1, arena.max_concurrency()));
+    for (std::size_t b = 0; b < units.size(); b += batch) {
+      const std::size_t e = std::min(units.size(), b + batch);
+      std::vector<std::vector<Record>> got(e - b);
+      arena.execute([&] {
+        tbb::parallel_for(tbb::blocked_range<std::size_t>(b, e, 1),
+                          [&](const tbb::blocked_range<std::size_t>& range) {
+          for (std::size_t u = range.begin(); u != range.end(); ++u) got[u - b] = read_unit(units[u]);
+        });
+      });
+      for (std::size_t u = b; u < e; ++u) {
+        for (const Record& r : got[u - b]) {
+          w->add(r);
+          ++records;
+        }
+        progress.add(1);
+      }
+    }
+    w->finish();
+    files = 1;
+    bytes = file_size_or_zero(dst);
+  }
+  progress.finish();
+  res.records = records.load();
+  res.files_written = files.load();
+  res.bytes_written = bytes.load();
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return res;
+}
+
+}  // namespace eaglekit

@@ -1,0 +1,52 @@
+// `eaglekit convert`: any record file(s) to any record format, values preserved exactly
+// (tensors are passed through in their dtype; nothing is cast).
+//
+// SRC is a record file, "FILE#conversation_id" (one record of a shard), or a folder (every
+// record file below it, recursively, sorted; records in file order). The output format is
+// options.format, else DST's extension (.pt/.ckpt, .safetensors, .h5/.hdf5, .eks), else pt.
+//  - Shard formats (hdf5, eks): DST is one file holding every record.
+//  - One-record formats (pt, safetensors): DST is a file when SRC yields exactly one record
+//    and DST is not a folder (no trailing '/', not an existing folder); otherwise DST is a
+//    folder and record C goes to DST/C.pt (or .safetensors).
+// Every output file is written atomically (temp file + rename), so an interrupted run leaves
+// no file that looks complete. Records are read (and one-record outputs written) in
+// parallel on options.jobs threads; shard writers receive records in order.
+//
+// Errors: UsageError (DST is SRC, a shard format asked for a folder output...), Error
+// (two records with the same conversation id for a folder output, an empty SRC), IoError /
+// FormatError from reading and writing.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "formats/format.h"
+
+namespace eaglekit {
+
+struct ConvertOptions {
+  std::optional<Format> format;  // nullopt: from DST's extension, else pt
+  WriterOptions writer;          // codec / level for eks; format is overridden
+  int jobs = 0;                  // 0: all cores
+  bool progress = false;         // a progress line on stderr
+};
+
+struct ConvertResult {
+  Format format = Format::kUnknown;
+  std::int64_t records = 0;
+  std::int64_t files_written = 0;
+  std::int64_t bytes_written = 0;
+  bool folder_output = false;
+  std::string output;  // DST
+  double seconds = 0;
+};
+
+ConvertResult convert_records(const std::string& src, const std::string& dst,
+                              const ConvertOptions& options = {});
+
+// The format a path's extension names (".pt", ".ckpt", ".safetensors", ".h5", ".hdf5",
+// ".eks"); nullopt otherwise.
+std::optional<Format> format_from_extension(const std::string& path);
+
+}  // namespace eaglekit

@@ -1,0 +1,317 @@
+// The eaglekit binary: inspect, convert and synth as a user runs them (exit codes, --help,
+// JSON shape, error lines), and conversions between every pair of writable formats.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "formats/format.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+using test::quote;
+
+namespace {
+
+// A small synthetic dataset (6 conversations, H = 16) made by the binary itself.
+std::string make_dataset(const test::TempDir& dir, const std::string& name = "data",
+                         const std::string& extra = "") {
+  const std::string out = dir / name;
+  const auto r = test::eaglekit("synth --out " + quote(out) +
+                                " --conversations 6 --hidden 16 --vocab 64 --min-tokens 4 "
+                                "--max-tokens 12 --seed 3 " + extra);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  return out;
+}
+
+// The default dataset, made once for the whole binary (each eaglekit run costs ~0.7 s of
+// CPU, most of it loading LibTorch). Tests that modify files work on a copy.
+const std::string& shared_dataset() {
+  static test::TempDir dir("cli-shared");
+  static const std::string data = make_dataset(dir);
+  return data;
+}
+
+std::string record_path(const std::string& data, int i) {
+  char name[64];
+  std::snprintf(name, sizeof name, "synth-%06d.pt", i);
+  return data + (i % 5 == 4 ? "/records/000/more/" : "/records/000/") + name;
+}
+
+bool same_record(const Record& a, const Record& b) {
+  return a.conversation_id == b.conversation_id && a.input_ids.equal(b.input_ids) &&
+         a.hidden_states.equal(b.hidden_states) &&
+         a.aux_hidden_states.equal(b.aux_hidden_states) &&
+         a.loss_mask.has_value() == b.loss_mask.has_value() &&
+         (!a.loss_mask || a.loss_mask->equal(*b.loss_mask));
+}
+
+std::map<std::string, Record> all_records(const std::string& root) {
+  std::map<std::string, Record> out;
+  for (const auto& f : find_record_files(root)) {
+    const auto reader = open_reader(f);
+    for (std::size_t i = 0; i < reader->size(); ++i) {
+      Record r = reader->read(i);
+      out[r.conversation_id] = r;
+    }
+  }
+  return out;
+}
+
+bool any_file_below(const std::string& dir) {
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
+  for (const char* cmd : {"inspect", "convert", "synth"}) {
+    CAPTURE(cmd);
+    const auto h = test::eaglekit(std::string(cmd) + " --help");
+    CHECK(h.exit_code == 0);
+    CHECK(h.out.find("Usage:") != std::string::npos);
+  }
+  const auto top = test::eaglekit("--help");
+  CHECK(top.exit_code == 0);
+  for (const char* cmd : {"inspect", "convert", "synth"}) CHECK(top.out.find(cmd) != std::string::npos);
+
+  struct Case {
+    std::string args, err;
+  };
+  const std::vector<Case> cases = {
+      {"inspect", "eaglekit inspect: FILE is required (see --help)\n"},
+      {"inspect a b", "eaglekit inspect: unexpected argument 'b' (see --help)\n"},
+      {"convert onlyone", "eaglekit convert: SRC and DST are required (see --help)\n"},
+      {"convert a b --format zip", "eaglekit convert: --format: unknown format 'zip' (pt, safetensors, hdf5, eks)\n"},
+      {"synth --conversations 3", "eaglekit synth: --out DIR is required (see --help)\n"},
+      {"synth --out x --dtype int8", "eaglekit synth: --dtype must be bf16, fp16 or fp32, not int8\n"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.args);
+    const auto r = test::eaglekit(c.args);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err == c.err);
+    CHECK(r.out.empty());
+  }
+  CHECK_FALSE(fs::exists("x"));
+}
+
+TEST_CASE("cli: synth then inspect --json gives the documented shape") {
+  const std::string& data = shared_dataset();
+  const std::string file = record_path(data, 2);
+  REQUIRE(fs::exists(file));
+  const auto r = test::eaglekit("inspect --json " + quote(file));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto j = nlohmann::json::parse(r.out);
+  const auto rec = open_reader(file)->read(0);
+  const std::int64_t t = rec.tokens();
+  const nlohmann::json expected = {
+      {"format", "pt"},
+      {"path", file},
+      {"conversation_id", "synth-000002"},
+      {"tensors",
+       {{"input_ids", {{"dtype", "int64"}, {"shape", {t}}}},
+        {"hidden_states", {{"dtype", "bfloat16"}, {"shape", {t, 16}}}},
+        {"aux_hidden_states", {{"dtype", "bfloat16"}, {"shape", {t, 48}}}}}},
+      {"codec", "raw"}};
+  CHECK(j == expected);
+
+  const auto text = test::eaglekit("inspect " + quote(file));
+  CHECK(text.exit_code == 0);
+  CHECK(text.out.find("conversation_id: synth-000002") != std::string::npos);
+  CHECK(text.out.find("hidden_states      bfloat16  [" + std::to_string(t) + ", 16]") !=
+        std::string::npos);
+}
+
+TEST_CASE("cli: inspect --stats reports min/max/mean/std and NaN/Inf counts") {
+  test::TempDir dir("cli");
+  const std::string data = make_dataset(dir, "data", "--dtype fp32");
+  const std::string file = record_path(data, 0);
+  const auto r = test::eaglekit("inspect --stats --json " + quote(file));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto j = nlohmann::json::parse(r.out);
+  const auto rec = open_reader(file)->read(0);
+  const HostTensor& h = rec.hidden_states;
+  double lo = 1e300, hi = -1e300, sum = 0, sum2 = 0;
+  for (std::int64_t i = 0; i < h.numel(); ++i) {
+    const double x = h.get(i);
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    sum += x;
+  }
+  const double mean = sum / static_cast<double>(h.numel());
+  for (std::int64_t i = 0; i < h.numel(); ++i) sum2 += (h.get(i) - mean) * (h.get(i) - mean);
+  const auto& hs = j["tensors"]["hidden_states"];
+  CHECK(hs["dtype"] == "float32");
+  CHECK(hs["min"].get<double>() == lo);
+  CHECK(hs["max"].get<double>() == hi);
+  CHECK(hs["mean"].get<double>() == doctest::Approx(mean).epsilon(1e-12));
+  CHECK(hs["std"].get<double>() == doctest::Approx(std::sqrt(sum2 / h.numel())).epsilon(1e-12));
+  CHECK(hs["nan"] == 0);
+  CHECK(hs["inf"] == 0);
+  CHECK(j["tensors"]["input_ids"]["min"].get<double>() >= 0);
+}
+
+TEST_CASE("cli: missing, corrupt and truncated files exit 1 with the path and the reason") {
+  test::TempDir dir("cli");
+  const std::string missing = dir / "nope.pt";
+  auto r = test::eaglekit("inspect " + quote(missing));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err == "eaglekit inspect: error: " + missing + ": cannot open: No such file or directory\n");
+  CHECK(r.out.empty());
+
+  const std::string junk = dir / "junk.pt";
+  test::write_text(junk, "this is not a tensor file at all");
+  r = test::eaglekit("inspect " + quote(junk));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err == "eaglekit inspect: error: " + junk +
+                     ": magic at byte 0: not a record file (expected a torch.save zip, .ckpt.gz, "
+                     "safetensors, HDF5 or .eks shard)\n");
+
+  // A safetensors record cut short: the header promises more than the file holds.
+  const std::string st = dir / "whole.safetensors";
+  auto w = create_writer(st, WriterOptions{Format::kSafetensors});
+  w->add(open_reader(record_path(shared_dataset(), 1))->read(0));
+  w->finish();
+  auto bytes = test::read_bytes(st);
+  bytes.resize(bytes.size() - 10);
+  const std::string cut = dir / "cut.safetensors";
+  test::write_bytes(cut, bytes);
+  r = test::eaglekit("inspect " + quote(cut));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.rfind("eaglekit inspect: error: " + cut + ": ", 0) == 0);
+  CHECK(r.err.find("runs past the end of the data buffer") != std::string::npos);
+
+  r = test::eaglekit("convert " + quote(missing) + " " + quote(dir / "out.pt"));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err == "eaglekit convert: error: " + missing + ": cannot open: No such file or directory\n");
+  CHECK_FALSE(fs::exists(dir / "out.pt"));
+}
+
+TEST_CASE("cli: convert between pt, safetensors, hdf5 and eks preserves every value") {
+  test::TempDir dir("cli");
+  const std::string& data = shared_dataset();
+  const auto original = all_records(data + "/records");
+  REQUIRE(original.size() == 6);
+
+  // One record: pt -> safetensors -> pt.
+  auto r = test::eaglekit("convert " + quote(record_path(data, 1)) + " " + quote(dir / "one.safetensors"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(detect_file_format(dir / "one.safetensors") == Format::kSafetensors);
+  r = test::eaglekit("convert " + quote(dir / "one.safetensors") + " " + quote(dir / "one.pt"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(same_record(open_reader(dir / "one.pt")->read(0), original.at("synth-000001")));
+
+  // A folder -> one shard -> a folder of .pt, for each shard format.
+  for (const std::string fmt : {"hdf5", "eks"}) {
+    CAPTURE(fmt);
+    const std::string shard = dir / ("all." + fmt);
+    r = test::eaglekit("convert --json --jobs 2 " + quote(data + "/records") + " " + quote(shard));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["format"] == fmt);
+    CHECK(j["records"] == 6);
+    CHECK(j["files"] == 1);
+    CHECK(j["folder"] == false);
+    const auto reader = open_reader(shard);
+    CHECK(format_name(reader->format()) == fmt);
+    CHECK(reader->size() == 6);
+    const auto back = all_records(shard);
+    for (const auto& [id, rec] : original) {
+      CAPTURE(id);
+      REQUIRE(back.count(id));
+      CHECK(same_record(back.at(id), rec));
+    }
+
+    const std::string out = dir / ("from-" + fmt);
+    r = test::eaglekit("convert --jobs 2 " + quote(shard) + " " + quote(out));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto again = all_records(out);
+    CHECK(again.size() == 6);
+    for (const auto& [id, rec] : original) {
+      CAPTURE(id);
+      CHECK(fs::exists(out + "/" + id + ".pt"));
+      CHECK(same_record(again.at(id), rec));
+    }
+    if (fmt != "hdf5") continue;  // the rest is format-independent: once is enough
+
+    // inspect lists a shard's records, and FILE#id shows one.
+    r = test::eaglekit("inspect --json " + quote(shard));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto listing = nlohmann::json::parse(r.out);
+    CHECK(listing["record_count"] == 6);
+    CHECK(listing["records"].size() == 6);
+    CHECK(listing["records"][0]["hidden_size"] == 16);
+    r = test::eaglekit("inspect --json " + quote(shard + "#synth-000004"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto one = nlohmann::json::parse(r.out);
+    CHECK(one["conversation_id"] == "synth-000004");
+    CHECK(one["tensors"]["aux_hidden_states"]["shape"][1] == 48);
+    r = test::eaglekit("inspect " + quote(shard + "#nobody"));
+    CHECK(r.exit_code == 1);
+    CHECK(r.err == "eaglekit inspect: error: " + shard +
+                       ": no record with conversation id 'nobody' (6 records in the file)\n");
+    // One record out of a shard into a single file.
+    r = test::eaglekit("convert " + quote(shard + "#synth-000003") + " " + quote(dir / ("3-" + fmt + ".safetensors")));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(same_record(open_reader(dir / ("3-" + fmt + ".safetensors"))->read(0), original.at("synth-000003")));
+  }
+
+  // A folder of records into a folder of safetensors, chosen by --format.
+  r = test::eaglekit("convert --format safetensors " + quote(data + "/records") + " " + quote(dir / "st/"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(fs::exists(dir / "st/synth-000005.safetensors"));
+  CHECK(same_record(open_reader(dir / "st/synth-000005.safetensors")->read(0), original.at("synth-000005")));
+
+  r = test::eaglekit("convert " + quote(record_path(data, 0)) + " " + quote(record_path(data, 0)));
+  CHECK(r.exit_code == 2);
+  CHECK(r.err == "eaglekit convert: DST " + record_path(data, 0) + " is the source file; write elsewhere\n");
+  r = test::eaglekit("convert --format hdf5 " + quote(data + "/records") + " " + quote(dir / "st/"));
+  CHECK(r.exit_code == 2);
+}
+
+TEST_CASE("cli: a conversion that fails part-way leaves no output that looks complete") {
+  test::TempDir dir("cli");
+  const std::string data = dir / "data";
+  fs::copy(shared_dataset(), data, fs::copy_options::recursive);
+  // Corrupt the last record of the folder (sorted order puts more/ after the others).
+  const std::string victim = record_path(data, 5);
+  auto bytes = test::read_bytes(victim);
+  bytes.resize(bytes.size() / 2);
+  test::write_bytes(victim, bytes);
+  for (const std::string ext : {"h5", "eks"}) {
+    CAPTURE(ext);
+    const std::string out_dir = dir / ("out-" + ext);
+    fs::create_directories(out_dir);
+    const auto r = test::eaglekit("convert " + quote(data + "/records") + " " + quote(out_dir + "/all." + ext));
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find(victim) != std::string::npos);
+    CHECK_FALSE(any_file_below(out_dir));  // neither the shard nor its temp file
+  }
+  // Folder output: the records before the bad one are complete files, nothing else.
+  const auto r = test::eaglekit("convert --jobs 1 " + quote(data + "/records") + " " + quote(dir / "pts"));
+  CHECK(r.exit_code == 1);
+  for (const auto& e : fs::directory_iterator(dir / "pts")) {
+    CAPTURE(e.path().string());
+    CHECK(e.path().filename().string().rfind('.', 0) != 0);  // no temp files
+    CHECK_NOTHROW(open_reader(e.path().string())->read(0));
+  }
+}
+
+TEST_CASE("cli: duplicate conversation ids cannot share a folder output") {
+  test::TempDir dir("cli");
+  const std::string& a = shared_dataset();
+  fs::create_directories(dir / "both");
+  fs::copy_file(record_path(a, 0), dir / "both/x.pt");
+  fs::copy_file(record_path(a, 0), dir / "both/y.pt");
+  const auto r = test::eaglekit("convert --jobs 1 " + quote(dir / "both") + " " + quote(dir / "out"));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err == "eaglekit convert: error: two records have conversation id 'synth-000000' (the "
+                 "second in " + dir / "both/y.pt" + "); a folder output names files by id, so ids "
+                 "must be unique\n");
+}

@@ -1,0 +1,228 @@
+// Checkpoints: exact resume (2N steps == N + resume + N), atomic folders and the choice of
+// the newest complete one, state parsing errors, export with aux ids/dtype, and
+// --init-draft from a checkpoint.
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tests/support.h"
+#include "tests/trainer/train_data.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
+#include "trainer/export.h"
+#include "trainer/train.h"
+
+namespace fs = std::filesystem;
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32, 1e-6)") {
+  auto job = test::make_synth_job(30);
+  test::TempDir dir("resume");
+  auto options = [&](const std::string& out) {
+    TrainOptions o = test::small_options(*job, out);
+    o.max_steps = 8;  // 2N with N = 4; 24 train samples / (2 x 2 rows) = 6 steps per epoch: crosses an epoch
+    o.batch_size = 2;
+    o.grad_accum = 2;
+    o.warmup_steps = 2;
+    o.schedule = "cosine";
+    o.weight_decay = 0.05;
+    o.shuffle = true;
+    o.save_every = 3;
+    return o;
+  };
+  const TrainResult whole = run_training(options(dir / "whole"));
+  CHECK(whole.steps == 8);
+  CHECK(whole.epoch >= 1);
+
+  TrainHooks stop_at_4;
+  stop_at_4.after_step = [](std::int64_t step, DraftModel&) { return step < 4; };
+  const TrainResult first = run_training(options(dir / "split"), nullptr, stop_at_4);
+  CHECK(first.interrupted);
+  CHECK(first.steps == 4);
+  CHECK(first.final_dir.empty());
+  CHECK(first.last_checkpoint == dir / "split/checkpoint-4");
+  CHECK(is_complete_checkpoint(dir / "split/checkpoint-3"));
+
+  TrainOptions again = options(dir / "split");
+  again.resume = true;
+  const TrainResult second = run_training(again);
+  CHECK(second.start_step == 4);
+  CHECK(second.resumed_from == dir / "split/checkpoint-4");
+  CHECK(second.steps == 8);
+
+  const auto a = test::read_weights(dir / "whole/checkpoint-8/model.safetensors");
+  const auto b = test::read_weights(dir / "split/checkpoint-8/model.safetensors");
+  CHECK(test::max_rel_diff(b, a) < 1e-6);
+  const auto ma = test::read_weights(dir / "whole/checkpoint-8/optimizer.safetensors");
+  const auto mb = test::read_weights(dir / "split/checkpoint-8/optimizer.safetensors");
+  CHECK(test::max_rel_diff(mb, ma) < 1e-6);
+  // The weights moved: the equality is not vacuous.
+  const auto mid = test::read_weights(dir / "split/checkpoint-4/model.safetensors");
+  CHECK(test::max_rel_diff(mid, a) > 1e-4);
+
+  // One metrics line per step, steps 1..8 once each, the same losses.
+  const auto la = read_jsonl(dir / "whole/metrics.jsonl"), lb = read_jsonl(dir / "split/metrics.jsonl");
+  REQUIRE(la.size() == 8);
+  REQUIRE(lb.size() == 8);
+  for (std::size_t i = 0; i < 8; ++i) {
+    CHECK(lb[i]["step"] == i + 1);
+    CHECK(lb[i]["loss"].get<double>() == doctest::Approx(la[i]["loss"].get<double>()).epsilon(1e-6));
+    CHECK(lb[i]["lr"].get<double>() == doctest::Approx(la[i]["lr"].get<double>()).epsilon(1e-12));
+  }
+  const LoadedCheckpoint ck = load_checkpoint(dir / "split/checkpoint-8");
+  CHECK(ck.checkpoint.state.step == 8);
+  CHECK(ck.checkpoint.state.optimizer_steps == 8);
+  CHECK(ck.checkpoint.state.schedule_total_steps == 8);
+  CHECK(ck.checkpoint.state.world_size == 1);
+  CHECK(ck.checkpoint.options_json.find("\"max_steps\": 8") != std::string::npos);
+}
+
+TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; bad state files are named") {
+  test::TempDir dir("ckpt");
+  const DraftConfig c = [] {
+    BaseConfig b;
+    b.hidden_size = 16;
+    b.intermediate_size = 32;
+    b.num_attention_heads = 2;
+    b.num_key_value_heads = 1;
+    b.head_dim = 8;
+    b.num_hidden_layers = 8;
+    b.vocab_size = 20;
+    return draft_config_from_base(b, DraftOptions{});
+  }();
+  DraftModel draft(c, at::zeros({20}, at::kLong), at::Tensor(), 4);
+  Checkpoint ck;
+  ck.state.sampler.samples = 10;
+  ck.optimizer = {{"exp_avg.fc.weight", at::ones({16, 48})}};
+  ck.rng = capture_rng_state();
+  ck.options_json = "{}";
+  const std::string out = dir / "out";
+  CHECK(!find_latest_checkpoint(out));
+  for (std::int64_t step : {2, 5, 9}) {
+    ck.state.step = step;
+    CHECK(save_checkpoint(out, draft, ck) == out + "/" + checkpoint_name(step));
+  }
+  // Nothing but the checkpoints is left behind.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(out)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"checkpoint-2", "checkpoint-5", "checkpoint-9"});
+  CHECK(find_latest_checkpoint(out) == out + "/checkpoint-9");
+  // A folder missing a file, a torn state, a leftover temp folder and a bigger non-checkpoint
+  // name are all passed over.
+  fs::remove(out + "/checkpoint-9/optimizer.safetensors");
+  fs::create_directories(out + "/checkpoint-12");
+  fs::copy(out + "/checkpoint-5", out + "/checkpoint-11", fs::copy_options::recursive);
+  test::write_text(out + "/checkpoint-11/trainer_state.json", "{\"format\": \"eaglekit-checkpoint\", \"vers");
+  fs::create_directories(out + "/.checkpoint-20.tmp-1");
+  fs::create_directories(out + "/checkpoint-x");
+  CHECK(!is_complete_checkpoint(out + "/checkpoint-9"));
+  CHECK(find_latest_checkpoint(out) == out + "/checkpoint-5");
+  CHECK(resolve_resume(out) == out + "/checkpoint-5");
+  CHECK(resolve_resume(out + "/checkpoint-2") == out + "/checkpoint-2");
+  CHECK_THROWS_WITH_AS(resolve_resume(dir / "nothing"),
+                       ("--resume: no complete checkpoint in " + (dir / "nothing") +
+                        " (looked for the folder itself and checkpoint-STEP folders below it)")
+                           .c_str(),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(load_checkpoint(out + "/checkpoint-9"),
+                       (out + "/checkpoint-9: not a complete checkpoint (optimizer.safetensors is missing)").c_str(),
+                       IoError);
+
+  // Saving a step again replaces the older folder of that name.
+  ck.state.step = 5;
+  ck.state.tokens = 123;
+  save_checkpoint(out, draft, ck);
+  CHECK(load_checkpoint(out + "/checkpoint-5").checkpoint.state.tokens == 123);
+
+  // State files: wrong format, newer version, missing field.
+  CHECK_THROWS_WITH_AS(TrainerState::from_json(R"({"format": "other"})", "s.json"),
+                       "s.json: format: not an eaglekit checkpoint state", FormatError);
+  CHECK_THROWS_WITH_AS(TrainerState::from_json(R"({"format": "eaglekit-checkpoint", "version": 2})", "s.json"),
+                       "s.json: version: checkpoint version 2 (this build reads 1)", UnsupportedError);
+  CHECK_THROWS_WITH_AS(TrainerState::from_json(R"({"format": "eaglekit-checkpoint", "version": 1, "step": 3})", "s.json"),
+                       "s.json: epoch: missing", FormatError);
+  TrainerState s;
+  s.step = 7;
+  s.epoch = 2;
+  s.sampler.epoch = 2;
+  s.sampler.position = 8;
+  s.sampler.samples = 40;
+  s.schedule_total_steps = 30;
+  const TrainerState back = TrainerState::from_json(s.to_json(), "s.json");
+  CHECK(back.step == 7);
+  CHECK(back.sampler == s.sampler);
+  CHECK(back.schedule_total_steps == 30);
+
+  // RNG state round trip.
+  const auto rng = capture_rng_state();
+  const at::Tensor x = at::rand({4});
+  restore_rng_state(rng);
+  CHECK(at::equal(at::rand({4}), x));
+}
+
+TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype; --init-draft continues from it") {
+  auto job = test::make_synth_job(24);
+  test::TempDir dir("export");
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.max_steps = 3;
+  o.schedule = "constant";
+  run_training(o);
+
+  const ExportReport r = export_checkpoint(dir / "out", dir / "served", {{3, 17, 29}, "bf16"});
+  CHECK(r.source == dir / "out/checkpoint-3");
+  CHECK(r.dtype == "bfloat16");
+  const auto cfg = nlohmann::json::parse(std::ifstream(dir / "served/config.json"));
+  CHECK(cfg["eagle_aux_hidden_state_layer_ids"] == nlohmann::json({3, 17, 29}));
+  CHECK(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == nlohmann::json({2, 16, 28}));
+  CHECK(cfg["torch_dtype"] == "bfloat16");
+  const auto served = test::read_weights(dir / "served/model.safetensors");
+  const auto saved = test::read_weights(dir / "out/checkpoint-3/model.safetensors");
+  REQUIRE(served.size() == saved.size());
+  for (std::size_t i = 0; i < served.size(); ++i) {
+    CAPTURE(served[i].first);
+    if (served[i].first == "d2t" || served[i].first == "t2d") {
+      CHECK(at::equal(served[i].second, saved[i].second));
+    } else {
+      CHECK((served[i].second.scalar_type() == at::kBFloat16));
+      CHECK(at::allclose(served[i].second.to(at::kFloat), saved[i].second, 1e-2, 1e-3));
+    }
+  }
+  CHECK_THROWS_AS(export_checkpoint(dir / "nothing-here", dir / "x"), UsageError);
+  CHECK_THROWS_WITH_AS(export_checkpoint(dir / "out/checkpoint-3", dir / "y", {{}, "int8"}),
+                       "dtype must be bfloat16, float16 or float32, not 'int8'", UsageError);
+
+  // --init-draft: a fresh run that starts from the checkpoint's weights. With a vanishing
+  // learning rate its first checkpoint holds those weights.
+  TrainOptions init = test::small_options(*job, dir / "init");
+  init.init_draft = dir / "out/checkpoint-3";
+  init.max_steps = 1;
+  init.lr = 1e-30;
+  run_training(init);
+  const auto continued = test::read_weights(dir / "init/checkpoint-1/model.safetensors");
+  CHECK(test::max_rel_diff(continued, saved) < 1e-6);
+  // ... and a fresh draft is different.
+  TrainOptions fresh = init;
+  fresh.out = dir / "fresh";
+  fresh.init_draft.clear();
+  run_training(fresh);
+  CHECK(test::max_rel_diff(test::read_weights(dir / "fresh/checkpoint-1/model.safetensors"), saved) > 1e-3);
+}

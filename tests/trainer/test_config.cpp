@@ -1,0 +1,170 @@
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "formats/error.h"
+#include "tests/support.h"
+#include "trainer/config.h"
+
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+// The fields of meta-llama/Llama-3.1-8B-Instruct's config.json that matter here.
+const char* kLlama31 = R"({
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+  "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
+  "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
+template <typename E>
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+}  // namespace
+
+TEST_CASE("config: Llama-3.1-8B base config") {
+  const BaseConfig b = parse_base_config(kLlama31, "base/config.json");
+  CHECK(b.hidden_size == 4096);
+  CHECK(b.intermediate_size == 14336);
+  CHECK(b.num_attention_heads == 32);
+  CHECK(b.num_key_value_heads == 8);
+  CHECK(b.head_dim == 128);  // implied: hidden_size / heads
+  CHECK(b.num_hidden_layers == 32);
+  CHECK(b.vocab_size == 128256);
+  CHECK(b.max_position_embeddings == 131072);
+  CHECK(b.rms_norm_eps == 1e-5);
+  CHECK(b.rope_theta == 500000.0);
+  CHECK(b.rope_scaling.type == RopeType::kLlama3);
+  CHECK(b.rope_scaling.factor == 8.0);
+  CHECK(b.rope_scaling.original_max_position_embeddings == 8192);
+  CHECK(b.torch_dtype == "bfloat16");
+
+  const DraftConfig d = draft_config_from_base(b, DraftOptions{});
+  CHECK(d.hidden_size == 4096);
+  CHECK(d.num_attention_heads == 32);
+  CHECK(d.num_key_value_heads == 8);
+  CHECK(d.head_dim == 128);
+  CHECK(d.intermediate_size == 14336);
+  CHECK(d.draft_vocab_size == 128256);
+  CHECK(d.target_hidden_size == 4096);
+  CHECK(d.aux_width() == 3 * 4096);
+  CHECK(d.aux_layer_ids == std::vector<std::int64_t>{2, 16, 29});
+  CHECK(d.rope_scaling == b.rope_scaling);
+}
+
+TEST_CASE("config: defaults, legacy rope 'type' key and nested text_config") {
+  const BaseConfig b = parse_base_config(R"({"text_config": {"hidden_size": 64, "intermediate_size": 128,
+      "num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 100,
+      "rope_scaling": {"type": "default"}}})", "x");
+  CHECK(b.num_key_value_heads == 4);
+  CHECK(b.head_dim == 16);
+  CHECK(b.rms_norm_eps == 1e-6);
+  CHECK(b.rope_theta == 10000.0);
+  CHECK(b.rope_scaling.type == RopeType::kDefault);
+  CHECK(b.max_position_embeddings == 2048);
+  CHECK(default_aux_layer_ids(6) == std::vector<std::int64_t>{2, 3, 3});  // degenerate: not increasing
+  CHECK_THROWS_AS(draft_config_from_base(b, DraftOptions{}), UsageError);
+  DraftOptions o;
+  o.aux_layer_ids = {1, 3, 5};
+  o.draft_vocab_size = 32;
+  const DraftConfig d = draft_config_from_base(b, o);
+  CHECK(d.aux_layer_ids == std::vector<std::int64_t>{1, 3, 5});
+  CHECK(d.draft_vocab_size == 32);
+}
+
+TEST_CASE("config: bad base configs name the file and the field") {
+  CHECK(message_of<FormatError>([] { parse_base_config(R"({"hidden_size": 8})", "b/config.json"); }) ==
+        "b/config.json: intermediate_size: missing");
+  CHECK(message_of<FormatError>([] {
+          parse_base_config(R"({"hidden_size": "8", "intermediate_size": 1})", "b/config.json");
+        }) == "b/config.json: hidden_size: expected an integer, got \"8\"");
+  CHECK(message_of<FormatError>([] { parse_base_config("{not json", "b/config.json"); })
+            .rfind("b/config.json", 0) == 0);
+  CHECK(message_of<UnsupportedError>([] {
+          parse_base_config(R"({"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+              "num_hidden_layers": 8, "vocab_size": 9, "rope_scaling": {"rope_type": "yarn", "factor": 4}})",
+                            "b/config.json");
+        }) == "b/config.json: rope_scaling.rope_type: 'yarn' is not implemented (default and llama3 are)");
+  CHECK(message_of<FormatError>([] {
+          parse_base_config(R"({"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+              "num_hidden_layers": 8, "vocab_size": 0})", "b/config.json");
+        }) == "b/config.json: vocab_size: must be positive, got 0");
+  CHECK_THROWS_AS(load_base_config("/nonexistent/eaglekit/base"), IoError);
+}
+
+TEST_CASE("config: draft config.json writes both aux-layer conventions and reads back") {
+  const DraftConfig d = draft_config_from_base(parse_base_config(kLlama31, "c"), DraftOptions{32000});
+  const nlohmann::json j = nlohmann::json::parse(draft_config_json(d));
+  CHECK(j["architectures"] == nlohmann::json::array({"LlamaForCausalLMEagle3"}));
+  CHECK(j["model_type"] == "llama");
+  CHECK(j["num_hidden_layers"] == 1);
+  CHECK(j["hidden_act"] == "silu");
+  CHECK(j["tie_word_embeddings"] == false);
+  CHECK(j["vocab_size"] == 128256);
+  CHECK(j["draft_vocab_size"] == 32000);
+  CHECK(j["target_hidden_size"] == 4096);
+  CHECK(j["max_position_embeddings"] == 131072);
+  CHECK(j["head_dim"] == 128);
+  CHECK(j["rope_theta"] == 500000.0);
+  CHECK(j["rope_scaling"]["rope_type"] == "llama3");
+  CHECK(j["rope_scaling"]["factor"] == 8.0);
+  CHECK(j["rope_scaling"]["original_max_position_embeddings"] == 8192);
+  CHECK(j["eagle_aux_hidden_state_layer_ids"] == nlohmann::json::array({2, 16, 29}));
+  CHECK(j["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == nlohmann::json::array({1, 15, 28}));
+  CHECK(j["torch_dtype"] == "bfloat16");
+
+  const DraftConfig back = parse_draft_config(j.dump(), "draft/config.json");
+  CHECK(back.hidden_size == d.hidden_size);
+  CHECK(back.intermediate_size == d.intermediate_size);
+  CHECK(back.num_key_value_heads == d.num_key_value_heads);
+  CHECK(back.head_dim == d.head_dim);
+  CHECK(back.rms_norm_eps == d.rms_norm_eps);
+  CHECK(back.rope_theta == d.rope_theta);
+  CHECK(back.rope_scaling == d.rope_scaling);
+  CHECK(back.vocab_size == d.vocab_size);
+  CHECK(back.draft_vocab_size == d.draft_vocab_size);
+  CHECK(back.aux_layer_ids == d.aux_layer_ids);
+  CHECK(back.num_aux_layers == 3);
+  CHECK(back.modelopt_norm == false);
+
+  // A published draft that only has SGLang's nested ids.
+  nlohmann::json nested = j;
+  nested.erase("eagle_aux_hidden_state_layer_ids");
+  nested.erase("eaglekit_num_aux_layers");
+  CHECK(parse_draft_config(nested.dump(), "p").aux_layer_ids == std::vector<std::int64_t>{2, 16, 29});
+  nlohmann::json two_layers = j;
+  two_layers["num_hidden_layers"] = 2;
+  CHECK_THROWS_AS(parse_draft_config(two_layers.dump(), "p"), UnsupportedError);
+
+  DraftConfig unknown = d;
+  unknown.aux_layer_ids.clear();
+  CHECK_THROWS_AS(draft_config_json(unknown), UsageError);
+}
+
+TEST_CASE("config: draft consistency checks") {
+  DraftConfig d = draft_config_from_base(parse_base_config(kLlama31, "c"), DraftOptions{});
+  d.num_key_value_heads = 5;
+  CHECK(message_of<UsageError>([&] { d.check(); }) ==
+        "draft config: num_attention_heads (32) is not a multiple of num_key_value_heads (5)");
+  d.num_key_value_heads = 8;
+  d.draft_vocab_size = d.vocab_size + 1;
+  CHECK(message_of<UsageError>([&] { d.check(); }) ==
+        "draft config: draft_vocab_size 128257 exceeds vocab_size 128256");
+  d.draft_vocab_size = 100;
+  d.aux_layer_ids = {2, 16};
+  CHECK(message_of<UsageError>([&] { d.check(); }) == "draft config: 2 aux layer ids for 3 aux layers");
+  d.aux_layer_ids = {16, 2, 29};
+  CHECK(message_of<UsageError>([&] { d.check(); }) == "draft config: aux layer ids must increase");
+}

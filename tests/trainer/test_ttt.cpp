@@ -1,0 +1,374 @@
+// LibTorch pulls in glog, whose CHECK macros clash with doctest's: include it first and
+// drop glog's names before doctest defines its own.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adam.h>
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "formats/error.h"
+#include "tests/support.h"
+#include "tests/trainer/trainer_fixtures.h"
+#include "trainer/export.h"
+#include "trainer/ttt.h"
+
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+std::vector<std::set<std::int64_t>> mask_rows(const at::Tensor& m) {
+  std::vector<std::set<std::int64_t>> rows(static_cast<std::size_t>(m.size(0)));
+  for (std::int64_t q = 0; q < m.size(0); ++q)
+    for (std::int64_t j = 0; j < m.size(1); ++j)
+      if (m[q][j].item<bool>()) rows[static_cast<std::size_t>(q)].insert(j);
+  return rows;
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-30);
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+std::vector<at::Tensor> grads_of(DraftModel& d) {
+  std::vector<at::Tensor> g;
+  for (const auto& [name, p] : d.named_parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  return g;
+}
+
+nlohmann::json metrics_json(const TttResult& r) {
+  return {{"loss", r.loss.item<double>()},
+          {"loss_per_step", [&] {
+             std::vector<double> v;
+             for (std::int64_t s = 0; s < r.stats.steps(); ++s)
+               v.push_back(r.stats.ce_sum[s] / (r.stats.mask_sum[s] + 1e-5));
+             return v;
+           }()},
+          {"acc", r.stats.acc()},
+          {"cond_acc", r.stats.cond_acc()},
+          {"correct", r.stats.correct},
+          {"cond_correct", r.stats.cond_correct},
+          {"cond_total", r.stats.cond_total},
+          {"mask_sum", r.stats.mask_sum}};
+}
+
+}  // namespace
+
+TEST_CASE("ttt: the mask matches SPEC.md's worked examples") {
+  using Rows = std::vector<std::set<std::int64_t>>;
+  // L=4, s=1: q0->{4}; q1->{0,5}; q2->{0,1,6}; q3->{0,1,2,7}.
+  CHECK((mask_rows(ttt_mask(4, 1)) == Rows{{4}, {0, 5}, {0, 1, 6}, {0, 1, 2, 7}}));
+  // L=4, s=2: q0->{8}; q1->{4,9}; q2->{0,5,10}; q3->{0,1,6,11}.
+  CHECK((mask_rows(ttt_mask(4, 2)) == Rows{{8}, {4, 9}, {0, 5, 10}, {0, 1, 6, 11}}));
+  // Step 0 is causal.
+  CHECK((mask_rows(ttt_mask(4, 0)) == Rows{{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}}));
+  CHECK(ttt_mask(4, 2).sizes() == at::IntArrayRef({4, 12}));
+  // The tensor form, the scalar predicate and every sub-rectangle (ring chunks) agree.
+  for (std::int64_t l = 1; l <= 6; ++l) {
+    for (std::int64_t s = 0; s <= 4; ++s) {
+      const at::Tensor m = ttt_mask(l, s);
+      for (std::int64_t q = 0; q < l; ++q)
+        for (std::int64_t j = 0; j < l * (s + 1); ++j) REQUIRE(m[q][j].item<bool>() == ttt_allowed(l, s, q, j));
+      const std::int64_t qb = l / 3, qe = l - l / 4, kb = l / 2, ke = l * (s + 1) - 1;
+      CHECK(at::equal(ttt_mask(l, s, qb, qe, kb, ke), m.slice(0, qb, qe).slice(1, kb, ke)));
+    }
+  }
+}
+
+TEST_CASE("ttt: fast attention equals the dense SPEC-mask attention, values and gradients") {
+  at::manual_seed(11);
+  const std::int64_t b = 2, heads = 4, kv = 2, l = 9, d = 8;
+  const at::Tensor key_valid = at::ones({b, l}, at::kBool);
+  key_valid[1].narrow(0, 6, 3).fill_(false);  // row 1 is padded after 6 keys
+  at::Tensor docs = at::zeros({b, l}, at::kLong);
+  docs[0].narrow(0, 4, 5).fill_(1);  // row 0 packs two documents
+  docs[1].narrow(0, 6, 3).fill_(-1);
+  for (const bool packed : {false, true}) {
+    for (std::int64_t s = 0; s <= 3; ++s) {
+      CAPTURE(s);
+      CAPTURE(packed);
+      const at::Tensor q = at::randn({b, heads, l, d}).requires_grad_();
+      std::vector<at::Tensor> ks, vs;
+      for (std::int64_t i = 0; i <= s; ++i) {
+        ks.push_back(at::randn({b, kv, l, d}).requires_grad_());
+        vs.push_back(at::randn({b, kv, l, d}).requires_grad_());
+      }
+      const at::Tensor doc = packed ? docs : at::Tensor();
+      TttMaskCache cache;
+      const at::Tensor fast = ttt_attention_local(q, ks, vs, key_valid, s, 0.35, doc, &cache);
+      const at::Tensor dense = ttt_attention_dense(q, ks, vs, key_valid, s, 0.35, doc);
+      CHECK(fast.sizes() == q.sizes());
+      CHECK(max_rel(fast, dense) < 1e-5);
+      CHECK(cache.size() == 1);
+      const at::Tensor w = at::randn(fast.sizes());
+      std::vector<at::Tensor> inputs = {q};
+      inputs.insert(inputs.end(), ks.begin(), ks.end());
+      inputs.insert(inputs.end(), vs.begin(), vs.end());
+      const auto g_fast = torch::autograd::grad({(fast * w).sum()}, inputs);
+      const auto g_dense = torch::autograd::grad({(dense * w).sum()}, inputs);
+      for (std::size_t i = 0; i < inputs.size(); ++i) CHECK(max_rel(g_fast[i], g_dense[i]) < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("ttt: partial attention merged by log-sum-exp equals attention over all keys, never NaN") {
+  at::manual_seed(3);
+  const at::Tensor q = at::randn({1, 4, 5, 8}).requires_grad_();
+  const at::Tensor k = at::randn({1, 2, 10, 8}).requires_grad_();
+  const at::Tensor v = at::randn({1, 2, 10, 8}).requires_grad_();
+  at::Tensor allowed = at::rand({5, 10}) > 0.4;
+  allowed[0].narrow(0, 0, 5).fill_(false);  // query 0 sees nothing in the first chunk
+  allowed[0][7] = true;
+  allowed[3].fill_(false);                  // query 3 sees nothing at all
+  const AttentionPartial full = attend(q, k, v, allowed, 0.3);
+  const AttentionPartial a = attend(q, k.narrow(2, 0, 5), v.narrow(2, 0, 5), allowed.narrow(1, 0, 5), 0.3);
+  const AttentionPartial c = attend(q, k.narrow(2, 5, 5), v.narrow(2, 5, 5), allowed.narrow(1, 5, 5), 0.3);
+  const AttentionPartial merged = merge_partials(a, c);
+  CHECK(max_rel(merged.out, full.out) < 1e-6);
+  CHECK(std::isinf(full.lse[0][0][3].item<double>()));
+  CHECK(at::equal(full.out.select(2, 3), at::zeros({1, 4, 8})));
+  CHECK(at::allclose(merged.lse.masked_fill(at::isinf(merged.lse), 0), full.lse.masked_fill(at::isinf(full.lse), 0)));
+  const auto g = torch::autograd::grad({merged.out.sum() + merged.lse.masked_fill(at::isinf(merged.lse), 0).sum()}, {q, k, v});
+  for (const auto& t : g) CHECK(at::isfinite(t).all().item<bool>());
+  const auto g_full = torch::autograd::grad({full.out.sum() + full.lse.masked_fill(at::isinf(full.lse), 0).sum()}, {q, k, v});
+  for (std::size_t i = 0; i < 3; ++i) CHECK(max_rel(g[i], g_full[i]) < 1e-5);
+}
+
+TEST_CASE("ttt: statistics pool by summing and give the SPEC metrics") {
+  TttStats s(3);
+  s.ce_sum = {10, 8, 6};
+  s.mask_sum = {10, 9, 8};
+  s.correct = {8, 6, 4};
+  s.cond_correct = {8, 5, 3};
+  s.cond_total = {10, 7, 4};
+  CHECK((s.loss_per_step() == std::vector<double>{1.0, 8.0 / 9, 0.75}));
+  CHECK(s.loss(0.9) == doctest::Approx(1.0 + 0.9 * 8.0 / 9 + 0.81 * 0.75));
+  CHECK((s.acc() == std::vector<double>{0.8, 6.0 / 9, 0.5}));
+  CHECK((s.cond_acc() == std::vector<double>{0.8, 5.0 / 7, 0.75}));
+  CHECK(s.est_ar() == doctest::Approx(1 + 0.8 + 0.8 * 6.0 / 9 + 0.8 * 6.0 / 9 * 0.5));
+  CHECK(s.est_ar_conditional() == doctest::Approx(1 + 0.8 + 0.8 * 5.0 / 7 + 0.8 * 5.0 / 7 * 0.75));
+  CHECK(s.tokens() == 10);
+  TttStats twice = s;
+  twice += s;
+  CHECK(twice.acc() == s.acc());
+  CHECK(twice.mask_sum[2] == 16);
+  const TttStats back = TttStats::from_tensor(s.to_tensor());
+  CHECK(back.cond_total == s.cond_total);
+  CHECK(back.ce_sum == s.ce_sum);
+  CHECK_THROWS_AS(twice += TttStats(2), UsageError);
+  CHECK((TttStats(2).acc() == std::vector<double>{0.0, 0.0}));  // nothing counted: 0, not NaN
+}
+
+TEST_CASE("ttt: loss, accuracies and gradients agree with the independent Python reference") {
+  test::TempDir dir("ttt-ref");
+  const DraftConfig base_cfg = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(base_cfg, 21);
+  fixtures::write_base_folder(dir / "base", base);
+  const TttBatch batch = fixtures::random_batch(base_cfg, 3, 12, {12, 9, 7}, 22);
+  fixtures::write_tensors(dir / "batch.safetensors", fixtures::batch_tensors(batch));
+
+  nlohmann::json manifest = {{"cases", nlohmann::json::array()}};
+  std::vector<nlohmann::json> ours;
+  for (const bool modelopt : {false, true}) {
+    for (const std::int64_t steps : {1, 3}) {
+      const std::string name = std::string(modelopt ? "modelopt" : "serving") + "-S" + std::to_string(steps);
+      DraftConfig c = base_cfg;
+      c.modelopt_norm = modelopt;
+      DraftModel draft(c, fixtures::spread_d2t(c), base.lm_head, 23);
+      // Norm weights away from 1 so that every weight matters.
+      for (const char* n : {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                            "midlayer.post_attention_layernorm.weight", "norm.weight"})
+        draft.load_parameter(n, 1.0 + 0.3 * at::randn({c.hidden_size}));
+      export_draft(draft, dir / name);
+      TttUnroll unroll(base, load_draft(dir / name), TttOptions{steps, 0.8, std::nullopt});
+      const TttResult r = unroll.forward(batch);
+      r.loss.backward();
+      std::vector<std::pair<std::string, at::Tensor>> grads;
+      for (const auto& [pname, p] : unroll.draft().named_parameters()) grads.emplace_back(pname, p.grad());
+      fixtures::write_tensors(dir / (name + ".grads.safetensors"), grads);
+      test::write_text(dir / (name + ".metrics.json"), metrics_json(r).dump());
+      manifest["cases"].push_back({{"name", name},
+                                   {"base", dir / "base"},
+                                   {"draft", dir / name},
+                                   {"batch", dir / "batch.safetensors"},
+                                   {"cpp_grads", dir / (name + ".grads.safetensors")},
+                                   {"cpp_metrics", dir / (name + ".metrics.json")},
+                                   {"steps", steps},
+                                   {"decay", 0.8}});
+    }
+  }
+  test::write_text(dir / "manifest.json", manifest.dump());
+  const auto py = test::run("/usr/bin/python3 " + test::quote(test::source_dir() + "/tests/trainer/reference_draft.py") +
+                            " " + test::quote(dir / "manifest.json"));
+  INFO(py.err);
+  REQUIRE(py.exit_code == 0);
+  const auto out = nlohmann::json::parse(py.out);
+  REQUIRE(out["cases"].size() == 4);
+  for (const auto& c : out["cases"]) {
+    INFO(c.dump());
+    CHECK(c["loss_rel"].get<double>() < 1e-5);
+    CHECK(c["loss_per_step_rel"].get<double>() < 1e-5);
+    CHECK(c["grad_rel_max"].get<double>() < 1e-5);
+    CHECK(c["grads_compared"] == 13);
+    CHECK(c["grads_expected"] == 13);
+    CHECK(c["acc_equal"] == true);
+    CHECK(c["cond_acc_equal"] == true);
+    CHECK(c["correct_equal"] == true);
+    CHECK(c["mask_sum_equal"] == true);
+    CHECK(c["loss"].get<double>() > 0.5);  // a real loss, not a degenerate zero
+  }
+  MESSAGE("reference agreement: " << out.dump());
+}
+
+TEST_CASE("ttt: packed rows give the same sums and gradients as the documents in separate rows") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 31);
+  const TttBatch two = fixtures::random_batch(c, 2, 12, {7, 4}, 32);
+  // Pack row 0's 7 tokens and row 1's 4 tokens into one row of 12 (1 padding column).
+  TttBatch packed;
+  auto pack = [&](const at::Tensor& t) {
+    at::Tensor row = at::zeros_like(t.narrow(0, 0, 1));
+    row[0].narrow(0, 0, 7).copy_(t[0].narrow(0, 0, 7));
+    row[0].narrow(0, 7, 4).copy_(t[1].narrow(0, 0, 4));
+    return row;
+  };
+  packed.input_ids = pack(two.input_ids);
+  packed.attention_mask = pack(two.attention_mask);
+  packed.loss_mask = pack(two.loss_mask);
+  packed.hidden_states = pack(two.hidden_states);
+  packed.aux_hidden_states = pack(two.aux_hidden_states);
+  packed.document_ids = at::tensor(std::vector<std::int64_t>{0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1}).unsqueeze(0);
+  packed.position_ids = at::tensor(std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 0}).unsqueeze(0);
+
+  TttUnroll a(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  TttUnroll b(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  const TttResult ra = a.forward(two);
+  const TttResult rb = b.forward(packed);
+  CHECK(ra.stats.mask_sum == rb.stats.mask_sum);
+  CHECK(ra.stats.correct == rb.stats.correct);
+  CHECK(ra.stats.cond_correct == rb.stats.cond_correct);
+  CHECK(ra.stats.cond_total == rb.stats.cond_total);
+  CHECK(max_rel(rb.ce_sum, ra.ce_sum) < 1e-5);
+  ra.ce_sum.sum().backward();
+  rb.ce_sum.sum().backward();
+  const auto ga = grads_of(a.draft()), gb = grads_of(b.draft());
+  for (std::size_t i = 0; i < ga.size(); ++i) CHECK(max_rel(gb[i], ga[i]) < 1e-4);
+}
+
+TEST_CASE("ttt: pooled evaluation statistics do not depend on the batch size") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 41);
+  const TttBatch all = fixtures::random_batch(c, 4, 10, {10, 8, 10, 5}, 42);
+  TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 43));
+  at::NoGradGuard no_grad;
+  const TttStats whole = unroll.forward(all).stats;
+  TttStats parts(3);
+  for (std::int64_t first : {0, 2}) {
+    TttBatch half;
+    half.input_ids = all.input_ids.narrow(0, first, 2);
+    half.attention_mask = all.attention_mask.narrow(0, first, 2);
+    half.loss_mask = all.loss_mask.narrow(0, first, 2);
+    half.hidden_states = all.hidden_states.narrow(0, first, 2);
+    half.aux_hidden_states = all.aux_hidden_states.narrow(0, first, 2);
+    parts += unroll.forward(half).stats;
+  }
+  CHECK(whole.mask_sum == parts.mask_sum);
+  CHECK(whole.correct == parts.correct);
+  CHECK(whole.cond_correct == parts.cond_correct);
+  CHECK(whole.cond_total == parts.cond_total);
+  for (std::int64_t s = 0; s < 3; ++s) CHECK(whole.ce_sum[s] == doctest::Approx(parts.ce_sum[s]).epsilon(1e-6));
+  // loss_mask is 1 on tokens 2..n-1, so positions t = 1..n-2 count at step 0.
+  CHECK(whole.mask_sum[0] == (10 - 2) + (8 - 2) + (10 - 2) + (5 - 2));
+}
+
+TEST_CASE("ttt: masks are built once per (L, step) and reused") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 51);
+  TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 52));
+  SingleRankContext context;
+  at::NoGradGuard no_grad;
+  for (int i = 0; i < 3; ++i) unroll.forward(fixtures::random_batch(c, 1, 8, {8}, 53 + i), &context);
+  CHECK(context.masks().size() == 3);
+  unroll.forward(fixtures::random_batch(c, 1, 6, {6}, 60), &context);
+  CHECK(context.masks().size() == 6);
+}
+
+TEST_CASE("ttt: batch shape errors say which tensor is wrong") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 61);
+  TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 62));
+  TttBatch b = fixtures::random_batch(c, 2, 8, {8, 8}, 63);
+  b.aux_hidden_states = b.aux_hidden_states.narrow(2, 0, 64);
+  try {
+    unroll.forward(b);
+    FAIL("expected UsageError");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()) == "TTT batch: aux_hidden_states has shape [2, 8, 64], expected [2, 8, 96]");
+  }
+  CHECK_THROWS_AS(TttUnroll(base, DraftModel(c, fixtures::spread_d2t(c), at::Tensor()), TttOptions{0, 0.9, std::nullopt}),
+                  UsageError);
+  BaseModel wrong = base;
+  wrong.embed_tokens = at::zeros({c.vocab_size, 16});
+  CHECK_THROWS_AS(TttUnroll(wrong, DraftModel(c, fixtures::spread_d2t(c), at::Tensor())), UsageError);
+}
+
+TEST_CASE("ttt: bf16 autocast trains the same model closely") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 71);
+  const TttBatch batch = fixtures::random_batch(c, 2, 16, {16, 11}, 72);
+  TttUnroll fp32(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 73), TttOptions{3, 0.9, std::nullopt});
+  TttUnroll bf16(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 73), TttOptions{3, 0.9, at::kBFloat16});
+  const TttResult a = fp32.forward(batch);
+  const TttResult b = bf16.forward(batch);
+  CHECK((b.loss.scalar_type() == at::kFloat));
+  CHECK(b.loss.item<double>() == doctest::Approx(a.loss.item<double>()).epsilon(0.03));
+  b.loss.backward();
+  for (const auto& p : bf16.draft().parameters()) {
+    CHECK((p.scalar_type() == at::kFloat));
+    CHECK(at::isfinite(p.grad()).all().item<bool>());
+  }
+}
+
+TEST_CASE("ttt: a short optimization raises step-0 accuracy far above chance") {
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 81);
+  TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 84));
+  const at::Tensor targets = unroll.draft().draft_to_target();
+  const TttBatch train = fixtures::pattern_batch(c, base, targets, 8, 16, 82);
+  const TttBatch held_out = fixtures::pattern_batch(c, base, targets, 8, 16, 83);
+  torch::optim::Adam adam(unroll.draft().parameters(), torch::optim::AdamOptions(1e-2));
+  auto evaluate = [&](const TttBatch& b) {
+    at::NoGradGuard no_grad;
+    return unroll.forward(b).stats;
+  };
+  const TttStats before = evaluate(held_out);
+  const auto start = std::chrono::steady_clock::now();
+  const int kSteps = 60;
+  for (int i = 0; i < kSteps; ++i) {
+    adam.zero_grad();
+    unroll.forward(train).loss.backward();
+    adam.step();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const TttStats trained = evaluate(train);
+  const TttStats after = evaluate(held_out);
+  const double chance = 1.0 / static_cast<double>(c.draft_vocab_size);
+  MESSAGE("held-out step-0 acc " << before.acc()[0] << " -> " << after.acc()[0] << " (chance " << chance
+                                 << "), steps 1-2 " << after.acc()[1] << ", " << after.acc()[2] << ", est_ar "
+                                 << after.est_ar() << "; train acc " << trained.acc()[0] << "; " << kSteps
+                                 << " steps in " << seconds << " s");
+  CHECK(before.acc()[0] < 0.2);
+  CHECK(trained.acc()[0] > 0.9);
+  CHECK(after.acc()[0] > 0.8);
+  CHECK(after.loss(0.9) < 0.5 * before.loss(0.9));
+}

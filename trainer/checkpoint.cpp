@@ -1,0 +1,297 @@
+#include "trainer/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <system_error>
+
+#include "formats/atomic_file.h"
+#include "formats/error.h"
+#include "formats/safetensors_format.h"
+#include "lib/collate.h"
+#include "trainer/base_model.h"
+#include "trainer/config.h"
+#include "trainer/export.h"
+
+namespace eaglekit::trainer {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr const char* kFormat = "eaglekit-checkpoint";
+constexpr int kVersion = 1;
+const char* const kFiles[] = {"config.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                              "trainer_state.json", "train_options.json"};
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw IoError(path + ": cannot read");
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<NamedTensor> named;
+  named.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) named.push_back({name, to_host_tensor(t.detach().to(at::kCPU).contiguous())});
+  write_safetensors(path, named);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> read_tensors(const std::string& path) {
+  const auto file = SafetensorsFile::open(path);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& e : file->entries()) out.emplace_back(e.name, tensor_from_host(file->tensor(e)));
+  return out;
+}
+
+// Step of a folder named "checkpoint-STEP", else nullopt.
+std::optional<std::int64_t> step_of(const std::string& name) {
+  static const std::string kPrefix = "checkpoint-";
+  if (name.rfind(kPrefix, 0) != 0) return std::nullopt;
+  const std::string digits = name.substr(kPrefix.size());
+  if (digits.empty() || digits.size() > 15 || digits.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  return std::stoll(digits);
+}
+
+template <typename T>
+T get(const json& j, const char* key, const std::string& where) {
+  const auto it = j.find(key);
+  if (it == j.end()) throw FormatError(where, std::nullopt, key, "missing");
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw FormatError(where, std::nullopt, key, "wrong type: " + it->dump());
+  }
+}
+
+}  // namespace
+
+std::string TrainerState::to_json() const {
+  json j;
+  j["format"] = kFormat;
+  j["version"] = kVersion;
+  j["step"] = step;
+  j["epoch"] = epoch;
+  j["sampler"] = json::parse(sampler.to_json());
+  j["optimizer_steps"] = optimizer_steps;
+  j["schedule_total_steps"] = schedule_total_steps;
+  j["tokens"] = tokens;
+  j["world_size"] = world_size;
+  j["cp_size"] = cp_size;
+  return j.dump(2) + "\n";
+}
+
+TrainerState TrainerState::from_json(const std::string& text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(where, std::nullopt, "json", e.what());
+  }
+  if (!j.is_object()) throw FormatError(where, std::nullopt, "json", "not an object");
+  if (get<std::string>(j, "format", where) != kFormat)
+    throw FormatError(where, std::nullopt, "format", "not an eaglekit checkpoint state");
+  const int version = get<int>(j, "version", where);
+  if (version != kVersion)
+    throw UnsupportedError(where, std::nullopt, "version",
+                           "checkpoint version " + std::to_string(version) + " (this build reads " +
+                               std::to_string(kVersion) + ")");
+  TrainerState s;
+  s.step = get<std::int64_t>(j, "step", where);
+  s.epoch = get<std::uint64_t>(j, "epoch", where);
+  const auto sampler = j.find("sampler");
+  if (sampler == j.end()) throw FormatError(where, std::nullopt, "sampler", "missing");
+  s.sampler = SamplerState::from_json(sampler->dump());
+  s.optimizer_steps = get<std::int64_t>(j, "optimizer_steps", where);
+  s.schedule_total_steps = get<std::int64_t>(j, "schedule_total_steps", where);
+  s.tokens = get<double>(j, "tokens", where);
+  s.world_size = get<int>(j, "world_size", where);
+  s.cp_size = get<int>(j, "cp_size", where);
+  if (s.step < 0) throw FormatError(where, std::nullopt, "step", "negative");
+  return s;
+}
+
+std::string checkpoint_name(std::int64_t step) { return "checkpoint-" + std::to_string(step); }
+
+std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt) {
+  const std::string name = checkpoint_name(ckpt.state.step);
+  const fs::path out(out_dir);
+  const fs::path final_dir = out / name;
+  const fs::path tmp = out / ("." + name + ".tmp-" + std::to_string(::getpid()));
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) throw IoError(out_dir + ": cannot create folder: " + ec.message());
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) throw IoError(tmp.string() + ": cannot create folder: " + ec.message());
+  try {
+    export_draft(draft, tmp.string());
+    write_tensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+    write_tensors((tmp / "rng.safetensors").string(), ckpt.rng);
+    write_file_atomic((tmp / "train_options.json").string(), ckpt.options_json.data(), ckpt.options_json.size());
+    const std::string state = ckpt.state.to_json();
+    write_file_atomic((tmp / "trainer_state.json").string(), state.data(), state.size());
+    fsync_dir(tmp.string());
+    // Replace an older folder of the same name (a run resumed from an earlier step).
+    if (fs::exists(final_dir)) {
+      const fs::path old = out / ("." + name + ".old-" + std::to_string(::getpid()));
+      fs::remove_all(old, ec);
+      fs::rename(final_dir, old, ec);
+      if (ec) throw IoError(final_dir.string() + ": cannot move the old checkpoint aside: " + ec.message());
+      fs::rename(tmp, final_dir, ec);
+      if (ec) throw IoError(final_dir.string() + ": cannot rename the new checkpoint into place: " + ec.message());
+      fs::remove_all(old, ec);
+    } else {
+      fs::rename(tmp, final_dir, ec);
+      if (ec) throw IoError(final_dir.string() + ": cannot rename the new checkpoint into place: " + ec.message());
+    }
+    fsync_dir(out.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return final_dir.string();
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& dir) {
+  for (const char* f : kFiles) {
+    if (!fs::exists(fs::path(dir) / f))
+      throw IoError(dir + ": not a complete checkpoint (" + f + " is missing)");
+  }
+  const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
+  LoadedCheckpoint out{dir, load_draft(dir), {}};
+  out.checkpoint.state = TrainerState::from_json(read_text(state_path), state_path);
+  out.checkpoint.optimizer = read_tensors((fs::path(dir) / "optimizer.safetensors").string());
+  out.checkpoint.rng = read_tensors((fs::path(dir) / "rng.safetensors").string());
+  out.checkpoint.options_json = read_text((fs::path(dir) / "train_options.json").string());
+  return out;
+}
+
+bool is_complete_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return false;
+  for (const char* f : kFiles)
+    if (!fs::is_regular_file(fs::path(dir) / f, ec)) return false;
+  try {
+    const std::string path = (fs::path(dir) / "trainer_state.json").string();
+    TrainerState::from_json(read_text(path), path);
+  } catch (const Error&) {
+    return false;
+  }
+  return true;
+}
+
+std::optional<std::string> find_latest_checkpoint(const std::string& out_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(out_dir, ec)) return std::nullopt;
+  std::vector<std::pair<std::int64_t, std::string>> found;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    const auto step = step_of(e.path().filename().string());
+    if (step) found.emplace_back(*step, e.path().string());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [step, path] : found)
+    if (is_complete_checkpoint(path)) return path;
+  return std::nullopt;
+}
+
+std::string resolve_resume(const std::string& dir) {
+  if (is_complete_checkpoint(dir)) return dir;
+  if (auto latest = find_latest_checkpoint(dir)) return *latest;
+  throw UsageError("--resume: no complete checkpoint in " + dir +
+                   " (looked for the folder itself and checkpoint-STEP folders below it)");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> capture_rng_state() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (at::hasCUDA()) {
+    at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0));
+    out.emplace_back("cuda", gen.get_state());
+  }
+  return out;
+}
+
+void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& states) {
+  for (const auto& [name, state] : states) {
+    if (name == "cpu") {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      gen.set_state(state);
+    } else if (name == "cuda" && at::hasCUDA()) {
+      auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0));
+      gen.set_state(state);
+    }
+  }
+}
+
+c10::ScalarType parse_float_dtype(const std::string& name) {
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  if (name == "float16" || name == "fp16" || name == "half") return at::kHalf;
+  if (name == "float32" || name == "fp32" || name == "float") return at::kFloat;
+  throw UsageError("dtype must be bfloat16, float16 or float32, not '" + name + "'");
+}
+
+std::string ExportReport::to_json() const {
+  json j;
+  j["source"] = source;
+  j["out"] = out;
+  j["parameters"] = parameters;
+  j["dtype"] = dtype;
+  j["aux_layer_ids"] = aux_layer_ids;
+  return j.dump();
+}
+
+ExportReport export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
+                               const ExportCheckpointOptions& options) {
+  std::string source = checkpoint;
+  std::error_code ec;
+  if (!fs::exists(fs::path(source) / "config.json", ec)) {
+    const auto latest = find_latest_checkpoint(source);
+    if (!latest)
+      throw UsageError(checkpoint + ": neither a draft folder (config.json + model.safetensors) nor an output "
+                       "folder with checkpoint-STEP folders");
+    source = *latest;
+  }
+  if (out_dir.empty()) throw UsageError("--out is required");
+  if (fs::weakly_canonical(source, ec) == fs::weakly_canonical(out_dir, ec))
+    throw UsageError("--out must differ from the checkpoint folder");
+  DraftModel draft = load_draft(source);
+  if (!options.aux_layer_ids.empty()) {
+    DraftConfig config = draft.config();
+    config.aux_layer_ids = options.aux_layer_ids;
+    config.check();
+    DraftModel renamed(config, draft.d2t(), at::Tensor());
+    for (const auto& [name, value] : draft.named_parameters()) renamed.load_parameter(name, value);
+    draft = renamed;
+  }
+  ExportOptions eo;
+  if (!options.dtype.empty()) eo.dtype = parse_float_dtype(options.dtype);
+  export_draft(draft, out_dir, eo);
+  ExportReport r;
+  r.source = source;
+  r.out = out_dir;
+  for (const auto& p : draft.parameters()) r.parameters += p.numel();
+  r.dtype = std::string(dtype_name(to_dtype(eo.dtype.value_or(draft.dtype()))));
+  r.aux_layer_ids = draft.config().aux_layer_ids;
+  return r;
+}
+
+}  // namespace eaglekit::trainer

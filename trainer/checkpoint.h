@@ -1,0 +1,106 @@
+// Training checkpoints: OUT/checkpoint-STEP/, everything a run needs to continue exactly
+// where it stopped.
+//
+//   config.json, model.safetensors  the draft in export format (trainer/export.h), in the
+//                                   parameters' dtype (float32: bit-exact), so a checkpoint
+//                                   is also a servable draft and an --init-draft folder
+//   optimizer.safetensors           AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME" (float32)
+//   rng.safetensors                 LibTorch generator states ("cpu", "cuda" when used), uint8
+//   trainer_state.json              {"format": "eaglekit-checkpoint", "version": 1, "step",
+//                                   "epoch", "sampler": SamplerState, "optimizer_steps",
+//                                   "schedule_total_steps", "tokens", "world_size", "cp_size"}
+//   train_options.json              the TrainOptions of the run (TrainOptions::to_json)
+//
+// A checkpoint is written into OUT/.checkpoint-STEP.tmp-PID/ and renamed into place once
+// every file is on disk, so a folder named checkpoint-STEP is always complete; an older
+// folder of the same name is replaced. find_latest_checkpoint() also checks that each file
+// is present before it trusts a folder.
+//
+// Errors: IoError (cannot write, rename or read), FormatError (a file that does not parse or
+// lacks a field). Not thread-safe; one writer (rank 0).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lib/sampler.h"
+#include "trainer/draft_model.h"
+
+namespace eaglekit::trainer {
+
+struct TrainerState {
+  std::int64_t step = 0;  // optimizer steps done
+  std::uint64_t epoch = 0;
+  SamplerState sampler;   // the loader's state after the last batch of `step`
+  std::int64_t optimizer_steps = 0;
+  std::int64_t schedule_total_steps = 0;  // what the LR schedule was computed for
+  double tokens = 0;                      // real tokens trained on so far (all ranks)
+  int world_size = 1;
+  int cp_size = 1;
+
+  std::string to_json() const;
+  static TrainerState from_json(const std::string& text, const std::string& where);
+};
+
+struct Checkpoint {
+  TrainerState state;
+  std::vector<std::pair<std::string, at::Tensor>> optimizer;  // AdamW::state()
+  std::vector<std::pair<std::string, at::Tensor>> rng;        // generator name -> uint8 state
+  std::string options_json;                                   // TrainOptions::to_json()
+};
+
+// "checkpoint-STEP"
+std::string checkpoint_name(std::int64_t step);
+// OUT/checkpoint-STEP, written atomically as described above. Returns the folder.
+std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt);
+
+struct LoadedCheckpoint {
+  std::string dir;
+  DraftModel draft;  // float32 on the CPU (trainer/export.h load_draft)
+  Checkpoint checkpoint;
+};
+// Reads a folder written by save_checkpoint. Throws IoError / FormatError naming the file.
+LoadedCheckpoint load_checkpoint(const std::string& dir);
+
+// True when DIR holds every file of a checkpoint and its trainer_state.json parses.
+bool is_complete_checkpoint(const std::string& dir);
+// The complete checkpoint folder with the highest step directly below `out_dir`;
+// nullopt when there is none (or out_dir does not exist).
+std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);
+// `--resume [DIR]`: DIR itself when it is a complete checkpoint, else the newest complete
+// checkpoint below it. Throws UsageError saying what was looked for when there is none.
+std::string resolve_resume(const std::string& dir);
+
+// The generator states worth saving: "cpu", and "cuda" when CUDA is initialized.
+std::vector<std::pair<std::string, at::Tensor>> capture_rng_state();
+void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& states);
+
+// `eaglekit export CHECKPOINT --out DIR`: a checkpoint (or any draft folder in export format,
+// or an output folder: its newest checkpoint) re-exported, with the aux layer ids replaced
+// when given (the ids the dump used) and the weights cast to `dtype` ("" keep; "bfloat16",
+// "bf16", "float16", "fp16", "float32", "fp32").
+struct ExportCheckpointOptions {
+  std::vector<std::int64_t> aux_layer_ids;
+  std::string dtype;
+};
+struct ExportReport {
+  std::string source;  // the folder read
+  std::string out;
+  std::int64_t parameters = 0;
+  std::string dtype;
+  std::vector<std::int64_t> aux_layer_ids;
+  std::string to_json() const;
+};
+ExportReport export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
+                               const ExportCheckpointOptions& options = {});
+
+// "bfloat16"/"bf16" -> kBFloat16, "float16"/"fp16"/"half" -> kHalf, "float32"/"fp32"/"float"
+// -> kFloat; UsageError otherwise.
+c10::ScalarType parse_float_dtype(const std::string& name);
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,257 @@
+#include "trainer/draft_model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+#include "formats/error.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+// Llama's RMSNorm: normalize in float32, scale in the input dtype (as Hugging Face does).
+struct RmsNormImpl : torch::nn::Module {
+  RmsNormImpl(std::int64_t n, double eps) : eps(eps) {
+    weight = register_parameter("weight", torch::ones({n}));
+  }
+  at::Tensor forward(const at::Tensor& x) const {
+    const auto in_dtype = x.scalar_type();
+    at::Tensor xf = x.to(at::kFloat);
+    xf = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return weight * xf.to(in_dtype);
+  }
+  at::Tensor weight;
+  double eps;
+};
+
+torch::nn::Linear linear(std::int64_t in, std::int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const DraftConfig& c) {
+    const std::int64_t in = 2 * c.hidden_size;
+    q_proj = register_module("q_proj", linear(in, c.num_attention_heads * c.head_dim));
+    k_proj = register_module("k_proj", linear(in, c.num_key_value_heads * c.head_dim));
+    v_proj = register_module("v_proj", linear(in, c.num_key_value_heads * c.head_dim));
+    o_proj = register_module("o_proj", linear(c.num_attention_heads * c.head_dim, c.hidden_size));
+  }
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+};
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const DraftConfig& c) {
+    gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size));
+    up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size));
+    down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return down_proj(F::silu(gate_proj(x)) * up_proj(x));
+  }
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+
+struct MidLayerImpl : torch::nn::Module {
+  explicit MidLayerImpl(const DraftConfig& c) {
+    input_layernorm = register_module("input_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+    hidden_norm = register_module("hidden_norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+    self_attn = register_module("self_attn", std::make_shared<AttentionImpl>(c));
+    post_attention_layernorm = register_module(
+        "post_attention_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+    mlp = register_module("mlp", std::make_shared<MlpImpl>(c));
+  }
+  std::shared_ptr<RmsNormImpl> input_layernorm, hidden_norm, post_attention_layernorm;
+  std::shared_ptr<AttentionImpl> self_attn;
+  std::shared_ptr<MlpImpl> mlp;
+};
+
+struct DraftModuleImpl : torch::nn::Module {
+  explicit DraftModuleImpl(const DraftConfig& c) {
+    fc = register_module("fc", linear(c.aux_width(), c.hidden_size));
+    midlayer = register_module("midlayer", std::make_shared<MidLayerImpl>(c));
+    norm = register_module("norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+    lm_head = register_module("lm_head", linear(c.hidden_size, c.draft_vocab_size));
+  }
+  torch::nn::Linear fc{nullptr};
+  std::shared_ptr<MidLayerImpl> midlayer;
+  std::shared_ptr<RmsNormImpl> norm;
+  torch::nn::Linear lm_head{nullptr};
+};
+
+void check_d2t(const at::Tensor& d2t, const DraftConfig& c) {
+  if (!d2t.defined() || d2t.dim() != 1 || d2t.size(0) != c.draft_vocab_size ||
+      d2t.scalar_type() != at::kLong) {
+    throw UsageError("d2t must be an int64 tensor [" + std::to_string(c.draft_vocab_size) +
+                     "] (the draft vocabulary size)");
+  }
+  const at::Tensor target = d2t.cpu() + torch::arange(c.draft_vocab_size, torch::kLong);
+  if (c.draft_vocab_size > 0 &&
+      (target.min().item<std::int64_t>() < 0 || target.max().item<std::int64_t>() >= c.vocab_size)) {
+    throw UsageError("d2t maps a draft token outside the target vocabulary [0, " +
+                     std::to_string(c.vocab_size) + ")");
+  }
+  if (std::get<0>(at::_unique(target)).numel() != c.draft_vocab_size)
+    throw UsageError("d2t maps two draft tokens to the same target token");
+}
+
+}  // namespace
+
+struct DraftModel::Impl {
+  DraftConfig config;
+  std::shared_ptr<DraftModuleImpl> module;
+  at::Tensor d2t;
+};
+
+at::Tensor rope_inv_freq(const DraftConfig& c) {
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  at::Tensor inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, c.head_dim, 2, opts) / static_cast<double>(c.head_dim));
+  if (c.rope_scaling.type == RopeType::kLlama3) {
+    // Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    const auto& r = c.rope_scaling;
+    const double old_len = static_cast<double>(r.original_max_position_embeddings);
+    const double low_freq_wavelen = old_len / r.low_freq_factor;
+    const double high_freq_wavelen = old_len / r.high_freq_factor;
+    const at::Tensor wavelen = 2.0 * M_PI / inv;
+    const at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    const at::Tensor blended = (1.0 - smooth) * inv / r.factor + smooth * inv;
+    at::Tensor out = torch::where(wavelen > low_freq_wavelen, inv / r.factor, blended);
+    inv = torch::where(wavelen < high_freq_wavelen, inv, out);
+  }
+  return inv;
+}
+
+RotaryTable rope_table(const DraftConfig& c, const at::Tensor& positions) {
+  const at::Tensor inv = rope_inv_freq(c).to(positions.device());
+  const at::Tensor angles = positions.to(torch::kDouble).unsqueeze(-1) * inv;
+  const at::Tensor emb = torch::cat({angles, angles}, -1);
+  return {emb.cos().to(torch::kFloat), emb.sin().to(torch::kFloat)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const RotaryTable& t) {
+  const std::int64_t half = x.size(-1) / 2;
+  const at::Tensor xf = x.to(torch::kFloat);
+  const at::Tensor rotated = torch::cat({-xf.narrow(-1, half, half), xf.narrow(-1, 0, half)}, -1);
+  // Per-row tables [B, L, D] broadcast over the heads dimension.
+  const at::Tensor cos = t.cos.dim() == 3 ? t.cos.unsqueeze(1) : t.cos;
+  const at::Tensor sin = t.sin.dim() == 3 ? t.sin.unsqueeze(1) : t.sin;
+  return (xf * cos + rotated * sin).to(x.scalar_type());
+}
+
+DraftModel::DraftModel(const DraftConfig& config, const at::Tensor& d2t, const at::Tensor& base_lm_head,
+                       std::uint64_t seed)
+    : impl_(std::make_shared<Impl>()) {
+  config.check();
+  check_d2t(d2t, config);
+  impl_->config = config;
+  impl_->module = std::make_shared<DraftModuleImpl>(config);
+  impl_->d2t = d2t.to(torch::kCPU).clone();
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  for (auto& p : impl_->module->named_parameters()) {
+    if (p.key().size() > 7 && p.key().compare(p.key().size() - 7, 7, ".weight") == 0 && p.value().dim() == 2)
+      p.value().normal_(0.0, 0.02, gen);
+  }
+  if (base_lm_head.defined()) {
+    if (base_lm_head.dim() != 2 || base_lm_head.size(0) != config.vocab_size ||
+        base_lm_head.size(1) != config.hidden_size) {
+      throw UsageError("base lm_head has shape " + std::string(c10::str(base_lm_head.sizes())) +
+                       ", expected [" + std::to_string(config.vocab_size) + ", " +
+                       std::to_string(config.hidden_size) + "]");
+    }
+    impl_->module->lm_head->weight.copy_(
+        base_lm_head.to(torch::kCPU).index_select(0, draft_to_target()).to(torch::kFloat));
+  }
+}
+
+DraftModel::~DraftModel() = default;
+DraftModel::DraftModel(const DraftModel&) = default;
+DraftModel& DraftModel::operator=(const DraftModel&) = default;
+
+const DraftConfig& DraftModel::config() const { return impl_->config; }
+const at::Tensor& DraftModel::d2t() const { return impl_->d2t; }
+
+at::Tensor DraftModel::draft_to_target() const {
+  return impl_->d2t + torch::arange(impl_->d2t.size(0), impl_->d2t.options());
+}
+
+at::Tensor DraftModel::t2d() const {
+  at::Tensor t2d = torch::zeros({impl_->config.vocab_size}, impl_->d2t.options().dtype(torch::kBool));
+  t2d.index_fill_(0, draft_to_target(), true);
+  return t2d;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> DraftModel::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : impl_->module->named_parameters()) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
+std::vector<at::Tensor> DraftModel::parameters() const { return impl_->module->parameters(); }
+
+torch::nn::Module& DraftModel::module() { return *impl_->module; }
+
+void DraftModel::load_parameter(const std::string& name, const at::Tensor& value) {
+  at::Tensor* p = impl_->module->named_parameters().find(name);
+  if (p == nullptr) throw UsageError("the draft has no parameter '" + name + "'");
+  if (p->sizes() != value.sizes()) {
+    throw UsageError("parameter '" + name + "' has shape " + c10::str(p->sizes()) + ", got " +
+                     c10::str(value.sizes()));
+  }
+  torch::NoGradGuard no_grad;
+  p->copy_(value);
+}
+
+void DraftModel::set_d2t(const at::Tensor& d2t) {
+  check_d2t(d2t, impl_->config);
+  impl_->d2t = d2t.to(impl_->d2t.device()).clone();
+}
+
+void DraftModel::to(c10::Device device, c10::ScalarType dtype) {
+  impl_->module->to(device, dtype);
+  impl_->d2t = impl_->d2t.to(device);
+}
+
+c10::Device DraftModel::device() const { return impl_->module->fc->weight.device(); }
+c10::ScalarType DraftModel::dtype() const { return impl_->module->fc->weight.scalar_type(); }
+void DraftModel::train(bool on) { impl_->module->train(on); }
+
+at::Tensor DraftModel::fc(const at::Tensor& aux) const { return impl_->module->fc(aux); }
+
+at::Tensor DraftModel::norm_embeddings(const at::Tensor& emb) const {
+  return impl_->module->midlayer->input_layernorm->forward(emb);
+}
+
+Qkv DraftModel::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope) const {
+  const auto& c = impl_->config;
+  const auto& layer = *impl_->module->midlayer;
+  const at::Tensor h = c.modelopt_norm ? layer.input_layernorm->forward(hidden) : hidden;
+  const at::Tensor x = torch::cat({emb_normed.to(h.scalar_type()), layer.hidden_norm->forward(h)}, -1);
+  const std::int64_t b = x.size(0), l = x.size(1);
+  auto heads = [&](const at::Tensor& t, std::int64_t n) {
+    return t.view({b, l, n, c.head_dim}).transpose(1, 2);
+  };
+  Qkv out;
+  out.q = apply_rope(heads(layer.self_attn->q_proj(x), c.num_attention_heads), rope);
+  out.k = apply_rope(heads(layer.self_attn->k_proj(x), c.num_key_value_heads), rope);
+  out.v = heads(layer.self_attn->v_proj(x), c.num_key_value_heads);
+  return out;
+}
+
+at::Tensor DraftModel::finish_layer(const at::Tensor& hidden, const at::Tensor& attn) const {
+  auto& layer = *impl_->module->midlayer;
+  const std::int64_t b = attn.size(0), l = attn.size(2);
+  const at::Tensor merged = attn.transpose(1, 2).reshape({b, l, attn.size(1) * attn.size(3)});
+  const at::Tensor residual = hidden + layer.self_attn->o_proj(merged.to(hidden.scalar_type()));
+  return residual + layer.mlp->forward(layer.post_attention_layernorm->forward(residual));
+}
+
+at::Tensor DraftModel::logits(const at::Tensor& layer_out) const {
+  return impl_->module->lm_head(impl_->module->norm->forward(layer_out));
+}
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,49 @@
+// The draft on disk as vLLM and SGLang load it (SPEC.md section 9), and back: a Hugging
+// Face style folder with config.json and model.safetensors.
+//
+//   model.safetensors ({"format": "pt"} metadata; no "model." prefix; Linear weights [out, in]):
+//     fc.weight                                  [H, k*Ht]   aux layers low to high
+//     midlayer.input_layernorm.weight            [H]         applied to the embeddings
+//     midlayer.hidden_norm.weight                [H]         applied to the fc output
+//     midlayer.self_attn.{q,k,v}_proj.weight     [heads*D | kv_heads*D, 2H]
+//                                                            embedding columns, then hidden
+//     midlayer.self_attn.o_proj.weight           [H, heads*D]
+//     midlayer.post_attention_layernorm.weight   [H]
+//     midlayer.mlp.{gate,up}_proj.weight         [I, H]
+//     midlayer.mlp.down_proj.weight              [H, I]
+//     norm.weight                                [H]
+//     lm_head.weight                             [Vd, H]
+//     d2t                                        [Vd] int64  target id = i + d2t[i]
+//     t2d                                        [V] bool
+//   No embed_tokens (servers use the target's).
+//   config.json: draft_config_json() (trainer/config.h).
+//
+// Errors: IoError (cannot write/read), FormatError (a tensor missing, of the wrong shape or
+// unknown; t2d inconsistent with d2t), UsageError (aux layer ids unknown at export).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "trainer/draft_model.h"
+
+namespace eaglekit::trainer {
+
+struct ExportOptions {
+  // Float dtype of the weights written (config.json torch_dtype follows); nullopt: the
+  // draft's parameter dtype, so that a float32 export loads back bit-exactly.
+  std::optional<c10::ScalarType> dtype;
+};
+
+// Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created).
+void export_draft(const DraftModel& draft, const std::string& dir, const ExportOptions& options = {});
+
+// Reads an exported folder (ours, or a published EAGLE-3 draft in the same layout): the
+// config from config.json, every weight, d2t (identity when absent and Vd == V). An
+// `embed_tokens.weight` in the file is ignored. The draft is float32 on the CPU.
+DraftModel load_draft(const std::string& dir);
+
+}  // namespace eaglekit::trainer

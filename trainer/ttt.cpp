@@ -1,0 +1,490 @@
+#include "trainer/ttt.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "formats/error.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+constexpr double kLossEps = 1e-5;  // SPEC.md section 7: loss_s = ce / (sum(m) + 1e-5)
+const double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Enables autocast for one device type for the guard's lifetime and restores the previous
+// state. The API moved in LibTorch 2.4 (per-device-type setters).
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype) : device_(device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    prev_enabled_ = at::autocast::is_autocast_enabled(device);
+    prev_dtype_ = at::autocast::get_autocast_dtype(device);
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::set_autocast_dtype(device, dtype);
+#else
+    if (device == c10::DeviceType::CUDA) {
+      prev_enabled_ = at::autocast::is_enabled();
+      prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(dtype);
+    } else {
+      prev_enabled_ = at::autocast::is_cpu_enabled();
+      prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
+      at::autocast::set_cpu_enabled(true);
+      at::autocast::set_autocast_cpu_dtype(dtype);
+    }
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(device_, prev_enabled_);
+    at::autocast::set_autocast_dtype(device_, prev_dtype_);
+#else
+    if (device_ == c10::DeviceType::CUDA) {
+      at::autocast::set_enabled(prev_enabled_);
+      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
+    } else {
+      at::autocast::set_cpu_enabled(prev_enabled_);
+      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    }
+#endif
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool prev_enabled_ = false;
+  c10::ScalarType prev_dtype_ = c10::ScalarType::BFloat16;
+};
+
+// Rows shifted towards higher positions by d along dim 2 ([B, heads, L, D]) or dim 1
+// ([B, L]); the first d rows are zero.
+at::Tensor shift_rows(const at::Tensor& x, std::int64_t d, std::int64_t dim) {
+  const std::int64_t n = x.size(dim);
+  if (d == 0) return x;
+  if (d >= n) return at::zeros_like(x);
+  return at::cat({at::zeros_like(x.narrow(dim, 0, d)), x.narrow(dim, 0, n - d)}, dim);
+}
+
+// A finite row maximum to subtract before exp (0 where a row has no allowed key), outside
+// the autograd graph: it cancels mathematically.
+at::Tensor safe_max(const at::Tensor& m) {
+  const at::Tensor d = m.detach();
+  return at::where(at::isfinite(d), d, at::zeros_like(d));
+}
+
+void check_qkv(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+               const std::vector<at::Tensor>& v_blocks, std::int64_t step) {
+  if (q.dim() != 4) throw UsageError("TTT attention: q must be [B, heads, L, D]");
+  if (static_cast<std::int64_t>(k_blocks.size()) != step + 1 || v_blocks.size() != k_blocks.size())
+    throw UsageError("TTT attention: step " + std::to_string(step) + " needs " +
+                     std::to_string(step + 1) + " key/value blocks, got " + std::to_string(k_blocks.size()));
+  for (const auto& k : k_blocks) {
+    if (k.dim() != 4 || k.size(0) != q.size(0) || k.size(2) != q.size(2) || k.size(3) != q.size(3) ||
+        q.size(1) % k.size(1) != 0)
+      throw UsageError("TTT attention: key block shape " + c10::str(k.sizes()) +
+                       " does not fit q " + c10::str(q.sizes()));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Mask
+
+bool ttt_allowed(std::int64_t length, std::int64_t step, std::int64_t q, std::int64_t j) {
+  if (j >= 0 && j <= q - step) return true;
+  for (std::int64_t i = 1; i <= step; ++i) {
+    if (j == i * length + q - (step - i) && j >= i * length) return true;
+  }
+  return false;
+}
+
+at::Tensor ttt_mask(std::int64_t length, std::int64_t step, std::int64_t q_begin, std::int64_t q_end,
+                    std::int64_t k_begin, std::int64_t k_end, c10::Device device) {
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor q = at::arange(q_begin, q_end, opts).unsqueeze(1);
+  const at::Tensor j = at::arange(k_begin, k_end, opts).unsqueeze(0);
+  const at::Tensor block = at::div(j, length, "floor");
+  const at::Tensor pos = j - block * length;
+  const at::Tensor base = (block == 0) & (pos <= q - step);
+  // Block i >= 1: the key of position q - (s - i), when that position exists.
+  const at::Tensor chain = (block >= 1) & (block <= step) & (pos == q - (step - block));
+  return base | chain;
+}
+
+at::Tensor ttt_mask(std::int64_t length, std::int64_t step, c10::Device device) {
+  return ttt_mask(length, step, 0, length, 0, length * (step + 1), device);
+}
+
+const at::Tensor& TttMaskCache::block0(std::int64_t length, std::int64_t step, c10::Device device) {
+  const auto key = std::make_tuple(length, step, static_cast<int>(device.type()), static_cast<int>(device.index()));
+  auto it = masks_.find(key);
+  if (it == masks_.end()) it = masks_.emplace(key, ttt_mask(length, step, 0, length, 0, length, device)).first;
+  return it->second;
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention primitives
+
+AttentionPartial attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& allowed, double scale) {
+  const std::int64_t b = q.size(0), heads = q.size(1), lq = q.size(2), d = q.size(3);
+  const std::int64_t kv_heads = k.size(1), lk = k.size(2), rep = heads / kv_heads;
+  // Query heads sharing a kv head are consecutive: fold them into the row dimension so the
+  // keys are never copied per head.
+  const at::Tensor qg = q.reshape({b, kv_heads, rep * lq, d});
+  at::Tensor scores = at::matmul(qg, k.transpose(-1, -2)).to(at::kFloat).mul(scale).view({b, kv_heads, rep, lq, lk});
+  at::Tensor mask = allowed;
+  while (mask.dim() < 3) mask = mask.unsqueeze(0);
+  scores = scores.masked_fill(mask.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
+  const at::Tensor m = safe_max(std::get<0>(scores.max(-1)));
+  const at::Tensor e = at::exp(scores - m.unsqueeze(-1));
+  const at::Tensor den = e.sum(-1);
+  at::Tensor out = at::matmul(e.view({b, kv_heads, rep * lq, lk}).to(v.scalar_type()), v).to(at::kFloat);
+  const at::Tensor has_key = den > 0;
+  const at::Tensor den_safe = at::where(has_key, den, at::ones_like(den));
+  out = out.view({b, kv_heads, rep, lq, d}) / den_safe.unsqueeze(-1);
+  const at::Tensor lse = at::where(has_key, m + at::log(den_safe), at::full_like(den, kNegInf));
+  return {out.view({b, heads, lq, d}), lse.view({b, heads, lq})};
+}
+
+AttentionPartial merge_partials(const AttentionPartial& a, const AttentionPartial& b) {
+  const at::Tensor m = safe_max(at::maximum(a.lse, b.lse));
+  const at::Tensor wa = at::exp(a.lse - m), wb = at::exp(b.lse - m);
+  const at::Tensor total = wa + wb;
+  const at::Tensor has_key = total > 0;
+  const at::Tensor total_safe = at::where(has_key, total, at::ones_like(total));
+  AttentionPartial r;
+  r.out = (a.out * wa.unsqueeze(-1) + b.out * wb.unsqueeze(-1)) / total_safe.unsqueeze(-1);
+  r.lse = at::where(has_key, m + at::log(total_safe), at::full_like(total, kNegInf));
+  return r;
+}
+
+at::Tensor ttt_attention_dense(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
+                               std::int64_t step, double scale, const at::Tensor& document_ids) {
+  check_qkv(q, k_blocks, v_blocks, step);
+  const std::int64_t l = q.size(2);
+  const at::Tensor k = at::cat(k_blocks, 2), v = at::cat(v_blocks, 2);
+  at::Tensor allowed = ttt_mask(l, step, q.device()).unsqueeze(0) &
+                       key_valid.to(at::kBool).repeat({1, step + 1}).unsqueeze(1);
+  if (document_ids.defined()) {
+    allowed = allowed & (document_ids.unsqueeze(2) == document_ids.repeat({1, step + 1}).unsqueeze(1));
+  }
+  return attend(q, k, v, allowed, scale).out.to(q.scalar_type());
+}
+
+at::Tensor ttt_attention_local(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
+                               std::int64_t step, double scale, const at::Tensor& document_ids,
+                               TttMaskCache* cache) {
+  check_qkv(q, k_blocks, v_blocks, step);
+  const std::int64_t b = q.size(0), heads = q.size(1), l = q.size(2), d = q.size(3);
+  const std::int64_t kv_heads = k_blocks[0].size(1), rep = heads / kv_heads;
+  const at::Tensor valid = key_valid.to(at::kBool);
+
+  // Block 0: the base features, a causal mask shifted by the step (j <= q - s).
+  at::Tensor allowed0 = cache ? cache->block0(l, step, q.device())
+                              : ttt_mask(l, step, 0, l, 0, l, q.device());
+  allowed0 = allowed0.unsqueeze(0) & valid.unsqueeze(1);
+  if (document_ids.defined()) allowed0 = allowed0 & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1));
+  const at::Tensor qg = q.reshape({b, kv_heads, rep * l, d});
+  at::Tensor s0 = at::matmul(qg, k_blocks[0].transpose(-1, -2)).to(at::kFloat).mul(scale).view({b, kv_heads, rep, l, l});
+  s0 = s0.masked_fill(allowed0.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
+  at::Tensor m = std::get<0>(s0.max(-1));
+
+  // Blocks i >= 1: exactly one key per query, the draft chain's own position q - (s - i).
+  const at::Tensor q5 = q.reshape({b, kv_heads, rep, l, d}).to(at::kFloat);
+  const at::Tensor positions = at::arange(l, at::TensorOptions().dtype(at::kLong).device(q.device()));
+  std::vector<at::Tensor> chain_scores, chain_values;
+  for (std::int64_t i = 1; i <= step; ++i) {
+    const std::int64_t shift = step - i;
+    const at::Tensor k_i = shift_rows(k_blocks[i], shift, 2).to(at::kFloat);
+    at::Tensor ok = (positions >= shift).unsqueeze(0) & shift_rows(valid, shift, 1);
+    if (document_ids.defined()) ok = ok & (document_ids == shift_rows(document_ids, shift, 1));
+    at::Tensor sc = (q5 * k_i.unsqueeze(2)).sum(-1).mul(scale);
+    sc = sc.masked_fill(ok.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
+    m = at::maximum(m, sc);
+    chain_scores.push_back(sc);
+    chain_values.push_back(shift_rows(v_blocks[i], shift, 2));
+  }
+
+  const at::Tensor mx = safe_max(m);
+  const at::Tensor e0 = at::exp(s0 - mx.unsqueeze(-1));
+  at::Tensor den = e0.sum(-1);
+  const at::Tensor& v0 = v_blocks[0];
+  at::Tensor out = at::matmul(e0.view({b, kv_heads, rep * l, l}).to(v0.scalar_type()), v0)
+                       .to(at::kFloat)
+                       .view({b, kv_heads, rep, l, d});
+  for (std::size_t c = 0; c < chain_scores.size(); ++c) {
+    const at::Tensor e = at::exp(chain_scores[c] - mx);
+    den = den + e;
+    out = out + e.unsqueeze(-1) * chain_values[c].to(at::kFloat).unsqueeze(2);
+  }
+  const at::Tensor den_safe = at::where(den > 0, den, at::ones_like(den));
+  out = out / den_safe.unsqueeze(-1);
+  return out.view({b, heads, l, d}).to(q.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------
+// Single-rank sequence layout
+
+at::Tensor SingleRankContext::shift_right(const at::Tensor& x) { return shift_rows(x, 1, 1); }
+
+at::Tensor SingleRankContext::shift_left(const at::Tensor& x) {
+  const std::int64_t n = x.size(1);
+  if (n <= 1) return at::zeros_like(x);
+  return at::cat({x.narrow(1, 1, n - 1), at::zeros_like(x.narrow(1, 0, 1))}, 1);
+}
+
+at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                                        const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
+                                        std::int64_t step, double scale, const at::Tensor& document_ids) {
+  return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
+}
+
+// ---------------------------------------------------------------------------------------
+// Stats
+
+TttStats::TttStats(std::int64_t steps)
+    : ce_sum(steps, 0.0), mask_sum(steps, 0.0), correct(steps, 0.0), cond_correct(steps, 0.0),
+      cond_total(steps, 0.0) {}
+
+TttStats& TttStats::operator+=(const TttStats& o) {
+  if (o.steps() != steps()) {
+    throw UsageError("cannot add TTT statistics of " + std::to_string(o.steps()) + " steps to " +
+                     std::to_string(steps()) + " steps");
+  }
+  for (std::size_t s = 0; s < ce_sum.size(); ++s) {
+    ce_sum[s] += o.ce_sum[s];
+    mask_sum[s] += o.mask_sum[s];
+    correct[s] += o.correct[s];
+    cond_correct[s] += o.cond_correct[s];
+    cond_total[s] += o.cond_total[s];
+  }
+  return *this;
+}
+
+namespace {
+std::vector<double> ratio(const std::vector<double>& num, const std::vector<double>& den) {
+  std::vector<double> r(num.size(), 0.0);
+  for (std::size_t i = 0; i < num.size(); ++i) r[i] = den[i] > 0 ? num[i] / den[i] : 0.0;
+  return r;
+}
+double acceptance(const std::vector<double>& acc) {
+  double total = 1.0, prod = 1.0;
+  for (double a : acc) {
+    prod *= a;
+    total += prod;
+  }
+  return total;
+}
+}  // namespace
+
+std::vector<double> TttStats::loss_per_step() const { return ratio(ce_sum, mask_sum); }
+
+double TttStats::loss(double decay) const {
+  double total = 0.0, w = 1.0;
+  for (double l : loss_per_step()) {
+    total += w * l;
+    w *= decay;
+  }
+  return total;
+}
+
+std::vector<double> TttStats::acc() const { return ratio(correct, mask_sum); }
+std::vector<double> TttStats::cond_acc() const { return ratio(cond_correct, cond_total); }
+double TttStats::est_ar() const { return acceptance(acc()); }
+double TttStats::est_ar_conditional() const { return acceptance(cond_acc()); }
+
+at::Tensor TttStats::to_tensor() const {
+  at::Tensor t = at::zeros({5, steps()}, at::kDouble);
+  auto a = t.accessor<double, 2>();
+  for (std::int64_t s = 0; s < steps(); ++s) {
+    a[0][s] = ce_sum[s];
+    a[1][s] = mask_sum[s];
+    a[2][s] = correct[s];
+    a[3][s] = cond_correct[s];
+    a[4][s] = cond_total[s];
+  }
+  return t;
+}
+
+TttStats TttStats::from_tensor(const at::Tensor& t) {
+  if (t.dim() != 2 || t.size(0) != 5) throw UsageError("TTT statistics tensor must be [5, S]");
+  const at::Tensor c = t.to(at::kCPU, at::kDouble).contiguous();
+  auto a = c.accessor<double, 2>();
+  TttStats s(t.size(1));
+  for (std::int64_t i = 0; i < s.steps(); ++i) {
+    s.ce_sum[i] = a[0][i];
+    s.mask_sum[i] = a[1][i];
+    s.correct[i] = a[2][i];
+    s.cond_correct[i] = a[3][i];
+    s.cond_total[i] = a[4][i];
+  }
+  return s;
+}
+
+at::Tensor ttt_loss(const at::Tensor& ce_sum, const at::Tensor& normalizer, double decay) {
+  const std::int64_t steps = ce_sum.size(0);
+  const at::Tensor weights =
+      at::pow(decay, at::arange(steps, at::TensorOptions().dtype(at::kDouble))).to(ce_sum.device(), at::kFloat);
+  return (weights * ce_sum / (normalizer.to(ce_sum.device(), at::kFloat) + kLossEps)).sum();
+}
+
+// ---------------------------------------------------------------------------------------
+// The unroll
+
+struct TttUnroll::Impl {
+  Impl(DraftModel d, TttOptions o) : draft(std::move(d)), options(o) {}
+  DraftModel draft;
+  TttOptions options;
+  at::Tensor embed_tokens;  // [V, H] frozen, on the draft's device
+  at::Tensor target_head;   // [Vd, H] frozen
+  SingleRankContext local;
+};
+
+TttUnroll::TttUnroll(const BaseModel& base, DraftModel draft, TttOptions options)
+    : impl_(std::make_unique<Impl>(std::move(draft), options)) {
+  const DraftConfig& c = impl_->draft.config();
+  if (options.steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  if (!base.embed_tokens.defined() || !base.lm_head.defined())
+    throw UsageError("the base model has no embed_tokens / lm_head");
+  if (base.embed_tokens.dim() != 2 || base.embed_tokens.size(0) != c.vocab_size ||
+      base.embed_tokens.size(1) != c.hidden_size || base.lm_head.sizes() != base.embed_tokens.sizes()) {
+    throw UsageError("the base model's embeddings " + c10::str(base.embed_tokens.sizes()) + " / lm_head " +
+                     c10::str(base.lm_head.sizes()) + " do not match the draft (vocab_size " +
+                     std::to_string(c.vocab_size) + ", hidden_size " + std::to_string(c.hidden_size) + ")");
+  }
+  at::NoGradGuard no_grad;
+  const c10::Device device = impl_->draft.device();
+  impl_->embed_tokens = base.embed_tokens.detach().to(device);
+  impl_->target_head = base.lm_head.detach().to(device).index_select(0, impl_->draft.draft_to_target());
+}
+
+TttUnroll::~TttUnroll() = default;
+TttUnroll::TttUnroll(TttUnroll&&) noexcept = default;
+TttUnroll& TttUnroll::operator=(TttUnroll&&) noexcept = default;
+
+DraftModel& TttUnroll::draft() { return impl_->draft; }
+const TttOptions& TttUnroll::options() const { return impl_->options; }
+const at::Tensor& TttUnroll::target_head() const { return impl_->target_head; }
+
+TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
+  SequenceContext& cx = context ? *context : impl_->local;
+  DraftModel& draft = impl_->draft;
+  const DraftConfig& c = draft.config();
+  const std::int64_t steps = impl_->options.steps;
+  const c10::Device device = draft.device();
+  const c10::ScalarType dtype = draft.dtype();
+
+  if (!batch.input_ids.defined() || batch.input_ids.dim() != 2)
+    throw UsageError("TTT batch: input_ids must be [B, L]");
+  const std::int64_t b = batch.input_ids.size(0), n = batch.input_ids.size(1);
+  auto check = [&](const at::Tensor& t, const char* name, std::vector<std::int64_t> shape) {
+    if (!t.defined() || t.sizes() != at::IntArrayRef(shape))
+      throw UsageError(std::string("TTT batch: ") + name + " has shape " +
+                       (t.defined() ? c10::str(t.sizes()) : std::string("(none)")) + ", expected " +
+                       c10::str(at::IntArrayRef(shape)));
+  };
+  check(batch.attention_mask, "attention_mask", {b, n});
+  check(batch.loss_mask, "loss_mask", {b, n});
+  check(batch.hidden_states, "hidden_states", {b, n, c.hidden_size});
+  check(batch.aux_hidden_states, "aux_hidden_states", {b, n, c.aux_width()});
+  const bool packed = batch.document_ids.defined();
+  if (packed) {
+    check(batch.document_ids, "document_ids", {b, n});
+    check(batch.position_ids, "position_ids", {b, n});
+  }
+  if (n < 1) throw UsageError("TTT batch: empty sequence");
+
+  std::optional<AutocastGuard> autocast;
+  if (impl_->options.autocast) autocast.emplace(device.type(), *impl_->options.autocast);
+
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor ids = batch.input_ids.to(device, at::kLong);
+  const at::Tensor docs = packed ? batch.document_ids.to(device, at::kLong) : at::Tensor();
+  // Positions: RoPE angles and "this position exists at step s" (position >= s).
+  const at::Tensor positions = packed ? batch.position_ids.to(device, at::kLong)
+                                      : at::arange(cx.global_offset(), cx.global_offset() + n, long_opts);
+  const RotaryTable rope = rope_table(c, positions);
+
+  // Key t stands for token t + 1 (emb is rolled left), so it is real when token t + 1 is.
+  at::Tensor next_same_doc;
+  at::Tensor key_valid = cx.shift_left(batch.attention_mask.to(device) != 0);
+  if (packed) {
+    next_same_doc = cx.shift_left(docs) == docs;
+    key_valid = key_valid & next_same_doc;
+  }
+  at::Tensor emb;
+  at::Tensor p_target, target_argmax, loss_weight;
+  {
+    at::NoGradGuard no_grad;
+    emb = at::embedding(impl_->embed_tokens, cx.shift_left(ids)).to(dtype);
+    // Target at position t: the base distribution of hidden state t + 1 over the draft vocab.
+    const at::Tensor hs_next = cx.shift_left(batch.hidden_states.to(device));
+    const at::Tensor target_logits =
+        at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
+    p_target = at::softmax(target_logits, -1);
+    target_argmax = target_logits.argmax(-1);
+    loss_weight = cx.shift_left(batch.loss_mask.to(device).to(at::kFloat));
+    if (packed) loss_weight = loss_weight * next_same_doc.to(at::kFloat);
+  }
+  const at::Tensor emb_normed = draft.norm_embeddings(emb);
+  at::Tensor hidden = draft.fc(batch.aux_hidden_states.to(device, dtype));
+
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  std::vector<at::Tensor> k_blocks, v_blocks, ce, mask_sums, counts;
+  at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
+  at::Tensor prev_out;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    if (s > 0) hidden = cx.shift_right(prev_out);
+    Qkv qkv = draft.qkv(emb_normed, hidden, rope);
+    k_blocks.push_back(qkv.k);
+    v_blocks.push_back(qkv.v);
+    const at::Tensor attn = cx.attention(qkv.q, k_blocks, v_blocks, key_valid, s, scale, docs);
+    const at::Tensor out = draft.finish_layer(hidden, attn);
+    const at::Tensor logits = draft.logits(out).to(at::kFloat);
+    const at::Tensor logp = at::log_softmax(logits, -1);
+    // Draft position t predicts the target at t + 1, from step s on (SPEC: [:, s:L-1]).
+    const at::Tensor weight = loss_weight * (positions >= s).to(at::kFloat);
+    ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
+    mask_sums.push_back(weight.sum());
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor counted = weight != 0;
+      const at::Tensor right = (logits.argmax(-1) == target_argmax) & counted;
+      counts.push_back(right.sum());
+      counts.push_back((right & chain_ok).sum());
+      counts.push_back((counted & chain_ok).sum());
+      // The chain starting at base position u is at t = u + s in step s.
+      chain_ok = cx.shift_right(chain_ok & right);
+    }
+    prev_out = out;
+  }
+  autocast.reset();
+
+  TttResult r;
+  r.ce_sum = at::stack(ce);
+  r.mask_sum = at::stack(mask_sums).detach();
+  r.loss = ttt_loss(r.ce_sum, cx.sum_across(r.mask_sum), impl_->options.loss_decay);
+  const at::Tensor host = at::cat({r.ce_sum.detach().to(at::kDouble).unsqueeze(0),
+                                   r.mask_sum.to(at::kDouble).unsqueeze(0),
+                                   at::stack(counts).to(at::kDouble).view({steps, 3}).t()},
+                                  0)
+                              .cpu();
+  r.stats = TttStats::from_tensor(host);
+  return r;
+}
+
+}  // namespace eaglekit::trainer
