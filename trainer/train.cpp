@@ -862,8 +862,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     grad_norm = clip_grad_norm(params, opts.grad_clip);
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
       if (show_progress) std::cerr << "\n";
-      const std::string what = !std::isfinite(loss) ? "the loss is " + std::to_string(loss)
-                                                    : "the gradient norm is " + std::to_string(grad_norm);
+      auto name = [](double x) { return std::string(std::isnan(x) ? "NaN" : x > 0 ? "+inf" : "-inf"); };
+      const std::string what = !std::isfinite(loss) ? "the loss is " + name(loss) : "the gradient norm is " + name(grad_norm);
       throw TrainingError("training stopped at step " + std::to_string(step + 1) + " (epoch " +
                           std::to_string(epoch_of_step) + "): " + what +
                           "; nothing was saved after it, the last good checkpoint is " +

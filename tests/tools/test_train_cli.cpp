@@ -1,0 +1,197 @@
+// `eaglekit vocab`, `train`, `evaluate` and `export` as a user runs them on a tiny synthetic
+// dataset: the whole job end to end, JSON outputs, exit codes, resume, and SIGTERM.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "formats/safetensors_format.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Job {
+  test::TempDir dir{"train-cli"};
+  std::string data = dir / "data/conversations.jsonl";
+  std::string index = dir / "index.eki";
+  std::string base = dir / "base";
+  std::string data_args() const {
+    return " --data " + test::quote(data) + " --index " + test::quote(index) + " --base " + test::quote(base);
+  }
+};
+
+std::unique_ptr<Job> make_job() {
+  auto job = std::make_unique<Job>();
+  auto r = test::eaglekit("synth --out " + test::quote(job->dir / "data") +
+                          " --conversations 40 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28"
+                          " --dtype fp32 --jobs 2 --seed 4 --base-out " + test::quote(job->base));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(job->dir / "data") + " --out " + test::quote(job->index) + " --jobs 2");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  return job;
+}
+
+// Largest relative difference between the float tensors of two safetensors files.
+double max_rel_diff(const std::string& a_path, const std::string& b_path) {
+  const auto a = SafetensorsFile::open(a_path), b = SafetensorsFile::open(b_path);
+  REQUIRE(a->entries().size() == b->entries().size());
+  double worst = 0;
+  for (const auto& e : a->entries()) {
+    const auto x = a->get(e.name), y = b->get(e.name);
+    REQUIRE(y);
+    REQUIRE(x->numel() == y->numel());
+    double scale = 1e-12, diff = 0;
+    for (std::int64_t i = 0; i < x->numel(); ++i) {
+      scale = std::max(scale, std::abs(y->get(i)));
+      diff = std::max(diff, std::abs(x->get(i) - y->get(i)));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+std::size_t count_lines(const std::string& path) {
+  std::ifstream f(path);
+  std::size_t n = 0;
+  std::string line;
+  while (std::getline(f, line)) n += !line.empty();
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("train cli: vocab -> train (config + flags) -> evaluate -> export, end to end") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  auto r = test::eaglekit("vocab --data " + test::quote(job->data) + " --index " + test::quote(job->index) +
+                          " --base " + test::quote(job->base) + " --draft-vocab-size 32 --out " +
+                          test::quote(d + "/d2t.pt") + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto vocab = nlohmann::json::parse(r.out);
+  CHECK(vocab["draft_vocab_size"] == 32);
+  CHECK(vocab["vocab_size"] == 48);
+  CHECK(vocab["coverage"].get<double>() > 0.5);
+
+  // Config file values, overridden by flags (max_steps 999 -> 24).
+  test::write_text(d + "/cfg.json",
+                   R"({"max_length": 24, "batch-size": 4, "lr": 0.01, "log_every": 6, "jobs": 2, "max_steps": 999,
+                       "eval_fraction": 0.2, "warmup_steps": 2})");
+  r = test::eaglekit("train --config " + test::quote(d + "/cfg.json") + job->data_args() + " --out " +
+                     test::quote(d + "/out") + " --d2t " + test::quote(d + "/d2t.pt") +
+                     " --max-steps 24 --eval-every 12 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto trained = nlohmann::json::parse(r.out);
+  CHECK(trained["steps"] == 24);
+  CHECK(trained["interrupted"] == false);
+  CHECK(trained["final_dir"] == d + "/out/final");
+  CHECK(trained["eval"]["acc"][0].get<double>() > 5.0 / 32);  // chance: 1/32
+  CHECK(count_lines(d + "/out/metrics.jsonl") == 4 + 2);  // steps 6..24, evals at 12 and 24
+  CHECK(fs::exists(d + "/out/checkpoint-24/optimizer.safetensors"));
+  CHECK(r.err.find("matched") != std::string::npos);  // the data summary
+
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
+                     " --split all --max-length 24 --batch-size 3 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto ev = nlohmann::json::parse(r.out);
+  for (const char* k : {"loss", "loss_per_step", "acc", "cond_acc", "est_ar", "tokens"}) CHECK_MESSAGE(ev.contains(k), k);
+  CHECK(ev["acc"].size() == 3);
+  CHECK(ev["acc"][0].get<double>() > 10.0 / 32);
+  CHECK(ev["est_ar"].get<double>() > 1.3);
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
+                     " --split all --max-length 24 --batch-size 8");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("est_ar") != std::string::npos);
+
+  r = test::eaglekit("export " + test::quote(d + "/out") + " --out " + test::quote(d + "/served") +
+                     " --aux-layer-ids 2,16,29 --dtype bf16 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["source"] == d + "/out/checkpoint-24");
+  const auto cfg = nlohmann::json::parse(std::ifstream(d + "/served/config.json"));
+  CHECK(cfg["architectures"][0] == "LlamaForCausalLMEagle3");
+  CHECK(cfg["draft_vocab_size"] == 32);
+  CHECK(cfg["eagle_aux_hidden_state_layer_ids"] == nlohmann::json({2, 16, 29}));
+  CHECK(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == nlohmann::json({1, 15, 28}));
+  const auto st = SafetensorsFile::open(d + "/served/model.safetensors");
+  REQUIRE(st->find("lm_head.weight"));
+  CHECK(st->get("lm_head.weight")->dtype == DType::kBFloat16);
+  CHECK(st->get("d2t")->dtype == DType::kInt64);
+  CHECK(st->get("t2d")->dtype == DType::kBool);
+  CHECK(!st->find("embed_tokens.weight"));
+
+  // Exit codes: 2 for usage, 1 for data and runtime errors.
+  CHECK(test::eaglekit("train --out " + test::quote(d + "/x")).exit_code == 2);
+  CHECK(test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/x") + " --schedule step").exit_code == 2);
+  CHECK(test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/x") + " --resume").exit_code == 2);
+  CHECK(test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/out")).exit_code == 2);  // has checkpoints
+  CHECK(test::eaglekit("train --config " + test::quote(d + "/nope.json")).exit_code == 2);
+  auto bad_base = test::eaglekit("train --data " + test::quote(job->data) + " --index " + test::quote(job->index) +
+                                 " --base " + test::quote(d + "/no-base") + " --out " + test::quote(d + "/y"));
+  CHECK(bad_base.exit_code == 1);
+  CHECK(bad_base.err.find("no-base") != std::string::npos);
+  CHECK(test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/missing")).exit_code == 1);
+  CHECK(test::eaglekit("export " + test::quote(d + "/out")).exit_code == 2);
+  CHECK(test::eaglekit("vocab --data " + test::quote(job->data) + " --index " + test::quote(job->index) +
+                       " --base " + test::quote(job->base) + " --draft-vocab-size 100 --out " + test::quote(d + "/v.pt"))
+            .exit_code == 2);
+  for (const char* cmd : {"train", "evaluate", "vocab", "export"}) {
+    const auto h = test::eaglekit(std::string(cmd) + " --help");
+    CHECK(h.exit_code == 0);
+    CHECK(h.out.find("--") != std::string::npos);
+  }
+}
+
+TEST_CASE("train cli: --resume continues exactly; SIGTERM saves a checkpoint and exits cleanly") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() +
+                             " --max-length 24 --batch-size 2 --grad-accum 2 --schedule constant --lr 0.005 --jobs 2"
+                             " --log-every 1 --eval-every -1";
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/whole") + " --max-steps 6");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 3");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 6 --resume");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("resuming from " + d + "/split/checkpoint-3") != std::string::npos);
+  CHECK(max_rel_diff(d + "/split/checkpoint-6/model.safetensors", d + "/whole/checkpoint-6/model.safetensors") < 1e-6);
+  CHECK(max_rel_diff(d + "/split/checkpoint-3/model.safetensors", d + "/whole/checkpoint-6/model.safetensors") > 1e-4);
+  CHECK(count_lines(d + "/split/metrics.jsonl") == 6);
+  // An explicit checkpoint folder works too.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 7 --resume " +
+                     test::quote(d + "/split/checkpoint-6"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(fs::exists(d + "/split/checkpoint-7"));
+
+  // SIGTERM mid-run: a checkpoint at the next step boundary, exit 0, then --resume goes on.
+  const std::string out = d + "/term";
+  const std::string cmd = "train" + common + " --out " + test::quote(out) + " --max-steps 1000000";
+  const char* bin = std::getenv("EAGLEKIT_BIN");
+  const std::string exe = bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
+  const std::string script = test::quote(exe) + " " + cmd + " > " + test::quote(d + "/term.out") +
+                             " 2> " + test::quote(d + "/term.err") + " & pid=$!; i=0; "
+                             "while [ ! -s " + test::quote(out + "/metrics.jsonl") + " ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; "
+                             "kill -TERM $pid; wait $pid; echo rc=$?";
+  r = test::run("bash -c " + test::quote(script));
+  CHECK_MESSAGE(r.out.find("rc=0") != std::string::npos, (r.out + r.err));
+  std::ifstream term_out(d + "/term.out");
+  const std::string printed((std::istreambuf_iterator<char>(term_out)), std::istreambuf_iterator<char>());
+  CHECK_MESSAGE(printed.find("interrupted at step") != std::string::npos, printed);
+  std::string latest;
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.path().filename().string().rfind("checkpoint-", 0) == 0) latest = e.path().string();
+  REQUIRE(!latest.empty());
+  CHECK(fs::exists(latest + "/trainer_state.json"));
+  CHECK(!fs::exists(out + "/final"));
+  const auto state = nlohmann::json::parse(std::ifstream(latest + "/trainer_state.json"));
+  const std::int64_t at = state["step"];
+  r = test::eaglekit("train" + common + " --out " + test::quote(out) + " --resume --max-steps " + std::to_string(at + 2));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(fs::exists(out + "/final/model.safetensors"));
+}

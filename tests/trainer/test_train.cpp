@@ -1,0 +1,366 @@
+// The training loop: schedule, AdamW against torch.optim.AdamW, exact gradient
+// accumulation, the normalizer computed ahead of the forward, learning on synthetic data,
+// metrics.jsonl, options JSON, and the non-finite stop.
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "formats/pt_format.h"
+#include "lib/collate.h"
+#include "lib/loader.h"
+#include "tests/support.h"
+#include "tests/trainer/train_data.h"
+#include "trainer/base_model.h"
+#include "trainer/checkpoint.h"
+#include "trainer/evaluate.h"
+#include "trainer/export.h"
+#include "trainer/train.h"
+#include "trainer/vocab.h"
+
+namespace fs = std::filesystem;
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train: learning-rate schedules (warmup, cosine, linear, constant)") {
+  const double lr = 1e-3;
+  // Warmup ramps linearly to lr at its last step.
+  CHECK(learning_rate(lr, Schedule::kCosine, 4, 20, 0) == doctest::Approx(lr / 4));
+  CHECK(learning_rate(lr, Schedule::kCosine, 4, 20, 3) == doctest::Approx(lr));
+  // Cosine: lr after warmup, lr/2 halfway through the decay, 0 at the end.
+  CHECK(learning_rate(lr, Schedule::kCosine, 4, 20, 4) == doctest::Approx(lr));
+  CHECK(learning_rate(lr, Schedule::kCosine, 4, 20, 12) == doctest::Approx(lr / 2));
+  CHECK(learning_rate(lr, Schedule::kCosine, 4, 20, 20) == doctest::Approx(0.0));
+  CHECK(learning_rate(lr, Schedule::kLinear, 0, 10, 5) == doctest::Approx(lr / 2));
+  CHECK(learning_rate(lr, Schedule::kLinear, 0, 10, 10) == doctest::Approx(0.0));
+  CHECK(learning_rate(lr, Schedule::kConstant, 2, 10, 0) == doctest::Approx(lr / 2));
+  CHECK(learning_rate(lr, Schedule::kConstant, 2, 10, 9) == doctest::Approx(lr));
+  CHECK(parse_schedule("cosine") == Schedule::kCosine);
+  CHECK(!parse_schedule("exponential"));
+}
+
+TEST_CASE("train: AdamW equals torch.optim.AdamW (decay on matrices only)") {
+  if (!test::python_has("torch")) return;
+  test::TempDir dir("adamw");
+  at::manual_seed(7);
+  const at::Tensor w0 = at::randn({5, 3}), n0 = at::randn({3});
+  std::vector<at::Tensor> grads;
+  for (int i = 0; i < 4; ++i) grads.push_back(at::randn({5, 3})), grads.push_back(at::randn({3}));
+  std::vector<PtEntry> entries = {{"w", to_host_tensor(w0)}, {"n", to_host_tensor(n0)}};
+  for (std::size_t i = 0; i < grads.size(); ++i) entries.push_back({"g" + std::to_string(i), to_host_tensor(grads[i])});
+  write_pt(dir / "in.pt", entries);
+
+  at::Tensor w = w0.clone().set_requires_grad(true), n = n0.clone().set_requires_grad(true);
+  AdamW::Options ao;
+  ao.beta1 = 0.8;
+  ao.beta2 = 0.95;
+  ao.eps = 1e-6;
+  ao.weight_decay = 0.1;
+  AdamW opt({{"w", w}, {"n", n}}, ao);
+  const double lrs[4] = {1e-2, 2e-2, 5e-3, 1e-2};
+  for (int i = 0; i < 4; ++i) {
+    opt.zero_grad();
+    w.mutable_grad() = grads[2 * i].clone();
+    n.mutable_grad() = grads[2 * i + 1].clone();
+    opt.step(lrs[i]);
+  }
+  CHECK(opt.steps() == 4);
+  const auto r = test::python(R"(
+import sys, torch
+d = torch.load(sys.argv[1])
+w = torch.nn.Parameter(d["w"].clone()); n = torch.nn.Parameter(d["n"].clone())
+opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [n], "weight_decay": 0.0}],
+                        lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
+for i, lr in enumerate([1e-2, 2e-2, 5e-3, 1e-2]):
+    for g in opt.param_groups: g["lr"] = lr
+    w.grad = d["g%d" % (2 * i)].clone(); n.grad = d["g%d" % (2 * i + 1)].clone()
+    opt.step()
+torch.save({"w": w.detach(), "n": n.detach(), "m": opt.state[w]["exp_avg"], "v": opt.state[w]["exp_avg_sq"]}, sys.argv[2])
+)",
+                              {dir / "in.pt", dir / "out.pt"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const PtContents py = read_pt(dir / "out.pt");
+  auto get = [&](const char* k) { return tensor_from_host(*py.tensor(k)); };
+  CHECK(at::allclose(w.detach(), get("w"), 1e-6, 1e-7));
+  CHECK(at::allclose(n.detach(), get("n"), 1e-6, 1e-7));
+  const auto state = opt.state();
+  REQUIRE(state.size() == 4);
+  CHECK(state[0].first == "exp_avg.w");
+  CHECK(at::allclose(state[0].second, get("m"), 1e-6, 1e-7));
+  CHECK(at::allclose(state[1].second, get("v"), 1e-6, 1e-7));
+
+  // Moments restore exactly; a missing one is named.
+  AdamW again({{"w", w}, {"n", n}}, ao);
+  again.load_state(state, 4, "opt.safetensors");
+  CHECK(again.steps() == 4);
+  CHECK(at::equal(again.state()[1].second, state[1].second));
+  auto missing = state;
+  missing.pop_back();
+  CHECK_THROWS_WITH_AS(again.load_state(missing, 4, "opt.safetensors"),
+                       "opt.safetensors: exp_avg_sq.n: missing optimizer state", FormatError);
+}
+
+TEST_CASE("train: clip_grad_norm is torch's global-norm clipping") {
+  at::Tensor a = at::zeros({2}).set_requires_grad(true), b = at::zeros({1}).set_requires_grad(true);
+  a.mutable_grad() = at::tensor({3.0f, 0.0f});
+  b.mutable_grad() = at::tensor({4.0f});
+  CHECK(clip_grad_norm({a, b}, 10.0) == doctest::Approx(5.0));
+  CHECK(a.grad()[0].item<float>() == doctest::Approx(3.0));  // under the limit: untouched
+  CHECK(clip_grad_norm({a, b}, 1.0) == doctest::Approx(5.0));
+  CHECK(b.grad()[0].item<float>() == doctest::Approx(4.0 / (5.0 + 1e-6)));
+  b.mutable_grad() = at::tensor({NAN});
+  CHECK(std::isnan(clip_grad_norm({a, b}, 1.0)));
+}
+
+TEST_CASE("train: the normalizer computed ahead equals the unroll's mask sums (pad, longest, pack, cp chunks)") {
+  auto job = test::make_synth_job(12, 48, 6, 30);
+  DataSelection sel;
+  sel.data = job->data;
+  sel.index = job->index;
+  sel.split = "all";
+  const SelectedData data = select_data(sel);
+  const BaseModel base = load_base_model(job->base);
+  DraftOptions dopts;
+  const DraftConfig cfg = draft_config_from_base(base.config, dopts);
+  TttOptions to;
+  to.steps = 4;
+  TttUnroll unroll(base, DraftModel(cfg, identity_d2t(cfg.vocab_size), base.lm_head, 1), to);
+  at::NoGradGuard no_grad;
+  for (const char* mode : {"pad", "longest", "pack"}) {
+    CAPTURE(mode);
+    LoaderOptions lo;
+    lo.collate.mode = *parse_collate_mode(mode);
+    lo.collate.max_length = 24;
+    lo.sampler.batch_size = 3;
+    lo.sampler.epochs = 1;
+    lo.jobs = 2;
+    Loader loader(data.dataset, data.samples, lo);
+    int batches = 0;
+    while (auto b = loader.next()) {
+      const TttResult r = unroll.forward(to_ttt_batch(*b));
+      const at::Tensor mine = loss_mask_sums(*b, 4);
+      CHECK(at::allclose(mine, r.mask_sum.to(at::kDouble), 0, 1e-3));
+      ++batches;
+    }
+    CHECK(batches > 0);
+  }
+  // A context-parallel chunk's share: the shares of the chunks add up to the whole row's.
+  for (const char* mode : {"pad", "pack"}) {
+    CAPTURE(mode);
+    at::Tensor whole = at::zeros({4}, at::kDouble), chunks = at::zeros({4}, at::kDouble);
+    for (int cp_rank = -1; cp_rank < 3; ++cp_rank) {
+      LoaderOptions lo;
+      lo.collate.mode = *parse_collate_mode(mode);
+      lo.collate.max_length = 24;
+      if (cp_rank >= 0) {
+        lo.collate.cp_size = 3;
+        lo.collate.cp_rank = cp_rank;
+      }
+      lo.sampler.batch_size = 4;
+      lo.sampler.epochs = 1;
+      lo.jobs = 2;
+      Loader loader(data.dataset, data.samples, lo);
+      while (auto b = loader.next()) (cp_rank < 0 ? whole : chunks) += loss_mask_sums(*b, 4);
+    }
+    CHECK(at::equal(whole, chunks));
+    CHECK(whole[0].item<double>() > whole[3].item<double>());
+  }
+}
+
+TEST_CASE("train: gradient accumulation equals one big batch") {
+  auto job = test::make_synth_job(24);
+  auto run = [&](std::int64_t batch, std::int64_t accum, const std::string& out) {
+    TrainOptions o = test::small_options(*job, out);
+    o.batch_size = batch;
+    o.grad_accum = accum;
+    o.max_steps = 3;
+    o.shuffle = false;
+    o.weight_decay = 0.01;
+    o.schedule = "linear";
+    o.warmup_steps = 1;
+    run_training(o);
+    return test::read_weights(out + "/checkpoint-3/model.safetensors");
+  };
+  test::TempDir dir("accum");
+  const auto big = run(4, 1, dir / "b4");
+  const auto two = run(2, 2, dir / "b2x2");
+  const auto four = run(1, 4, dir / "b1x4");
+  CHECK(test::max_rel_diff(two, big) < 1e-5);
+  CHECK(test::max_rel_diff(four, big) < 1e-5);
+  // ... and a different batch trains to different weights (the comparison can fail).
+  const auto other = run(2, 1, dir / "b2");
+  CHECK(test::max_rel_diff(other, big) > 1e-3);
+}
+
+TEST_CASE("train: a short run raises step-0 accuracy far above chance; metrics.jsonl has every field") {
+  auto job = test::make_synth_job(60, 48, 12, 28);
+  test::TempDir dir("learn");
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.draft_vocab_size = 32;  // d2t counted over the train split
+  o.max_steps = 60;
+  o.lr = 1e-2;
+  o.warmup_steps = 5;
+  o.log_every = 20;
+  o.eval_every = 30;
+  o.eval_fraction = 0.25;
+  std::vector<std::string> lines;
+  TrainHooks hooks;
+  hooks.on_metrics = [&](const std::string& l) { lines.push_back(l); };
+  const TrainResult r = run_training(o, nullptr, hooks);
+  CHECK(r.steps == 60);
+  CHECK(!r.interrupted);
+  REQUIRE(r.eval_stats);
+  const double chance = 1.0 / 32;
+  const auto acc = r.eval_stats->acc();
+  INFO("eval acc[0] = " << acc[0]);
+  CHECK(acc[0] > 10 * chance);
+  CHECK(r.eval_stats->est_ar() > 1.3);
+  CHECK(r.tokens_per_s > 0);
+  CHECK(fs::exists(dir / "out/final/model.safetensors"));
+  CHECK(fs::exists(dir / "out/checkpoint-60/trainer_state.json"));
+
+  const auto rows = read_jsonl(dir / "out/metrics.jsonl");
+  REQUIRE(rows.size() == lines.size());
+  int train_rows = 0, eval_rows = 0;
+  for (const auto& j : rows) {
+    if (j.contains("split")) {
+      CHECK(j["split"] == "eval");
+      for (const char* k : {"step", "loss", "loss_per_step", "acc", "cond_acc", "est_ar", "tokens"}) CHECK(j.contains(k));
+      ++eval_rows;
+    } else {
+      for (const char* k : {"step", "epoch", "lr", "loss", "loss_per_step", "acc", "cond_acc", "est_ar", "grad_norm",
+                            "tokens_per_s", "loader_wait_ms"})
+        CHECK_MESSAGE(j.contains(k), k);
+      CHECK(j["loss_per_step"].size() == 3);
+      ++train_rows;
+    }
+  }
+  CHECK(train_rows == 3);  // steps 20, 40, 60
+  CHECK(eval_rows == 2);   // steps 30, 60
+  const double first_loss = rows.front()["loss"], last_loss = rows[rows.size() - 2]["loss"];
+  CHECK(last_loss < first_loss);
+  // The eval acc of the last line is the result's.
+  CHECK(rows.back()["acc"][0].get<double>() == doctest::Approx(acc[0]));
+  // The d2t was calibrated: the draft vocabulary is the 32 most frequent target tokens.
+  const DraftModel final_draft = load_draft(dir / "out/final");
+  CHECK(final_draft.config().draft_vocab_size == 32);
+}
+
+TEST_CASE("train: a non-finite loss stops the run with a clear message; the last good checkpoint stays") {
+  auto job = test::make_synth_job(24);
+  test::TempDir dir("nan");
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.max_steps = 10;
+  o.save_every = 2;
+  TrainHooks hooks;
+  hooks.after_step = [](std::int64_t step, DraftModel& d) {
+    if (step == 3) {
+      at::NoGradGuard g;
+      d.named_parameters()[0].second.fill_(NAN);
+    }
+    return true;
+  };
+  try {
+    run_training(o, nullptr, hooks);
+    FAIL("no error");
+  } catch (const TrainingError& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("training stopped at step 4") != std::string::npos);
+    CHECK(msg.find("the loss is NaN") != std::string::npos);
+    CHECK(msg.find("checkpoint-2") != std::string::npos);
+  }
+  CHECK(is_complete_checkpoint(dir / "out/checkpoint-2"));
+  CHECK(!fs::exists(dir / "out/checkpoint-4"));
+  CHECK(find_latest_checkpoint(dir / "out") == (dir / "out/checkpoint-2"));
+  // The saved weights are finite.
+  for (const auto& [name, t] : test::read_weights(dir / "out/checkpoint-2/model.safetensors"))
+    if (at::isFloatingType(t.scalar_type())) CHECK(at::isfinite(t).all().item<bool>());
+}
+
+TEST_CASE("train: options from JSON (either key style), refusals name the key") {
+  TrainOptions o;
+  o.apply_json(R"({"max-length": 64, "lr": 0.002, "aux_layer_ids": [1, 2, 3], "shuffle": false, "seed": 5,
+                  "schedule": "linear"})",
+               "cfg.json");
+  CHECK(o.max_length == 64);
+  CHECK(o.lr == 0.002);
+  CHECK(o.aux_layer_ids == std::vector<std::int64_t>{1, 2, 3});
+  CHECK(!o.shuffle);
+  CHECK(o.seed == 5);
+  TrainOptions back;
+  back.apply_json(o.to_json(), "round trip");
+  CHECK(back.to_json() == o.to_json());
+  CHECK_THROWS_WITH_AS(o.apply_json(R"({"learning_rate": 1})", "cfg.json"), "cfg.json: unknown option 'learning_rate'",
+                       UsageError);
+  CHECK_THROWS_WITH_AS(o.apply_json(R"({"max_steps": "ten"})", "cfg.json"),
+                       "cfg.json: option 'max_steps' must be an integer, not \"ten\"", UsageError);
+  CHECK_THROWS_WITH_AS(o.apply_json("[1]", "cfg.json"), "cfg.json: expected a JSON object of options", UsageError);
+  TrainOptions bad;
+  CHECK_THROWS_WITH_AS(bad.check(), "--data is required (the conversations)", UsageError);
+  bad.data = "d";
+  bad.index = "i";
+  bad.base = "b";
+  bad.out = "o";
+  bad.schedule = "step";
+  CHECK_THROWS_WITH_AS(bad.check(), "--schedule must be cosine, linear or constant, not 'step'", UsageError);
+  bad.schedule = "cosine";
+  bad.dtype = "int8";
+  CHECK_THROWS_WITH_AS(bad.check(), "--dtype must be float32 or bfloat16, not 'int8'", UsageError);
+}
+
+TEST_CASE("train: refuses an output folder that holds checkpoints unless resuming; vocab writes d2t") {
+  auto job = test::make_synth_job(16);
+  test::TempDir dir("refuse");
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.max_steps = 1;
+  run_training(o);
+  const std::string refused = "--out " + (dir / "out") +
+                              " already holds checkpoint-1; pass --resume to continue that run, or choose another --out";
+  CHECK_THROWS_WITH_AS(run_training(o), refused.c_str(), UsageError);
+  // eaglekit vocab: ModelOpt's d2t over the train split, equal to what train counts itself.
+  VocabOptions vo;
+  vo.data = job->data;
+  vo.index = job->index;
+  vo.base = job->base;
+  vo.draft_vocab_size = 20;
+  vo.out = dir / "d2t.pt";
+  vo.eval_fraction = 0.2;
+  const VocabReport vr = build_vocab(vo);
+  CHECK(vr.vocab_size == 48);
+  CHECK(vr.coverage > 0.5);
+  CHECK(vr.coverage <= 1.0);
+  const at::Tensor d2t = load_d2t(dir / "d2t.pt");
+  REQUIRE(d2t.size(0) == 20);
+  TrainOptions counted = test::small_options(*job, dir / "counted");
+  counted.max_steps = 1;
+  counted.draft_vocab_size = 20;
+  run_training(counted);
+  CHECK(at::equal(load_draft(dir / "counted/final").d2t(), d2t));
+  // The most frequent token is draft id 0.
+  DataSelection sel;
+  sel.data = job->data;
+  sel.index = job->index;
+  sel.eval_fraction = 0.2;
+  const SelectedData train = select_data(sel);
+  const auto counts = count_tokens(train.dataset, train.samples, 48, 2);
+  const auto top = std::max_element(counts.begin(), counts.end()) - counts.begin();
+  CHECK(d2t[0].item<std::int64_t>() == top);
+}
