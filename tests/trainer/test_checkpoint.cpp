@@ -20,18 +20,7 @@ namespace fs = std::filesystem;
 using namespace eaglekit;
 using namespace eaglekit::trainer;
 
-namespace {
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::ifstream f(path);
-  std::vector<nlohmann::json> out;
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-}  // namespace
+using test::read_jsonl;
 
 TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32, 1e-6)") {
   auto job = test::make_synth_job(30);

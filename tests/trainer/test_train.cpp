@@ -27,18 +27,7 @@ namespace fs = std::filesystem;
 using namespace eaglekit;
 using namespace eaglekit::trainer;
 
-namespace {
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::ifstream f(path);
-  std::vector<nlohmann::json> out;
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-}  // namespace
+using test::read_jsonl;
 
 TEST_CASE("train: learning-rate schedules (warmup, cosine, linear, constant)") {
   const double lr = 1e-3;

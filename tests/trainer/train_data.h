@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +76,16 @@ inline trainer::TrainOptions small_options(const SynthJob& job, const std::strin
 }
 
 // The float weights of a model.safetensors, by name.
+// Every JSON object of a .jsonl file (metrics.jsonl), in order.
+inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
 inline std::vector<std::pair<std::string, at::Tensor>> read_weights(const std::string& path) {
   const auto file = SafetensorsFile::open(path);
   std::vector<std::pair<std::string, at::Tensor>> out;
