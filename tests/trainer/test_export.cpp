@@ -1,6 +1,7 @@
 // LibTorch pulls in glog, whose CHECK macros clash with doctest's: include it first and
 // drop glog's names before doctest defines its own.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares at::NoGradGuard
 #undef CHECK
 #undef CHECK_EQ
 #undef CHECK_NE
@@ -80,7 +81,7 @@ TEST_CASE("export: export then load is bit-exact and computes the same loss") {
   CHECK(bc.torch_dtype == "float32");
 
   const TttBatch batch = fixtures::random_batch(c, 2, 10, {10, 7}, 92);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   TttUnroll u1(base, d), u2(base, back);
   CHECK(u1.forward(batch).loss.item<float>() == u2.forward(batch).loss.item<float>());
 }

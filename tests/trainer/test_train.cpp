@@ -2,6 +2,7 @@
 // accumulation, the normalizer computed ahead of the forward, learning on synthetic data,
 // metrics.jsonl, options JSON, and the non-finite stop.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares at::NoGradGuard
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -132,7 +133,7 @@ TEST_CASE("train: the normalizer computed ahead equals the unroll's mask sums (p
   TttOptions to;
   to.steps = 4;
   TttUnroll unroll(base, DraftModel(cfg, identity_d2t(cfg.vocab_size), base.lm_head, 1), to);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (const char* mode : {"pad", "longest", "pack"}) {
     CAPTURE(mode);
     LoaderOptions lo;
@@ -262,7 +263,7 @@ TEST_CASE("train: a non-finite loss stops the run with a clear message; the last
   TrainHooks hooks;
   hooks.after_step = [](std::int64_t step, DraftModel& d) {
     if (step == 3) {
-      at::NoGradGuard g;
+      c10::NoGradGuard g;
       d.named_parameters()[0].second.fill_(NAN);
     }
     return true;
