@@ -58,7 +58,7 @@ RunResult run(const std::string& command_line) {
   return r;
 }
 
-static std::string python_bin() {
+std::string python_bin() {
   const char* p = std::getenv("EAGLEKIT_PYTHON");
   return p ? p : "/usr/bin/python3";
 }

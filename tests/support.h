@@ -28,7 +28,10 @@ struct RunResult {
 
 // Runs a shell command line; captures stdout and stderr.
 RunResult run(const std::string& command_line);
-// Runs `python3 -c SCRIPT` with Debian's interpreter. Extra args follow the script.
+// The interpreter for interop tests: $EAGLEKIT_PYTHON, else Debian's /usr/bin/python3
+// (the python3 on PATH may lack torch/h5py).
+std::string python_bin();
+// Runs `python3 -c SCRIPT` with that interpreter. Extra args follow the script.
 RunResult python(const std::string& script, const std::vector<std::string>& args = {});
 bool python_has(const std::string& module);  // e.g. "torch", "h5py"
 // Runs the built eaglekit binary with args (already shell-quoted as needed).

@@ -310,7 +310,7 @@ TEST_CASE("pt: every torch.save variant reads equal (written now by Python torch
     return;
   }
   test::TempDir d("ptvar");
-  const auto r = test::run("/usr/bin/python3 " +
+  const auto r = test::run(test::python_bin() + " " +
                            test::quote(test::source_dir() + "/tests/data/pt/make_variants.py") +
                            " " + test::quote(d.path()));
   INFO(r.err);

@@ -208,7 +208,7 @@ TEST_CASE("ttt: loss, accuracies and gradients agree with the independent Python
     }
   }
   test::write_text(dir / "manifest.json", manifest.dump());
-  const auto py = test::run("/usr/bin/python3 " + test::quote(test::source_dir() + "/tests/trainer/reference_draft.py") +
+  const auto py = test::run(test::python_bin() + " " + test::quote(test::source_dir() + "/tests/trainer/reference_draft.py") +
                             " " + test::quote(dir / "manifest.json"));
   INFO(py.err);
   REQUIRE(py.exit_code == 0);
