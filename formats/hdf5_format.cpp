@@ -167,9 +167,16 @@ bool attr_exists(hid_t obj, const char* name, const std::string& path, const std
   return e > 0;
 }
 
-// A string attribute (variable-length or fixed-length, any character set).
-std::optional<std::string> read_string_attr(hid_t obj, const char* name, const std::string& path,
-                                            const std::string& field) {
+// An open attribute that holds exactly one value of class `cls`, or nullopt when the
+// attribute is absent. `noun` names the class in messages ("string", "integer").
+struct ScalarAttr {
+  Hid attr;
+  Hid type;
+  std::string what;
+};
+std::optional<ScalarAttr> open_scalar_attr(hid_t obj, const char* name, H5T_class_t cls,
+                                           const std::string& noun, const std::string& path,
+                                           const std::string& field) {
   if (!attr_exists(obj, name, path, field)) return std::nullopt;
   const std::string what = std::string("attribute ") + name;
   Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
@@ -177,9 +184,21 @@ std::optional<std::string> read_string_attr(hid_t obj, const char* name, const s
   Hid type(H5Aget_type(attr.get()), H5Tclose);
   Hid space(H5Aget_space(attr.get()), H5Sclose);
   if (!type.valid() || !space.valid()) fail_h5(path, field, "cannot read " + what);
-  if (H5Tget_class(type.get()) != H5T_STRING) fail(path, field, what + " is not a string");
+  const char* article = noun.front() == 'i' ? "an " : "a ";  // "an integer", "a string"
+  if (H5Tget_class(type.get()) != cls) fail(path, field, what + " is not " + article + noun);
   if (H5Sget_simple_extent_npoints(space.get()) != 1)
-    fail(path, field, what + " must hold exactly one string");
+    fail(path, field, what + " must hold exactly one " + noun);
+  return ScalarAttr{std::move(attr), std::move(type), what};
+}
+
+// A string attribute (variable-length or fixed-length, any character set).
+std::optional<std::string> read_string_attr(hid_t obj, const char* name, const std::string& path,
+                                            const std::string& field) {
+  auto a = open_scalar_attr(obj, name, H5T_STRING, "string", path, field);
+  if (!a) return std::nullopt;
+  const Hid& attr = a->attr;
+  const Hid& type = a->type;
+  const std::string& what = a->what;
   std::string out;
   if (H5Tis_variable_str(type.get()) > 0) {
     Hid mt(H5Tcopy(H5T_C_S1), H5Tclose);
@@ -204,18 +223,10 @@ std::optional<std::string> read_string_attr(hid_t obj, const char* name, const s
 
 std::optional<std::int64_t> read_int_attr(hid_t obj, const char* name, const std::string& path,
                                           const std::string& field) {
-  if (!attr_exists(obj, name, path, field)) return std::nullopt;
-  const std::string what = std::string("attribute ") + name;
-  Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
-  if (!attr.valid()) fail_h5(path, field, "cannot open " + what);
-  Hid type(H5Aget_type(attr.get()), H5Tclose);
-  Hid space(H5Aget_space(attr.get()), H5Sclose);
-  if (!type.valid() || !space.valid()) fail_h5(path, field, "cannot read " + what);
-  if (H5Tget_class(type.get()) != H5T_INTEGER) fail(path, field, what + " is not an integer");
-  if (H5Sget_simple_extent_npoints(space.get()) != 1)
-    fail(path, field, what + " must hold exactly one integer");
+  auto a = open_scalar_attr(obj, name, H5T_INTEGER, "integer", path, field);
+  if (!a) return std::nullopt;
   std::int64_t v = 0;
-  if (H5Aread(attr.get(), H5T_NATIVE_INT64, &v) < 0) fail_h5(path, field, "cannot read " + what);
+  if (H5Aread(a->attr.get(), H5T_NATIVE_INT64, &v) < 0) fail_h5(path, field, "cannot read " + a->what);
   return v;
 }
 
