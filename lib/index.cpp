@@ -972,7 +972,9 @@ std::string index_to_json(const DatasetIndex& index) {
     entries.push_back(std::move(je));
   }
   j["entries"] = std::move(entries);
-  return j.dump(2) + "\n";
+  // Paths, ids and error texts are bytes, not always UTF-8 (Linux file names): invalid
+  // sequences print as U+FFFD instead of making dump() throw.
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string index_report_to_text(const IndexReport& r, const std::string& out) {
@@ -1018,7 +1020,7 @@ std::string index_report_to_json(const IndexReport& r, const std::string& out) {
                       {"bad", r.bad},
                       {"seconds", r.seconds}};
   if (!r.previous_error.empty()) j["previous_error"] = r.previous_error;
-  return j.dump(2) + "\n";
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace eaglekit

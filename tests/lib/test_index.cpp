@@ -481,3 +481,52 @@ torch.save([{"input_ids": torch.arange(7, dtype=torch.int32), "hidden_state": to
   CHECK(n.hidden_dtype == DType::kFloat32);
   CHECK(n.has_loss_mask);
 }
+
+// Found by tests/fuzz (fuzz_index): a file name that is not UTF-8 (legal on Linux) made
+// index_to_json throw nlohmann's type_error 316 instead of printing.
+TEST_CASE("index: --show --json prints a path that is not UTF-8 (fuzz regression)") {
+  test::TempDir dir("idx");
+  IndexedFile f;
+  f.path = "/d/caf\xe9.pt";  // Latin-1 name
+  f.format = Format::kPt;
+  IndexedRecord r;
+  r.info.conversation_id = "caf\xe9";
+  r.info.tokens = 3;
+  f.records.push_back(r);
+  write_index(dir / "x.ekidx", {"/d"}, {f});
+  const DatasetIndex index = DatasetIndex::load(dir / "x.ekidx");
+  const auto j = nlohmann::json::parse(index_to_json(index));
+  CHECK(j["files"][0]["path"] == "/d/caf\xef\xbf\xbd.pt");  // U+FFFD
+  CHECK(j["entries"][0]["conversation_id"] == "caf\xef\xbf\xbd");
+
+  // The exact fuzz input; like the harness, fix its trailing checksum first.
+  std::vector<std::uint8_t> bytes = test::read_bytes(
+      test::source_dir() + "/tests/fuzz/regressions/index-invalid-utf8-path.ekindex");
+  const std::uint64_t h = XXH3_64bits(bytes.data(), bytes.size() - 8);
+  std::memcpy(bytes.data() + bytes.size() - 8, &h, 8);
+  const DatasetIndex fuzzed =
+      DatasetIndex::from_source(ByteSource::from_bytes(bytes, "fuzzed.ekidx"));
+  const auto k = nlohmann::json::parse(index_to_json(fuzzed));
+  CHECK(k["files"][1]["path"].get<std::string>().find("synth\xef\xbf\xbd") != std::string::npos);
+}
+
+// What tests/fuzz checks at scale (fuzz_index), pinned here: section counts far past the
+// file fail on the header alone (the checksum is made to match, so the counts are what
+// the loader judges).
+TEST_CASE("index: absurd section counts fail before any allocation") {
+  test::TempDir dir("idx");
+  const std::vector<std::uint8_t> good = sample_index_bytes(dir / "x.ekidx");
+  auto load_with = [&](std::uint64_t at, std::uint64_t value) {
+    std::vector<std::uint8_t> b = good;
+    std::memcpy(b.data() + at, &value, 8);
+    const std::uint64_t h = XXH3_64bits(b.data(), b.size() - 8);
+    std::memcpy(b.data() + b.size() - 8, &h, 8);
+    return error_of<FormatError>(
+        [&] { DatasetIndex::from_source(ByteSource::from_bytes(b, "big.ekidx")); });
+  };
+  CHECK(load_with(24, 1ull << 60) ==
+        "big.ekidx: entries at byte 64: count 1152921504606846976 is too large");
+  CHECK(load_with(32, 1ull << 31).find("big.ekidx: files at byte 56: section at byte ") == 0);
+  CHECK(load_with(88, 1ull << 41) ==
+        "big.ekidx: strings at byte 80: count 2199023255552 is too large");
+}
