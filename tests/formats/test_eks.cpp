@@ -649,3 +649,25 @@ print(n)
     CHECK(test::read_bytes(d / (r.conversation_id + ".loss_mask")) == bytes_of(*r.loss_mask));
   }
 }
+
+// What tests/fuzz checks at scale (fuzz_eks), pinned here: an index entry claiming a
+// tensor of 40 x 2^60 elements fails that record on the numbers alone, before anything
+// is allocated for it; the other records still read.
+TEST_CASE("eks: an absurd tensor shape in the index fails its record before any allocation") {
+  test::TempDir d("eks");
+  std::vector<Record> recs = {make_record("r0", 40, 16, 3, DType::kBFloat16, 51),
+                              make_record("r1", 40, 16, 3, DType::kBFloat16, 52)};
+  write_shard(d / "good.eks", recs, small_blocks());
+  auto b = test::read_bytes(d / "good.eks");
+  const IndexMap m = map_index(b);
+  // hidden_states: ..., i64 shape[1], u32 rows_per_block, u32 block_count, blocks...
+  put_le(b, m.recs[1].tensor_blocks[1] - 16, 1ull << 60, 8);
+  reseal(b);
+  const std::string p = d / "big.eks";
+  test::write_bytes(p, b);
+  const auto r = EksReader::open(p);
+  const std::string msg = error_of<FormatError>([&] { r->read(1); });
+  CHECK(msg.rfind(p + ": record 1 ('r1') hidden_states at byte ", 0) == 0);
+  CHECK(msg.find(": shape 40 x ... is too large") != std::string::npos);
+  check_same(r->read(0), recs[0]);
+}

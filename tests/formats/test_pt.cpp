@@ -771,3 +771,24 @@ TEST_CASE("pt: conversation id from the file name") {
   CHECK(conversation_id_from_path("noext") == "noext");
   CHECK(conversation_id_from_path(".hidden") == ".hidden");
 }
+
+// What tests/fuzz checks at scale (fuzz_pt), pinned here: sizes in data.pkl far past the
+// file fail on the numbers alone, before a byte is allocated or touched.
+TEST_CASE("pt: absurd storage and tensor sizes fail before any allocation") {
+  test::TempDir d("ptbig");
+  const std::vector<std::pair<std::string, std::string>> data = {{"data/0", zeros(32)},
+                                                                 {"data/1", zeros(32)}};
+  write_archive(d / "numel.pt", record_pickle(std::int64_t{1} << 60, 0, 2), data);
+  CHECK(has(open_error<FormatError>(d / "numel.pt"),
+            "wrong storage numel: data.pkl says 1152921504606846976 x int64 but the record "
+            "holds 32 bytes"));
+  // 2^62 x 8 bytes overflows 64 bits.
+  write_archive(d / "overflow.pt", record_pickle(std::int64_t{1} << 62, 0, 2), data);
+  CHECK(has(open_error<FormatError>(d / "overflow.pt"),
+            "wrong storage numel: data.pkl says 4611686018427387904 x int64 but the record "
+            "holds 32 bytes"));
+  write_archive(d / "rows.pt", record_pickle(4, 0, std::int64_t{1} << 60), data);
+  CHECK(has(open_error<FormatError>(d / "rows.pt"),
+            "wrong storage numel: offset 0, size [1152921504606846976], stride [1] need "
+            "1152921504606846976 elements of int64 but storage 'archive/data/0' holds 4"));
+}
