@@ -2,6 +2,7 @@
 // every masked position (independent of the batch size): an offline acceptance estimate.
 #include <cxxopts.hpp>
 
+#include <chrono>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -13,6 +14,8 @@
 #include "trainer/evaluate.h"
 
 namespace eaglekit::tools {
+
+std::chrono::milliseconds collective_timeout(double seconds);  // cmd_train.cpp
 
 int run_evaluate(int argc, char** argv) {
   const trainer::EvaluateOptions d;
@@ -39,6 +42,8 @@ int run_evaluate(int argc, char** argv) {
       ("jobs", "Loader threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
       ("threads", "LibTorch threads (0: its default)", cxxopts::value<int>()->default_value("0"))
       ("cp", "Context-parallel size", cxxopts::value<int>()->default_value("1"))
+      ("timeout", "Seconds a rendezvous or collective may wait for the other ranks before the job fails",
+       cxxopts::value<double>()->default_value("300"))
       ("json", "Print {\"loss\", \"loss_per_step\", \"acc\", \"cond_acc\", \"est_ar\", \"tokens\", ...}");
   auto args = parse_args(options, argc, argv);
   if (!args) return 0;
@@ -68,6 +73,7 @@ int run_evaluate(int argc, char** argv) {
 
   dist::GroupOptions go;
   go.cuda = trainer::parse_device(o.device).is_cuda();
+  go.timeout = collective_timeout(a["timeout"].as<double>());
   const dist::Mesh mesh = dist::Mesh::from_environment(o.cp_size, go);
   const trainer::EvaluateReport r = trainer::run_evaluate(o, &mesh);
   if (!mesh.is_main()) return 0;

@@ -3,6 +3,8 @@
 #include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -63,6 +65,13 @@ std::vector<std::string> join_resume(int argc, char** argv) {
 // Shared with cmd_evaluate / cmd_export.
 std::vector<std::int64_t> parse_layer_ids(const std::string& text, const char* flag) { return parse_ids(text, flag); }
 
+// --timeout SECONDS -> the bound on the rendezvous and on every collective (cmd_evaluate too).
+std::chrono::milliseconds collective_timeout(double seconds) {
+  if (!(seconds > 0) || seconds > 7 * 24 * 3600.0)
+    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(seconds));
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000)));
+}
+
 int run_train(int argc, char** argv) {
   const trainer::TrainOptions d;  // defaults, for the help text
   cxxopts::Options options(argv[0],
@@ -109,6 +118,8 @@ int run_train(int argc, char** argv) {
       ("dtype", "float32, or bfloat16 (autocast; weights stay float32) (default float32)", cxxopts::value<std::string>())
       ("threads", "LibTorch threads (default: its own)", cxxopts::value<int>())
       ("cp", "Context-parallel size (world / cp = data-parallel size) (default 1)", cxxopts::value<int>())
+      ("timeout", "Seconds a rendezvous or collective may wait for the other ranks before the job fails "
+       "with an error (default 300)", cxxopts::value<double>())
       ("eval-every", "Evaluate every N steps (0: at the end only; -1: never) (default 0)", cxxopts::value<std::int64_t>())
       ("save-every", "Checkpoint every N steps (one is always saved at the end)", cxxopts::value<std::int64_t>())
       ("log-every", "Metrics line every N steps (default 10)", cxxopts::value<std::int64_t>())
@@ -182,6 +193,7 @@ int run_train(int argc, char** argv) {
 
   dist::GroupOptions go;
   go.cuda = trainer::parse_device(o.device).is_cuda();
+  if (a.count("timeout")) go.timeout = collective_timeout(a["timeout"].as<double>());
   const dist::Mesh mesh = dist::Mesh::from_environment(o.cp_size, go);
   const trainer::TrainResult r = trainer::run_training(o, &mesh);
   if (!mesh.is_main()) return 0;
