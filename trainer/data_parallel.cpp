@@ -1,6 +1,7 @@
 #include "trainer/data_parallel.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -140,7 +141,7 @@ void GradientSync::finish() {
   st.armed = false;
   for (std::size_t b = 0; b < st.buckets.size(); ++b)
     if (!st.buckets[b].launched) st.launch(b);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (auto& bk : st.buckets) {
     bk.pending.wait();
     std::int64_t offset = 0;
@@ -167,7 +168,7 @@ std::size_t GradientSync::bucket_count() const { return state_->buckets.size(); 
 const dist::Group& GradientSync::group() const { return state_->group; }
 
 void broadcast_parameters(const dist::Group& group, const std::vector<at::Tensor>& parameters, int root) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (const at::Tensor& p : parameters) {
     at::Tensor t = p.detach();
     if (t.is_contiguous()) {

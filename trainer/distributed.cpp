@@ -5,8 +5,8 @@
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO 1
 #endif
-// NCCL is opt-in (-DEAGLEKIT_WITH_NCCL=ON with a CUDA LibTorch and nccl.h): a CPU LibTorch
-// ships ProcessGroupNCCL.hpp but not the symbols.
+// NCCL is opt-in (CMake option EAGLEKIT_WITH_NCCL, which needs a CUDA LibTorch and nccl.h):
+// a CPU LibTorch ships ProcessGroupNCCL.hpp but not the symbols.
 #if defined(EAGLEKIT_WITH_NCCL) && !defined(USE_C10D_NCCL)
 #define USE_C10D_NCCL 1
 #endif
@@ -428,7 +428,7 @@ Group make_group(const c10::intrusive_ptr<c10d::Store>& base, const std::string&
 #else
       throw UsageError(
           "distributed training on CUDA needs NCCL, and this eaglekit was built without it "
-          "(configure with -DCMAKE_CXX_FLAGS=-DEAGLEKIT_WITH_NCCL against a CUDA LibTorch)");
+          "(configure with -DEAGLEKIT_WITH_NCCL=ON against a CUDA LibTorch; see README)");
 #endif
     } else {
       // The group's own timeout bounds its creation; every operation passes `timeout`.

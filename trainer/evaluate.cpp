@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/grad_mode.h>
+#include <c10/core/GradMode.h>
 #include <ATen/Context.h>
 
 #include <nlohmann/json.hpp>
@@ -116,7 +116,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
   const dist::Mesh& m = mesh ? *mesh : single;
   const std::unique_ptr<SequenceContext> context = make_sequence_context(m);
   TttStats total(unroll.options().steps);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   unroll.draft().train(false);
   std::int64_t done = 0;
   while (max_batches < 0 || done < max_batches) {

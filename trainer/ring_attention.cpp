@@ -462,7 +462,7 @@ at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const 
   at::Tensor packed;
   AttentionPartial res;
   {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     std::vector<at::Tensor> blocks;
     for (auto it = inputs.begin() + 1; it != inputs.end(); ++it) blocks.push_back(it->detach());
     packed = at::stack(blocks).contiguous();
@@ -492,7 +492,7 @@ at::Tensor cp_shift(const dist::Group& cp, const at::Tensor& x, int shift) {
   if (x.dim() < 2 || x.size(1) < 1) throw UsageError("cp_shift: x must be [B, n, ...] with n >= 1");
   at::Tensor y;
   {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     y = shift_raw(cp, x.detach().contiguous(), shift);
   }
   if (torch::autograd::compute_requires_grad(x)) {
