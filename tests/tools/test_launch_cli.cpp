@@ -1,0 +1,406 @@
+// `eaglekit launch` and the torchrun environment driving `train` and `evaluate` across local
+// processes, as a user runs them: every mesh shape gives the single-process weights on the
+// same global batch, resume through the CLI, rank-0-only outputs, a killed rank failing the
+// job with a clear error, signal forwarding and usage errors. The library-level equivalence
+// (gradients, ring attention) is in tests/trainer; this file checks the wiring of the CLI.
+//
+// Data is tiny and every rank runs one LibTorch thread and one loader thread: the cost of a
+// case is mostly process start-up (LibTorch loading), so independent jobs run concurrently.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "formats/safetensors_format.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string exe() {
+  const char* bin = std::getenv("EAGLEKIT_BIN");
+  return bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(read_text(path));
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// Largest |a - b| / max|b| over the float tensors of two safetensors files, per tensor.
+double max_rel_diff(const std::string& a_path, const std::string& b_path) {
+  const auto a = SafetensorsFile::open(a_path), b = SafetensorsFile::open(b_path);
+  REQUIRE(a->entries().size() == b->entries().size());
+  double worst = 0;
+  for (const auto& e : a->entries()) {
+    const auto x = a->get(e.name), y = b->get(e.name);
+    REQUIRE_MESSAGE(y, e.name);
+    REQUIRE(x->numel() == y->numel());
+    double scale = 1e-12, diff = 0;
+    for (std::int64_t i = 0; i < x->numel(); ++i) {
+      scale = std::max(scale, std::abs(y->get(i)));
+      diff = std::max(diff, std::abs(x->get(i) - y->get(i)));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+std::vector<int> run_concurrently(const std::vector<std::string>& commands);
+
+// Synthetic data and a base, made once for every case, and the single-process reference
+// run (4 steps of 4 rows, checkpoints at 2 and 4), made by the first case that needs it.
+struct Fixture {
+  test::TempDir dir{"launch-cli"};
+  std::string data = dir / "data/conversations.jsonl";
+  std::string index = dir / "index.eki";
+  std::string base = dir / "base";
+  std::string single = dir / "single";  // the reference run's --out
+
+  // Options every run shares; --batch-size and --max-steps come per run.
+  std::string common() const {
+    return " --data " + test::quote(data) + " --index " + test::quote(index) + " --base " + test::quote(base) +
+           " --max-length 24 --schedule constant --lr 0.005 --jobs 1 --threads 1 --log-every 1"
+           " --eval-every -1 --aux-layer-ids 2,16,29 --timeout 60";
+  }
+  std::string evaluate_args() const {
+    return " --data " + test::quote(data) + " --index " + test::quote(index) + " --base " + test::quote(base) +
+           " --draft " + test::quote(single + "/final") +
+           " --split all --max-length 24 --batch-size 3 --jobs 1 --threads 1 --timeout 60 --json";
+  }
+  bool has_reference() const { return fs::exists(single + "/final/model.safetensors"); }
+  std::string reference_command() const {
+    return test::quote(exe()) + " train" + common() + " --batch-size 4 --max-steps 4 --save-every 2 --out " +
+           test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err");
+  }
+  void check_reference(int exit_code) const {
+    REQUIRE_MESSAGE(exit_code == 0, read_text(single + ".err"));
+    REQUIRE(fs::exists(single + "/checkpoint-2/model.safetensors"));
+  }
+  void need_reference() const {
+    if (!has_reference()) check_reference(run_concurrently({reference_command()})[0]);
+  }
+};
+
+const Fixture& fixture() {
+  static std::unique_ptr<Fixture> f;
+  if (f) return *f;
+  f = std::make_unique<Fixture>();
+  auto r = test::eaglekit("synth --out " + test::quote(f->dir / "data") +
+                          " --conversations 24 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28"
+                          " --dtype fp32 --jobs 1 --seed 4 --base-out " + test::quote(f->base));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(f->dir / "data") + " --out " + test::quote(f->index) + " --jobs 1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  return *f;
+}
+
+// Runs shell commands concurrently (independent jobs; process start-up dominates, so this
+// roughly halves the wall time on two cores). Returns each command's exit code; stdout and
+// stderr go where each command redirects them.
+std::vector<int> run_concurrently(const std::vector<std::string>& commands) {
+  std::string script;
+  for (std::size_t i = 0; i < commands.size(); ++i) script += "( " + commands[i] + " ) & p" + std::to_string(i) + "=$!; ";
+  for (std::size_t i = 0; i < commands.size(); ++i)
+    script += "wait $p" + std::to_string(i) + "; echo rc" + std::to_string(i) + "=$?; ";
+  const auto r = test::run("bash -c " + test::quote(script));
+  std::vector<int> codes;
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    const std::string key = "rc" + std::to_string(i) + "=";
+    const auto at = r.out.find(key);
+    codes.push_back(at == std::string::npos ? -1 : std::atoi(r.out.c_str() + at + key.size()));
+  }
+  return codes;
+}
+
+// `eaglekit launch --nproc N --log-dir LOGS -- ARGS`, as a shell command.
+std::string launch(int nproc, const std::string& logs, const std::string& args) {
+  fs::create_directories(logs);
+  return test::quote(exe()) + " launch --nproc " + std::to_string(nproc) + " --log-dir " + test::quote(logs) +
+         " -- " + args + " > " + test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err");
+}
+
+std::string logs_of(const std::string& logs, int nproc) {
+  std::string all = read_text(logs + "/launch.err");
+  for (int r = 0; r < nproc; ++r) all += "\n--- rank " + std::to_string(r) + ":\n" + read_text(logs + "/rank_" + std::to_string(r) + ".log");
+  return all;
+}
+
+// The JSON line `train --json` / `evaluate --json` printed (rank 0 only, so exactly one).
+nlohmann::json printed_json(const std::string& log) {
+  std::vector<nlohmann::json> found;
+  std::istringstream in(log);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{') found.push_back(nlohmann::json::parse(line));
+  REQUIRE_MESSAGE(found.size() == 1, log);
+  return found[0];
+}
+
+// The train-loss of every metrics line of a run.
+std::vector<double> losses(const std::string& out) {
+  std::vector<double> l;
+  for (const auto& j : read_jsonl(out + "/metrics.jsonl")) l.push_back(j.at("loss").get<double>());
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("launch cli: train with CP=2, DP=2 and DP=2 x CP=2 equals one process on the global batch; resume") {
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path();
+  // --batch-size is per data-parallel rank: DP=2 with 2 rows is one process with 4; the
+  // ranks of a context-parallel group share their rows.
+  struct Job {
+    const char* name;
+    int nproc;
+    std::string args;
+  };
+  const std::vector<Job> jobs = {
+      {"cp2", 2, " --batch-size 4 --cp 2 --max-steps 2"},  // resumed below to 4 steps
+      {"dp2", 2, " --batch-size 2 --max-steps 4"},
+      {"dp2cp2", 4, " --batch-size 2 --cp 2 --max-steps 4"},
+  };
+  std::vector<std::string> cmds;
+  for (const auto& j : jobs)
+    cmds.push_back(launch(j.nproc, d + "/logs-" + j.name,
+                          "train" + f.common() + j.args + " --json --out " + test::quote(d + "/" + j.name)));
+  const bool reference = !f.has_reference();
+  if (reference) cmds.push_back(f.reference_command());
+  const auto codes = run_concurrently(cmds);
+  if (reference) f.check_reference(codes.back());
+  for (std::size_t i = 0; i < jobs.size(); ++i)
+    REQUIRE_MESSAGE(codes[i] == 0, logs_of(d + "/logs-" + jobs[i].name, jobs[i].nproc));
+
+  // CP=2 after 2 steps, then resumed with the same world size to 4 steps.
+  CHECK(max_rel_diff(d + "/cp2/checkpoint-2/model.safetensors", f.single + "/checkpoint-2/model.safetensors") < 1e-5);
+  REQUIRE_MESSAGE(run_concurrently({launch(2, d + "/logs-cp2-resume",
+                                           "train" + f.common() + " --batch-size 4 --cp 2 --max-steps 4 --resume --json --out " +
+                                               test::quote(d + "/cp2"))})[0] == 0,
+                  logs_of(d + "/logs-cp2-resume", 2));
+  CHECK(read_text(d + "/logs-cp2-resume/rank_0.log").find("resuming from " + d + "/cp2/checkpoint-2") != std::string::npos);
+
+  const std::vector<double> want = losses(f.single);
+  REQUIRE(want.size() == 4);
+  for (const auto& j : jobs) {
+    CAPTURE(j.name);
+    const std::string out = d + "/" + j.name;
+    const double diff = max_rel_diff(out + "/final/model.safetensors", f.single + "/final/model.safetensors");
+    CHECK(diff < 1e-5);
+    CHECK(max_rel_diff(out + "/checkpoint-4/model.safetensors", f.single + "/checkpoint-4/model.safetensors") < 1e-5);
+    // Metrics are reduced over the ranks before rank 0 alone logs them: one line per step,
+    // the single-process losses.
+    const std::vector<double> got = losses(out);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t s = 0; s < want.size(); ++s) CHECK(rel(got[s], want[s]) < 1e-5);
+    // Only rank 0 prints: its log has the result, the others' have nothing at all.
+    const std::string logs = d + "/logs-" + j.name;
+    const std::string resumed = j.name == std::string("cp2") ? "-resume" : "";
+    const auto result = printed_json(read_text(logs + resumed + "/rank_0.log"));
+    CHECK(result["steps"] == 4);
+    CHECK(result["final_dir"] == out + "/final");
+    for (int r = 1; r < j.nproc; ++r)
+      CHECK_MESSAGE(read_text(logs + resumed + "/rank_" + std::to_string(r) + ".log").empty(), r);
+    CHECK(read_text(logs + resumed + "/launch.err").empty());
+  }
+  // The DP=2 run's final weights are not the 4-row-per-rank ones: the check can fail.
+  CHECK(max_rel_diff(d + "/dp2/checkpoint-4/model.safetensors", d + "/cp2/checkpoint-2/model.safetensors") > 1e-3);
+}
+
+TEST_CASE("launch cli: evaluate --cp 2 gives the single-process figures") {
+  const Fixture& f = fixture();
+  f.need_reference();
+  const std::string d = f.dir.path();
+  const auto codes = run_concurrently(
+      {test::quote(exe()) + " evaluate" + f.evaluate_args() + " > " + test::quote(d + "/ev1.out") + " 2> " +
+           test::quote(d + "/ev1.err"),
+       launch(2, d + "/logs-ev-cp2", "evaluate" + f.evaluate_args() + " --cp 2")});
+  REQUIRE_MESSAGE(codes[0] == 0, read_text(d + "/ev1.err"));
+  REQUIRE_MESSAGE(codes[1] == 0, logs_of(d + "/logs-ev-cp2", 2));
+  const auto one = printed_json(read_text(d + "/ev1.out"));
+  const auto two = printed_json(read_text(d + "/logs-ev-cp2/rank_0.log"));
+  CHECK(read_text(d + "/logs-ev-cp2/rank_1.log").empty());
+  CHECK(two["samples"] == one["samples"]);
+  CHECK(two["tokens"] == one["tokens"]);
+  CHECK(one["tokens"].get<double>() > 100);
+  CHECK(rel(two["loss"], one["loss"]) < 1e-5);
+  CHECK(rel(two["est_ar"], one["est_ar"]) < 1e-5);
+  for (const char* k : {"loss_per_step", "acc", "cond_acc"}) {
+    CAPTURE(k);
+    REQUIRE(two[k].size() == 3);
+    for (std::size_t s = 0; s < 3; ++s) CHECK(rel(two[k][s], one[k][s]) < 1e-5);
+  }
+}
+
+TEST_CASE("launch cli: torchrun variables set by hand work without launch; only rank 0 writes") {
+  const Fixture& f = fixture();
+  f.need_reference();
+  const std::string d = f.dir.path();
+  const auto port = test::python("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])");
+  REQUIRE_MESSAGE(port.exit_code == 0, port.err);
+  const int master_port = std::stoi(port.out);
+  // Each rank runs in its own folder with a relative --out: whatever a rank writes lands in
+  // its own folder, so rank 1's must stay empty.
+  std::vector<std::string> cmds;
+  for (int r = 0; r < 2; ++r) {
+    const std::string cwd = d + "/hand" + std::to_string(r);
+    fs::create_directories(cwd);
+    cmds.push_back("cd " + test::quote(cwd) + " && RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) +
+                   " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(master_port) + " " +
+                   test::quote(exe()) + " train" + f.common() + " --batch-size 2 --max-steps 2 --out out --json > ../hand" +
+                   std::to_string(r) + ".out 2> ../hand" + std::to_string(r) + ".err");
+  }
+  const auto codes = run_concurrently(cmds);
+  const std::string logs = read_text(d + "/hand0.err") + "\n--- rank 1:\n" + read_text(d + "/hand1.err");
+  REQUIRE_MESSAGE(codes[0] == 0, logs);
+  REQUIRE_MESSAGE(codes[1] == 0, logs);
+  CHECK(max_rel_diff(d + "/hand0/out/checkpoint-2/model.safetensors", f.single + "/checkpoint-2/model.safetensors") < 1e-5);
+  CHECK(fs::exists(d + "/hand0/out/final/model.safetensors"));
+  CHECK(read_jsonl(d + "/hand0/out/metrics.jsonl").size() == 2);
+  CHECK(fs::exists(d + "/hand0/out/checkpoint-2/optimizer.safetensors"));
+  CHECK(printed_json(read_text(d + "/hand0.out"))["steps"] == 2);
+  CHECK(fs::is_empty(d + "/hand1"));  // no metrics, checkpoints or export from rank 1
+  CHECK(read_text(d + "/hand1.out").empty());
+  CHECK(read_text(d + "/hand1.err").empty());
+}
+
+TEST_CASE("launch cli: a killed rank fails the job with a clear error within the timeout, never a hang") {
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path();
+  const std::string out = d + "/killed", logs = d + "/logs-killed";
+  fs::create_directories(logs);
+  // The launcher would stop rank 0 at once; a long --stop-grace shows that rank 0 fails on
+  // its own, within the collective timeout (train --timeout 30).
+  const std::string cmd = test::quote(exe()) + " launch --nproc 2 --stop-grace 100 --timeout 120 --json --log-dir " + test::quote(logs) +
+                          " -- train" + f.common() + " --timeout 30 --batch-size 2 --max-steps 1000000 --out " +
+                          test::quote(out);
+  const std::string script =
+      cmd + " > " + test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err") +
+      " & lp=$!; i=0; "
+      "while [ ! -s " + test::quote(out + "/metrics.jsonl") + " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
+      "for c in $(ps --ppid $lp -o pid=); do "
+      "  if tr '\\0' '\\n' < /proc/$c/environ | grep -qx RANK=1; then victim=$c; fi; done; "
+      "t0=$(date +%s%N); kill -9 $victim; wait $lp; rc=$?; t1=$(date +%s%N); "
+      "echo rc=$rc; echo elapsed_ms=$(( (t1 - t0) / 1000000 ))";
+  const auto r = test::run("bash -c " + test::quote(script));
+  const std::string all = r.out + r.err + "\n" + logs_of(logs, 2);
+  REQUIRE_MESSAGE(r.out.find("rc=") != std::string::npos, all);
+  CHECK_MESSAGE(r.out.find("rc=137") != std::string::npos, all);  // 128 + SIGKILL, rank 1's
+  const auto at = r.out.find("elapsed_ms=");
+  REQUIRE(at != std::string::npos);
+  const long elapsed_ms = std::atol(r.out.c_str() + at + 11);
+  CHECK_MESSAGE(elapsed_ms < 30000, all);
+  CHECK_MESSAGE(read_text(logs + "/launch.err").find("rank 1 was killed by signal 9") != std::string::npos, all);
+  const auto result = nlohmann::json::parse(read_text(logs + "/launch.out"));
+  CHECK(result["exit_code"] == 137);
+  CHECK(result["first_failed"] == 1);
+  CHECK(result["ranks"][0]["exit_code"] == 1);
+  CHECK(result["ranks"][0]["stopped"] == false);  // it failed by itself, before any SIGTERM
+  const std::string rank0 = read_text(logs + "/rank_0.log");
+  CHECK_MESSAGE(rank0.find("error: distributed: ") != std::string::npos, rank0);
+  CHECK_MESSAGE(rank0.find("(rank 0 of 2") != std::string::npos, rank0);
+  CHECK(!fs::exists(out + "/final"));
+}
+
+TEST_CASE("launch cli: SIGTERM and SIGINT to launch reach every rank") {
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path();
+  // SIGTERM to a training job: every rank stops at the same step boundary, rank 0 saves a
+  // checkpoint, and everybody exits 0. (launch --timeout: should forwarding fail, the job
+  // ends with 124 instead of hanging the test. The scripts background the launcher itself,
+  // not a subshell, so that $! is its pid.)
+  const std::string out = d + "/term", logs = d + "/logs-term";
+  fs::create_directories(logs);
+  const std::string term_script =
+      "set -m; " + test::quote(exe()) + " launch --nproc 2 --timeout 120 --log-dir " + test::quote(logs) + " -- train" +
+      f.common() + " --batch-size 2 --max-steps 1000000 --json --out " + test::quote(out) + " > " +
+      test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err") +
+      " & lp=$!; i=0; "
+      "while [ ! -s " + test::quote(out + "/metrics.jsonl") + " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
+      "kill -TERM $lp; wait $lp; echo rc=$?";
+  const auto t = test::run("bash -c " + test::quote(term_script));
+  const std::string all = t.out + t.err + "\n" + logs_of(logs, 2);
+  CHECK_MESSAGE(t.out.find("rc=0") != std::string::npos, all);
+  CHECK_MESSAGE(read_text(logs + "/launch.err").find("forwarding SIGTERM to the ranks") != std::string::npos, all);
+  const auto result = printed_json(read_text(logs + "/rank_0.log"));
+  CHECK(result["interrupted"] == true);
+  const std::int64_t step = result["steps"];
+  CHECK(step >= 1);
+  CHECK(fs::exists(out + "/checkpoint-" + std::to_string(step) + "/trainer_state.json"));
+  CHECK(!fs::exists(out + "/final"));
+  CHECK(read_jsonl(out + "/metrics.jsonl").size() == static_cast<std::size_t>(step));
+
+  // SIGINT, with programs that say which signal they got.
+  const std::string int_script =
+      "set -m; cd " + test::quote(d) + " || exit 1; " + test::quote(exe()) +
+      " launch --nproc 2 --timeout 120 --json -- sh -c 'trap \"exit 7\" INT; trap \"exit 8\" TERM; : > ready_$RANK; "
+      "while :; do sleep 0.05; done' > int.out 2> int.err & lp=$!; i=0; "
+      "while { [ ! -e ready_0 ] || [ ! -e ready_1 ]; } && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
+      "kill -INT $lp; wait $lp; echo rc=$?";
+  const auto s = test::run("bash -c " + test::quote(int_script));
+  const std::string int_log = s.out + s.err + read_text(d + "/int.err");
+  CHECK_MESSAGE(s.out.find("rc=7") != std::string::npos, int_log);
+  const auto ints = nlohmann::json::parse(read_text(d + "/int.out"));
+  CHECK(ints["ranks"][0]["exit_code"] == 7);
+  CHECK(ints["ranks"][1]["exit_code"] == 7);
+  CHECK(read_text(d + "/int.err").find("forwarding SIGINT to the ranks") != std::string::npos);
+}
+
+TEST_CASE("launch cli: --help and usage errors exit 2") {
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path();
+  const auto help = test::eaglekit("launch --help");
+  CHECK(help.exit_code == 0);
+  CHECK(help.out.find("--nproc") != std::string::npos);
+  CHECK(help.out.find("--stop-grace") != std::string::npos);
+
+  struct Bad {
+    std::string args;
+    const char* message;
+  };
+  const std::string no_data = " --data x --index x --base x --out " + test::quote(d + "/never");
+  const std::vector<Bad> bad = {
+      {"launch -- train", "--nproc is required"},
+      {"launch --nproc 2", "nothing to launch"},
+      {"launch --nproc 0 -- train", "--nproc must be at least 1"},
+      {"launch --nproc 2 -- no-such-program-eaglekit", "not found in PATH"},
+      {"train --cp 2" + no_data, "needs a distributed launch"},
+      {"train --timeout 0" + no_data, "--timeout takes a positive number"},
+      // A usage error on every rank: the job exits with the ranks' code 2.
+      {"launch --nproc 3 -- train" + f.common() + " --batch-size 2 --cp 2 --out " + test::quote(d + "/never"),
+       "--cp 2 does not divide the world size 3"},
+  };
+  std::vector<std::string> cmds;
+  for (std::size_t i = 0; i < bad.size(); ++i)
+    cmds.push_back(test::quote(exe()) + " " + bad[i].args + " > /dev/null 2> " + test::quote(d + "/bad" + std::to_string(i) + ".err"));
+  const auto codes = run_concurrently(cmds);
+  for (std::size_t i = 0; i < bad.size(); ++i) {
+    CAPTURE(bad[i].args);
+    const std::string err = read_text(d + "/bad" + std::to_string(i) + ".err");
+    CHECK(codes[i] == 2);
+    CHECK_MESSAGE(err.find(bad[i].message) != std::string::npos, err);
+  }
+  CHECK(!fs::exists(d + "/never"));
+}
