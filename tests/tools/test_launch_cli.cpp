@@ -300,8 +300,9 @@ TEST_CASE("launch cli: a killed rank fails the job with a clear error within the
       cmd + " > " + test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err") +
       " & lp=$!; i=0; "
       "while [ ! -s " + test::quote(out + "/metrics.jsonl") + " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
-      "for c in $(ps --ppid $lp -o pid=); do "
-      "  if tr '\\0' '\\n' < /proc/$c/environ | grep -qx RANK=1; then victim=$c; fi; done; "
+      // The launcher's children (from /proc: no procps needed), and of them rank 1.
+      "for st in /proc/[0-9]*/stat; do read -r c comm state ppid rest 2>/dev/null < $st || continue; "
+      "  [ \"$ppid\" = \"$lp\" ] && tr '\\0' '\\n' < /proc/$c/environ | grep -qx RANK=1 && victim=$c; done; "
       "t0=$(date +%s%N); kill -9 $victim; wait $lp; rc=$?; t1=$(date +%s%N); "
       "echo rc=$rc; echo elapsed_ms=$(( (t1 - t0) / 1000000 ))";
   const auto r = test::run("bash -c " + test::quote(script));
