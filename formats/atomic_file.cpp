@@ -1,6 +1,8 @@
 #include "formats/atomic_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -94,6 +96,38 @@ void write_file_atomic(const std::string& path, const void* data, std::size_t n)
   AtomicFile f(path);
   f.write(data, n);
   f.commit();
+}
+
+void replace_folder_atomic(const std::string& from, const std::string& to) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    // rename(2) only replaces an empty folder; a full one fails with ENOTEMPTY or EEXIST.
+    if (errno != ENOTEMPTY && errno != EEXIST)
+      throw IoError::from_errno(to, "cannot rename " + from + " into place", errno);
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) != 0) {
+      if (errno != EINVAL && errno != ENOSYS)
+        throw IoError::from_errno(to, "cannot exchange with " + from, errno);
+      const std::string aside = from + ".old";
+      fs::remove_all(aside, ec);
+      if (::rename(to.c_str(), aside.c_str()) != 0)
+        throw IoError::from_errno(to, "cannot move the old folder aside", errno);
+      if (::rename(from.c_str(), to.c_str()) != 0)
+        throw IoError::from_errno(to, "cannot rename " + from + " into place", errno);
+      fs::remove_all(aside, ec);
+    } else {
+      fs::remove_all(from, ec);  // now the old folder
+    }
+  }
+  const int dfd = ::open(parent_dir(to).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+bool process_gone(long pid) {
+  return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
 }  // namespace eaglekit

@@ -40,4 +40,15 @@ class AtomicFile {
 // Writes a whole buffer atomically.
 void write_file_atomic(const std::string& path, const void* data, std::size_t n);
 
+// Puts the folder `from` (already complete, its files fsynced) in place as `to` so that `to`
+// is always either the old folder or the new one: a plain rename when `to` does not exist,
+// else an atomic exchange (renameat2 RENAME_EXCHANGE; where the file system lacks it, the old
+// folder is first renamed aside, leaving a short window without `to`), after which the old
+// contents are removed. Then fsyncs the parent folder so the rename survives a power loss.
+// Throws IoError.
+void replace_folder_atomic(const std::string& from, const std::string& to);
+
+// True when `pid` names no running process (ESRCH), as for a writer killed before commit.
+bool process_gone(long pid);
+
 }  // namespace eaglekit
