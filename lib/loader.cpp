@@ -1,9 +1,7 @@
 #include "lib/loader.h"
 
 #include <ATen/ATen.h>
-#include <sys/mman.h>
 #include <sys/resource.h>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
@@ -51,10 +49,12 @@ struct Job {
   SamplerState after;
   std::int64_t rows = 0;
   std::int64_t length = 0;
-  std::int64_t window_first = 0;  // first column of the token window
   std::vector<Placement> placements;
   std::vector<std::size_t> sample_of;  // per placement: index into the loader's samples
   std::vector<std::int64_t> need;      // per placement: rows to read
+  // Per placement: why its record was skipped ("" = it was not). Reported when the batch
+  // is delivered, not when it is read (see Impl::deliver_warnings).
+  std::vector<std::string> skip_reasons;
   Batch batch;
 };
 using JobPtr = std::shared_ptr<Job>;
@@ -168,21 +168,6 @@ class ReaderCache {
   std::uint64_t tick_ = 0;
 };
 
-// Maps the pages of a tensor's bytes in one call instead of one page fault per 64 KiB while
-// copying (the read stage does the I/O, the collate stage only copies). Best effort: on a
-// kernel without MADV_POPULATE_READ (< 5.14) the copy faults the pages in as usual.
-void prefault(const HostTensor& t) {
-#ifdef MADV_POPULATE_READ
-  if (t.numel() == 0 || t.data == nullptr || !t.is_contiguous()) return;
-  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<std::uintptr_t>(t.data) & ~(page - 1);
-  const auto end = reinterpret_cast<std::uintptr_t>(t.data) + t.nbytes();
-  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
-#else
-  (void)t;
-#endif
-}
-
 bool same_shape(const Record& r, const RecordShape& s) {
   return r.hidden_size() == s.hidden && r.aux_width() == s.aux_width &&
          r.hidden_states.dtype == s.dtype && r.aux_hidden_states.dtype == s.dtype;
@@ -224,11 +209,20 @@ struct Loader::Impl {
   double depth_sum = 0;
   std::uint64_t pops = 0;
 
-  std::mutex warn_mu;
-  std::uint64_t warnings = 0;
+  std::uint64_t warnings = 0;  // consumer thread only
+
+  // Skipped records are reported from next(), on the consumer's thread, for the batch it
+  // is handed, and counted there too. Warning from the worker that read the record (as
+  // this loader once did) reported reads, not deliveries: a batch read ahead but never
+  // delivered (prefetch past the epoch the consumer stops at, or the batches restore() and
+  // destruction drop and read again) warned without being counted, so one bad record
+  // could warn twice while counting once.
+  void deliver_warnings(const Job& job) {
+    for (const auto& reason : job.skip_reasons)
+      if (!reason.empty()) warn(reason);
+  }
 
   void warn(const std::string& msg) {
-    std::lock_guard<std::mutex> lock(warn_mu);
     ++warnings;
     if (opts.on_warning) {
       opts.on_warning(msg);
@@ -264,7 +258,6 @@ struct Loader::Impl {
     job->length = batch_length(co, longest);
     const auto window = token_window(co, job->length);
     const std::int64_t last = window.second;
-    job->window_first = window.first;
     job->rows = static_cast<std::int64_t>(step.rows.size());
     for (std::size_t r = 0; r < step.rows.size(); ++r) {
       std::int64_t offset = 0, doc = 0;
@@ -276,6 +269,7 @@ struct Loader::Impl {
         p.conversation_id = samples[s].conversation_id;
         job->placements.push_back(std::move(p));
         job->sample_of.push_back(s);
+        job->skip_reasons.emplace_back();
         // Only the rows up to the window's end are read; pad mode reads at most max_length.
         const std::int64_t len = co.mode == CollateMode::kPack ? lengths[s] : co.max_length;
         job->need.push_back(std::clamp<std::int64_t>(last - offset, 0, len));
@@ -308,16 +302,15 @@ struct Loader::Impl {
                               std::to_string(std::min(s.tokens, need)) +
                               " tokens the index promised (" + std::to_string(s.tokens) +
                               " in all; re-run eaglekit index)");
-      // Only the token window's rows are copied; the rows before it stay untouched.
-      const std::int64_t skip = std::clamp<std::int64_t>(job.window_first - job.placements[i].offset, 0, r.tokens());
-      prefault(r.hidden_states.slice_rows(skip, r.tokens()));
-      prefault(r.aux_hidden_states.slice_rows(skip, r.tokens()));
+      // The tensor bytes are not touched here; collation copies them from the mapping into
+      // the batch. Populating the mapping first (MADV_POPULATE_READ) cost more CPU than the
+      // copy's own fault-around faults, as did reading them with pread (bench_loader.sh).
       job.placements[i].record = std::move(r);
     } catch (const UsageError&) {
       throw;
     } catch (const Error& e) {
       if (opts.strict) throw;
-      warn("skipping conversation " + s.conversation_id + ": " + e.what());
+      job.skip_reasons[i] = "skipping conversation " + s.conversation_id + ": " + e.what();
     }
   }
 
@@ -494,25 +487,29 @@ std::optional<Batch> Loader::next() {
   const std::size_t depth = m.queue.size();
   JobPtr job = m.queue.pop();
   const double waited = seconds_since(t0);
-  std::lock_guard<std::mutex> lock(m.mu);
-  m.stats.wait_s += waited;
-  m.stats.last_wait_ms = 1000.0 * waited;
-  m.depth_sum += static_cast<double>(depth);
-  ++m.pops;
-  m.stats.max_queue_depth = std::max(m.stats.max_queue_depth, depth);
-  m.state = job->after;
-  if (job->kind == ItemKind::kFinished) {
-    m.finished = true;
-    return std::nullopt;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.stats.wait_s += waited;
+    m.stats.last_wait_ms = 1000.0 * waited;
+    m.depth_sum += static_cast<double>(depth);
+    ++m.pops;
+    m.stats.max_queue_depth = std::max(m.stats.max_queue_depth, depth);
+    m.state = job->after;
+    if (job->kind == ItemKind::kFinished) {
+      m.finished = true;
+      return std::nullopt;
+    }
+    if (job->kind == ItemKind::kEndOfEpoch) return std::nullopt;
+    const Batch& b = job->batch;
+    ++m.stats.batches;
+    m.stats.samples += b.conversation_ids.size();
+    m.stats.skipped += static_cast<std::uint64_t>(b.skipped);
+    m.stats.tokens += static_cast<std::uint64_t>(b.tokens);
+    m.stats.bytes += b.bytes;
   }
-  if (job->kind == ItemKind::kEndOfEpoch) return std::nullopt;
-  Batch& b = job->batch;
-  ++m.stats.batches;
-  m.stats.samples += b.conversation_ids.size();
-  m.stats.skipped += static_cast<std::uint64_t>(b.skipped);
-  m.stats.tokens += static_cast<std::uint64_t>(b.tokens);
-  m.stats.bytes += b.bytes;
-  return std::move(b);
+  // Outside the lock: the callback may call stats() or state().
+  m.deliver_warnings(*job);
+  return std::move(job->batch);
 }
 
 SamplerState Loader::state() const {

@@ -8,8 +8,8 @@
 // being read or collated and at most `prefetch` wait ready in the queue, so peak memory is
 // about (2 * prefetch + batches the consumer still holds) batches, whatever the dataset
 // size. Only the rows a batch needs are read (read_prefix up to max_length, or up to the
-// token window's end); records are copied once, from the file mapping straight into the
-// batch tensors.
+// token window's end); the read stage parses only metadata, and collation copies the tensor
+// bytes once, from the file mapping straight into recycled batch tensors.
 //
 // Bad records (unreadable, wrong shape or dtype, token count not the index's) are skipped
 // with a warning and counted, or, with `strict`, end the run: next() rethrows the worker's
@@ -42,7 +42,9 @@ struct LoaderOptions {
   int prefetch = 4;        // batches in flight, and batches ready ahead of the consumer
   bool strict = false;     // a bad record ends the run instead of being skipped
   int pinned = -1;         // pinned batch memory: 1 / 0 / -1 = when CUDA is available
-  // Called (serialized) for each skipped record; default: the first 20 go to stderr.
+  // Called once for each skipped record of each batch next() delivers, on the consumer's
+  // thread, before next() returns that batch (records only read ahead are never reported);
+  // default: the first 20 go to stderr.
   std::function<void(const std::string&)> on_warning;
   // How record files are opened; default formats/format.h open_reader. For tests.
   std::function<std::unique_ptr<RecordReader>(const std::string& path)> open;
