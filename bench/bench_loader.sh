@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# Loader benchmark, side by side on one synthetic dataset of .pt records, page cache warm:
+# Loader benchmark, side by side on one synthetic dataset of .pt records, in one run:
 #   (a) `eaglekit loader-bench`: the TBB loader producing padded (reference) batches;
 #   (b) the Python reference pipeline: tests/lib/reference_loader.py (a port of ModelOpt's
 #       OfflineSupervisedDataset + DataCollatorForOffline: torch.load per sample, zero padding
 #       to max_length, torch.stack) driven by torch.utils.data.DataLoader(num_workers=2) in
 #       Debian's python3-torch, same batch size, same max length, same batches;
-#   (c) the raw-read limit: `cat` of the same files to /dev/null.
-# max_length is the largest token count, so every byte of every record is read by all three.
-# Prints medians (of --runs) and the ratios: loader/Python samples/s (target >= 5) and
-# cat time / loader time (target >= 0.5, i.e. within 2x of the raw read). CPU seconds (user +
-# system, all threads and worker processes) are printed too: on a shared, loaded machine wall
-# times mostly measure the other tenants, CPU time what each pipeline costs.
+#   (c) the raw-read limit: `cat` of the same files to /dev/null (the target's reference);
+#   (d) a C read loop that reads each file whole into one reused, page-aligned buffer of the
+#       largest file's size: the same bytes landing in memory, as a loader's must (cat's
+#       128 KiB buffer stays in the CPU cache; batches cannot).
+# max_length is the largest token count, so every record byte is read by all of them (the
+# loader skips only the zip directory and pickle bytes it does not need).
+# Timing: the loader's clock starts when streaming starts (after LibTorch has loaded and the
+# index is read) and stops at the last batch; Python's includes starting its DataLoader
+# workers; cat's and the C loop's are the whole process. Prints medians (of --runs) of wall
+# and CPU seconds (user + system, all threads and worker processes) and the ratios:
+# loader/Python samples/s (target >= 5) and cat time / loader time (target >= 0.5, i.e.
+# within 2x of the raw read), in wall time and in CPU time. On a shared, loaded machine wall
+# times mostly measure the other tenants; CPU time measures what each pipeline costs.
+# --cold drops the page cache (echo 3 > /proc/sys/vm/drop_caches, root only) before every
+# competitor of every run, so each reads from disk; the default is a warm page cache.
 #
 # usage: bench/bench_loader.sh [--conversations N] [--hidden H] [--min-tokens A]
 #                              [--max-tokens B] [--batch-size S] [--jobs J] [--runs R]
-#                              [--dir DIR] [--keep]
+#                              [--cold] [--dir DIR] [--keep]
 #   defaults: 200 conversations, H=1024 (3 aux layers, bf16: 8 KiB/token), 256..1024 tokens,
 #   batch 8, all cores, 3 runs.
-# The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing.
+# The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing. The C
+# loop is compiled with cc into the data folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-N=200 HIDDEN=1024 MIN_T=256 MAX_T=1024 BATCH=8 JOBS=0 RUNS=3 DIR="" KEEP=0
+N=200 HIDDEN=1024 MIN_T=256 MAX_T=1024 BATCH=8 JOBS=0 RUNS=3 DIR="" KEEP=0 COLD=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --conversations) N=$2; shift 2 ;;
@@ -33,7 +43,8 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift 2 ;;
     --dir) DIR=$2; KEEP=1; shift 2 ;;
     --keep) KEEP=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --cold) COLD=1; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "bench_loader.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -62,45 +73,102 @@ fi
 
 mapfile -t FILES < <(find "$DIR/records" -name '*.pt' | sort)
 TOTAL=$(du -cb "${FILES[@]}" | tail -1 | cut -f1)
-cat "${FILES[@]}" >/dev/null  # warm the page cache
+
+# (d): read each file whole into one reused buffer.
+RAWREAD="$DIR/raw_read"
+if [ ! -x "$RAWREAD" ]; then
+  cat >"$DIR/raw_read.c" <<'EOF'
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+  size_t cap = 0;
+  for (int i = 1; i < argc; ++i) {
+    struct stat st;
+    if (stat(argv[i], &st) == 0 && (size_t)st.st_size > cap) cap = (size_t)st.st_size;
+  }
+  cap = (cap + 4095) / 4096 * 4096 + 4096;
+  char* buf = aligned_alloc(4096, cap);
+  if (!buf) return 1;
+  for (int i = 1; i < argc; ++i) {
+    int fd = open(argv[i], O_RDONLY);
+    if (fd < 0) { perror(argv[i]); return 1; }
+    for (size_t got = 0;;) {
+      ssize_t n = read(fd, buf + got, cap - got);
+      if (n < 0) { perror(argv[i]); return 1; }
+      if (n == 0) break;
+      got += (size_t)n;
+    }
+    close(fd);
+  }
+  return 0;
+}
+EOF
+  cc -O2 -o "$RAWREAD" "$DIR/raw_read.c"
+fi
+
+drop_caches() {
+  [ "$COLD" = 1 ] || return 0
+  sync
+  if ! echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+    echo "bench_loader.sh: --cold needs to write /proc/sys/vm/drop_caches (root)" >&2
+    exit 2
+  fi
+}
+[ "$COLD" = 1 ] || cat "${FILES[@]}" >/dev/null  # warm the page cache
 echo "dataset: ${#FILES[@]} files, $TOTAL bytes; batch $BATCH, max length $MAX_T, pad mode;" \
-     "$RUNS runs each; cores: $(nproc), load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+     "$RUNS runs each; page cache: $([ "$COLD" = 1 ] && echo "dropped before each" || echo warm);" \
+     "cores: $(nproc), load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
+med() { printf '%s\n' "$@" | median; }
 json() { "$PY" -c "import json,sys; print(json.load(sys.stdin)[sys.argv[1]])" "$1"; }
+# Wall and CPU (user + system) seconds of a whole command: "WALL CPU".
+timed() {
+  local t e u s
+  t=$( { /usr/bin/time -f "%e %U %S" "$@" >/dev/null; } 2>&1 | tail -1 )
+  read -r e u s <<<"$t"
+  echo "$e $(awk "BEGIN { print $u + $s }")"
+}
 
-ours_sps=() ours_s=() ours_cpu=() ours_wait=() py_sps=() py_cpu=() cat_s=() cat_cpu=()
+ours_sps=() ours_s=() ours_cpu=() ours_wait=() py_sps=() py_s=() py_cpu=()
+cat_s=() cat_cpu=() raw_s=() raw_cpu=()
 for ((r = 0; r < RUNS; r++)); do
+  drop_caches
   out=$("$EK" loader-bench --data "$CONV" --index "$INDEX" --split all --batch-size "$BATCH" \
         --max-length "$MAX_T" --jobs "$JOBS" --json 2>/dev/null)
   ours_sps+=("$(json samples_per_s <<<"$out")")
   ours_s+=("$(json seconds <<<"$out")")
   ours_cpu+=("$(json cpu_s <<<"$out")")
   ours_wait+=("$(json wait_ms_per_batch <<<"$out")")
+  drop_caches
   out=$("$PY" tests/lib/reference_loader.py bench --data "$CONV" --records "$DIR/records" \
         --split all --batch-size "$BATCH" --max-length "$MAX_T" --workers 2)
   py_sps+=("$(json samples_per_s <<<"$out")")
+  py_s+=("$(json seconds <<<"$out")")
   py_cpu+=("$(json cpu_s <<<"$out")")
-  t=$( { /usr/bin/time -f "%e %U %S" cat "${FILES[@]}" >/dev/null; } 2>&1 )
-  read -r e u s <<<"$t"
-  cat_s+=("$e")
-  cat_cpu+=("$(awk "BEGIN { print $u + $s }")")
+  drop_caches
+  read -r e c <<<"$(timed cat "${FILES[@]}")"
+  cat_s+=("$e") cat_cpu+=("$c")
+  drop_caches
+  read -r e c <<<"$(timed "$RAWREAD" "${FILES[@]}")"
+  raw_s+=("$e") raw_cpu+=("$c")
 done
 
-O_SPS=$(printf '%s\n' "${ours_sps[@]}" | median)
-O_S=$(printf '%s\n' "${ours_s[@]}" | median)
-O_CPU=$(printf '%s\n' "${ours_cpu[@]}" | median)
-O_WAIT=$(printf '%s\n' "${ours_wait[@]}" | median)
-P_SPS=$(printf '%s\n' "${py_sps[@]}" | median)
-P_CPU=$(printf '%s\n' "${py_cpu[@]}" | median)
-C_S=$(printf '%s\n' "${cat_s[@]}" | median)
-C_CPU=$(printf '%s\n' "${cat_cpu[@]}" | median)
-awk -v osps="$O_SPS" -v os="$O_S" -v oc="$O_CPU" -v ow="$O_WAIT" -v psps="$P_SPS" -v pc="$P_CPU" \
-    -v cs="$C_S" -v cc="$C_CPU" -v total="$TOTAL" -v n="${#FILES[@]}" 'BEGIN {
-  printf "%-44s %10s %12s %8s\n", "", "samples/s", "MB/s (files)", "CPU s"
-  printf "%-44s %10.1f %12.1f %8.2f   (consumer wait %.2f ms/batch)\n", "eaglekit loader-bench", osps, total / os / 1e6, oc, ow
-  printf "%-44s %10.1f %12.1f %8.2f\n", "Python reference, DataLoader(num_workers=2)", psps, total * psps / n / 1e6, pc
-  printf "%-44s %10.1f %12.1f %8.2f\n", "cat (raw read)", n / cs, total / cs / 1e6, cc
-  printf "ratio loader / Python, samples/s: %.2fx (target >= 5); CPU per sample: %.2fx less\n", osps / psps, (oc > 0 ? pc / oc : 0)
-  printf "ratio cat time / loader time:     %.2f (target >= 0.5: within 2x of the raw read); CPU: loader %.2fx cat\n", cs / os, (cc > 0 ? oc / cc : 0)
+awk -v osps="$(med "${ours_sps[@]}")" -v os="$(med "${ours_s[@]}")" -v oc="$(med "${ours_cpu[@]}")" \
+    -v ow="$(med "${ours_wait[@]}")" -v psps="$(med "${py_sps[@]}")" -v ps="$(med "${py_s[@]}")" \
+    -v pc="$(med "${py_cpu[@]}")" -v cs="$(med "${cat_s[@]}")" -v cc="$(med "${cat_cpu[@]}")" \
+    -v rs="$(med "${raw_s[@]}")" -v rc="$(med "${raw_cpu[@]}")" -v total="$TOTAL" \
+    -v n="${#FILES[@]}" 'BEGIN {
+  printf "%-44s %10s %12s %8s %8s\n", "medians", "samples/s", "MB/s (files)", "wall s", "CPU s"
+  printf "%-44s %10.1f %12.1f %8.3f %8.3f   (consumer wait %.2f ms/batch)\n", "eaglekit loader-bench", osps, total / os / 1e6, os, oc, ow
+  printf "%-44s %10.1f %12.1f %8.3f %8.3f\n", "Python reference, DataLoader(num_workers=2)", psps, total * psps / n / 1e6, ps, pc
+  printf "%-44s %10.1f %12.1f %8.3f %8.3f\n", "cat (raw read, 128 KiB buffer)", n / cs, total / cs / 1e6, cs, cc
+  printf "%-44s %10.1f %12.1f %8.3f %8.3f\n", "C read loop (each file into one buffer)", n / rs, total / rs / 1e6, rs, rc
+  printf "loader / Python, samples/s:  %.2fx (target >= 5); CPU per sample: %.2fx less\n", osps / psps, (oc > 0 ? pc / oc : 0)
+  printf "cat / loader, wall time:     %.2f (target >= 0.5: within 2x of the raw read)\n", cs / os
+  printf "cat / loader, CPU time:      %.2f (the loader uses %.2fx the CPU of cat)\n", (oc > 0 ? cc / oc : 0), (cc > 0 ? oc / cc : 0)
+  printf "C loop / loader, wall | CPU: %.2f | %.2f\n", rs / os, (oc > 0 ? rc / oc : 0)
 }'
