@@ -8,8 +8,11 @@ It starts from the same draft folder (config.json + model.safetensors, as eaglek
 exports it), reads the same records in the same order (reference order, the first
 floor((1 - eval_fraction) * n) conversations), pads them to --max-length as the reference
 collator does, and times --steps optimizer steps with the batches already in memory (no
-data loading is timed here, which favours Python). Prints one JSON object:
-{"tokens_per_s_median", "step_s_median", "losses": [...], "tokens": ...}.
+data loading is timed here; bench_train.sh subtracts eaglekit's loader wait likewise).
+Per step it records wall time and process CPU time (time.process_time: every thread).
+Prints one JSON object: {"tokens_per_s_median", "step_s_median", "cpu_s_median",
+"tokens_per_cpu_s_median", "losses": [...], "tokens", "threads"}; medians leave out the
+first --warmup steps.
 
 usage: bench_train.py --data JSONL --records DIR --draft DIR --base DIR --max-length L
                       --batch-size B --steps N --threads T --lr LR [--ttt-steps 3]
@@ -214,20 +217,24 @@ def main():
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
-    times, losses, tokens = [], [], []
+    times, cpus, losses, tokens = [], [], [], []
     for b in batches:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         opt.zero_grad(set_to_none=True)
         loss = ttt_loss(model, embed, target_head, b, a.ttt_steps, 0.9, masks)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, a.grad_clip)
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         losses.append(float(loss))
         tokens.append(float(b[1].sum()))
     w = a.warmup if len(times) > a.warmup else 0
     tps = [n / t for n, t in zip(tokens[w:], times[w:])]
+    tpc = [n / c for n, c in zip(tokens[w:], cpus[w:])]
     print(json.dumps({"tokens_per_s_median": statistics.median(tps), "step_s_median": statistics.median(times[w:]),
+                      "cpu_s_median": statistics.median(cpus[w:]), "tokens_per_cpu_s_median": statistics.median(tpc),
                       "losses": losses, "tokens": sum(tokens), "threads": torch.get_num_threads()}))
 
 

@@ -1,0 +1,226 @@
+// bench_train_step: where the time of one training step goes. Builds the draft of a base
+// model folder (as `eaglekit train` does: draft_config_from_base, lm_head from the base
+// rows), a random batch of B rows x L tokens (hidden states that the base lm_head reads, a
+// tenth of each row padding), and runs --reps optimizer steps after --warmup: TTT unroll
+// forward, backward, gradient clipping, AdamW, exactly the inner step of trainer/train.cpp.
+//
+// Prints, over the timed steps: the median wall and thread-CPU time of each phase, then
+// LibTorch's legacy autograd profiler aggregated by operator (self time: time in the op
+// minus the ops it calls; the ttt.* user scopes of trainer/ttt.cpp show the unroll's
+// parts), the top --top rows.
+//
+// usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]
+//                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "trainer/base_model.h"
+#include "trainer/config.h"
+#include "trainer/draft_model.h"
+#include "trainer/train.h"
+#include "trainer/ttt.h"
+
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+struct Args {
+  std::string base;
+  std::int64_t draft_vocab = 256, batch = 16, length = 128, ttt_steps = 3;
+  int threads = 2, warmup = 2, reps = 5, top = 25;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      return argv[++i];
+    };
+    if (k == "--base") a.base = next();
+    else if (k == "--draft-vocab") a.draft_vocab = std::stoll(next());
+    else if (k == "--batch-size") a.batch = std::stoll(next());
+    else if (k == "--length") a.length = std::stoll(next());
+    else if (k == "--ttt-steps") a.ttt_steps = std::stoll(next());
+    else if (k == "--threads") a.threads = std::stoi(next());
+    else if (k == "--warmup") a.warmup = std::stoi(next());
+    else if (k == "--reps") a.reps = std::stoi(next());
+    else if (k == "--top") a.top = std::stoi(next());
+    else throw std::runtime_error("unknown option " + k);
+  }
+  if (a.base.empty()) throw std::runtime_error("--base DIR is required");
+  return a;
+}
+
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+struct OpTime {
+  double total_us = 0, self_us = 0;
+  std::int64_t calls = 0;
+};
+
+// Pairs push/pop ranges per thread and sums inclusive and self time per name.
+std::map<std::string, OpTime> aggregate(const torch::autograd::profiler::thread_event_lists& lists) {
+  using torch::autograd::profiler::EventKind;
+  using torch::autograd::profiler::LegacyEvent;
+  std::map<std::string, OpTime> out;
+  for (const auto& list : lists) {
+    struct Open {
+      const LegacyEvent* push;
+      double child_us;
+    };
+    std::vector<Open> stack;
+    for (const LegacyEvent& e : list) {
+      if (e.kind() == EventKind::PushRange) {
+        stack.push_back({&e, 0.0});
+      } else if (e.kind() == EventKind::PopRange && !stack.empty()) {
+        const Open o = stack.back();
+        stack.pop_back();
+        const double us = o.push->cpuElapsedUs(e);
+        OpTime& t = out[o.push->name()];
+        t.total_us += us;
+        t.self_us += us - o.child_us;
+        ++t.calls;
+        if (!stack.empty()) stack.back().child_us += us;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args a = parse(argc, argv);
+  at::set_num_threads(a.threads);
+  const BaseModel base = load_base_model(a.base, {c10::kCPU, at::kFloat});
+  DraftOptions dopts;
+  dopts.draft_vocab_size = a.draft_vocab;
+  const DraftConfig c = draft_config_from_base(base.config, dopts);
+  const at::Tensor d2t = at::zeros({c.draft_vocab_size}, at::kLong);  // the first Vd tokens
+  DraftModel draft(c, d2t, base.lm_head, 1);
+  TttOptions topts;
+  topts.steps = a.ttt_steps;
+  TttUnroll unroll(base, draft, topts);
+  const auto params = draft.parameters();
+  AdamW optimizer(draft.named_parameters(), AdamW::Options{});
+
+  // Hidden states from which the base lm_head reads a peaked next-token distribution.
+  at::manual_seed(3);
+  const std::int64_t b = a.batch, l = a.length, h = c.hidden_size;
+  TttBatch batch;
+  batch.input_ids = at::randint(c.vocab_size, {b, l}, at::kLong);
+  batch.attention_mask = at::ones({b, l}, at::kLong);
+  batch.attention_mask.narrow(1, l - l / 10, l / 10).zero_();
+  batch.loss_mask = batch.attention_mask.clone();
+  batch.hidden_states = at::embedding(base.lm_head, at::randint(c.vocab_size, {b, l}, at::kLong)) * 4.0;
+  batch.aux_hidden_states = at::randn({b, l, c.aux_width()});
+
+  std::printf("draft: H=%lld heads=%lld/%lld head_dim=%lld I=%lld V=%lld Vd=%lld; batch %lld x %lld, "
+              "%lld TTT steps, %d threads\n",
+              static_cast<long long>(h), static_cast<long long>(c.num_attention_heads),
+              static_cast<long long>(c.num_key_value_heads), static_cast<long long>(c.head_dim),
+              static_cast<long long>(c.intermediate_size), static_cast<long long>(c.vocab_size),
+              static_cast<long long>(c.draft_vocab_size), static_cast<long long>(b),
+              static_cast<long long>(l), static_cast<long long>(a.ttt_steps), a.threads);
+
+  const char* kPhases[] = {"forward", "backward", "clip", "optimizer", "step"};
+  std::map<std::string, std::vector<double>> wall, cpu;
+  double loss0 = 0;
+  auto run_step = [&](bool record) {
+    using Clock = std::chrono::steady_clock;
+    auto t = Clock::now();
+    double c0 = process_cpu_s();
+    const auto start = t;
+    const double cpu_start = c0;
+    auto mark = [&](const char* name) {
+      const auto now = Clock::now();
+      const double cn = process_cpu_s();
+      if (record) {
+        wall[name].push_back(std::chrono::duration<double>(now - t).count());
+        cpu[name].push_back(cn - c0);
+      }
+      t = now;
+      c0 = cn;
+    };
+    optimizer.zero_grad();
+    TttResult r = unroll.forward(batch);
+    mark("forward");
+    r.loss.backward();
+    mark("backward");
+    clip_grad_norm(params, 1.0);
+    mark("clip");
+    optimizer.step(1e-3);
+    mark("optimizer");
+    if (record) {
+      wall["step"].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      cpu["step"].push_back(process_cpu_s() - cpu_start);
+    }
+    return r.loss.item<double>();
+  };
+  for (int i = 0; i < a.warmup; ++i) {
+    const double l0 = run_step(false);
+    if (i == 0) loss0 = l0;
+  }
+  for (int i = 0; i < a.reps; ++i) run_step(true);
+  const double tokens = batch.attention_mask.sum().item<double>();
+  std::printf("first loss %.6f; median over %d steps (process CPU = all threads):\n", loss0, a.reps);
+  std::printf("  %-10s %10s %10s\n", "phase", "wall ms", "CPU ms");
+  for (const char* p : kPhases)
+    std::printf("  %-10s %10.1f %10.1f\n", p, 1e3 * median(wall[p]), 1e3 * median(cpu[p]));
+  std::printf("  tokens/s %.0f (wall), %.0f per CPU-second\n", tokens / median(wall["step"]),
+              tokens / median(cpu["step"]));
+
+  // One more step under the profiler.
+  using namespace torch::autograd::profiler;
+  enableProfilerLegacy(ProfilerConfig(ProfilerState::CPU));
+  run_step(false);
+  const auto ops = aggregate(disableProfilerLegacy());
+  std::vector<std::pair<std::string, OpTime>> rows(ops.begin(), ops.end());
+  double self_total = 0;
+  for (const auto& [name, t] : rows) self_total += t.self_us;
+  std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.self_us > y.second.self_us; });
+  std::printf("\nprofiled step: %.1f ms of operator self time; top %d by self time:\n", self_total / 1e3, a.top);
+  std::printf("  %-44s %7s %10s %10s %6s\n", "op", "calls", "self ms", "total ms", "self%");
+  for (int i = 0; i < a.top && i < static_cast<int>(rows.size()); ++i) {
+    const auto& [name, t] = rows[i];
+    std::printf("  %-44s %7lld %10.2f %10.2f %5.1f%%\n", name.substr(0, 44).c_str(), static_cast<long long>(t.calls),
+                t.self_us / 1e3, t.total_us / 1e3, 100.0 * t.self_us / self_total);
+  }
+  std::printf("\nscopes (inclusive):\n");
+  for (const auto& [name, t] : ops)
+    if (name.rfind("ttt.", 0) == 0)
+      std::printf("  %-44s %7lld %10.2f ms\n", name.c_str(), static_cast<long long>(t.calls), t.total_us / 1e3);
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_train_step: " << e.what() << "\n";
+  return 1;
+}
