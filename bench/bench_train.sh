@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Training throughput: `eaglekit train` against a PyTorch implementation of the same draft,
 # TTT unroll, loss and optimizer (bench/bench_train.py), on the same synthetic data, the
-# same starting weights, the same batches (reference order, pad collation) and the same
-# number of threads (--threads / torch.set_num_threads), one run each, side by side.
+# same starting weights, the same batches (reference order, pad collation), fp32, AdamW,
+# grad clip 1.0, the same TTT steps and the same number of threads (--threads /
+# torch.set_num_threads), --runs runs of each, alternating, side by side.
 #
-# Prints tokens/s (median over the steps after --warmup) of both, their ratio, the step-1
-# loss of both (equal: it is the same computation), and the share of eaglekit's step time
-# spent waiting for data (the loader reads, decodes and collates on its own threads; Python
-# is timed on batches already in memory, which favours it).
+# Per run, both sides take the median over the steps after --warmup of: tokens/s (tokens =
+# real, unpadded tokens of the batch) and process CPU time per step (every thread). Data
+# loading is EXCLUDED on both sides: Python times batches already in memory, and eaglekit's
+# time is its step time minus the time it waited for the loader (its loader threads' CPU
+# still counts in its CPU time, which favours Python). OMP_WAIT_POLICY=passive on both
+# sides unless set. Prints the medians over runs, the ratio, the step-1 loss of both (equal
+# up to float rounding: the same computation), eaglekit's data-wait share (loader_wait_ms /
+# step_ms from OUT/metrics.jsonl) and its end-to-end tokens/s (waits included).
 #
-# usage: bench/bench_train.sh [--hidden 256] [--vocab 4096] [--draft-vocab 2048]
-#                             [--max-length 256] [--batch-size 4] [--steps 20] [--threads N]
-#                             [--jobs 2] [--dir DIR]
-#   --threads defaults to nproc; --jobs is eaglekit's loader threads.
+# usage: bench/bench_train.sh [--hidden 128] [--vocab 2048] [--draft-vocab 1024]
+#                             [--max-length 256] [--batch-size 4] [--steps 8] [--warmup 2]
+#                             [--runs 3] [--threads N] [--jobs 2] [--dir DIR]
+#   --threads defaults to min(nproc, 2); --jobs is eaglekit's loader threads.
 # The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-HIDDEN=256 VOCAB=4096 DVOCAB=2048 LEN=256 BATCH=4 STEPS=20 THREADS=$(nproc) JOBS=2 DIR="" WARMUP=2
+THREADS=$(nproc)
+[ "$THREADS" -gt 2 ] && THREADS=2
+HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --hidden) HIDDEN=$2; shift 2 ;;
@@ -26,15 +33,20 @@ while [ $# -gt 0 ]; do
     --max-length) LEN=$2; shift 2 ;;
     --batch-size) BATCH=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
+    --warmup) WARMUP=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bench_train.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 
 PY=/usr/bin/python3
+# Both sides run LibTorch on libgomp: sleeping, not spinning, OpenMP waits (spinning threads
+# on a shared machine cost up to 30x the CPU; bench/bench_train_step shows it).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 BUILD=${EAGLEKIT_BUILD_DIR:-build}
 if [ ! -x "$BUILD/bin/eaglekit" ]; then
   [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja >/dev/null
@@ -47,7 +59,8 @@ trap '[ "$CLEAN" = 1 ] && rm -rf "$DIR"' EXIT
 
 # Enough conversations that STEPS batches never wrap around the train split.
 CONV=$(( (STEPS * BATCH * 100 + 94) / 95 + 2 ))
-echo "data: $CONV conversations, H=$HIDDEN, V=$VOCAB (draft $DVOCAB), length $LEN, batch $BATCH, $STEPS steps, $THREADS threads" >&2
+echo "data: $CONV conversations, H=$HIDDEN, V=$VOCAB (draft $DVOCAB), length $LEN, batch $BATCH, 3 TTT steps," \
+     "fp32; $RUNS runs x $STEPS steps ($WARMUP warm-up) per side, $THREADS threads each" >&2
 "$EK" synth --out "$DIR/data" --conversations "$CONV" --hidden "$HIDDEN" --vocab "$VOCAB" \
   --min-tokens $((LEN / 2)) --max-tokens $((LEN * 3 / 2)) --dtype bf16 --jobs "$JOBS" --base-out "$DIR/base" >/dev/null
 "$EK" index "$DIR/data" --out "$DIR/index.eki" --jobs "$JOBS" >/dev/null 2>&1
@@ -59,23 +72,50 @@ COMMON=(--data "$DIR/data/conversations.jsonl" --index "$DIR/index.eki" --base "
 "$EK" train "${COMMON[@]}" --out "$DIR/init" --max-steps 1 --lr 1e-30 --export-dtype float32 >/dev/null 2>&1
 INIT="$DIR/init/final"
 
-"$EK" train "${COMMON[@]}" --init-draft "$INIT" --out "$DIR/ours" --max-steps "$STEPS" --json >"$DIR/ours.json" 2>"$DIR/ours.err" \
-  || { cat "$DIR/ours.err" >&2; exit 1; }
-"$PY" bench/bench_train.py --data "$DIR/data/conversations.jsonl" --records "$DIR/data/records" --draft "$INIT" \
-  --base "$DIR/base" --max-length "$LEN" --batch-size "$BATCH" --steps "$STEPS" --threads "$THREADS" \
-  --lr 1e-3 --grad-clip 1.0 --warmup "$WARMUP" >"$DIR/python.json"
+for r in $(seq 1 "$RUNS"); do
+  rm -rf "$DIR/ours"
+  "$EK" train "${COMMON[@]}" --init-draft "$INIT" --out "$DIR/ours" --max-steps "$STEPS" --json >"$DIR/ours.json" 2>"$DIR/ours.err" \
+    || { cat "$DIR/ours.err" >&2; exit 1; }
+  cp "$DIR/ours/metrics.jsonl" "$DIR/ours-$r.jsonl"
+  "$PY" bench/bench_train.py --data "$DIR/data/conversations.jsonl" --records "$DIR/data/records" --draft "$INIT" \
+    --base "$DIR/base" --max-length "$LEN" --batch-size "$BATCH" --steps "$STEPS" --threads "$THREADS" \
+    --lr 1e-3 --grad-clip 1.0 --warmup "$WARMUP" >"$DIR/python-$r.json"
+  echo "run $r/$RUNS done" >&2
+done
 
-"$PY" - "$DIR/ours/metrics.jsonl" "$DIR/ours.json" "$DIR/python.json" "$WARMUP" <<'EOF'
-import json, statistics, sys
-lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip() and "split" not in l]
-ours = json.load(open(sys.argv[2]))
-py = json.load(open(sys.argv[3]))
-w = int(sys.argv[4])
-steps = [l for l in lines if l["step"] > w]
-ours_tps = statistics.median(l["tokens_per_s"] for l in steps)
-wait = statistics.median(l["data_wait_share"] for l in steps)
-print(f"eaglekit train   {ours_tps:10.0f} tokens/s (median of {len(steps)} steps)  step-1 loss {lines[0]['loss']:.6f}")
-print(f"PyTorch (Python) {py['tokens_per_s_median']:10.0f} tokens/s (median)                step-1 loss {py['losses'][0]:.6f}")
-print(f"ratio eaglekit / PyTorch: {ours_tps / py['tokens_per_s_median']:.2f}x   ({py['threads']} threads each)")
-print(f"eaglekit data wait: {100 * wait:.1f}% of step time (median), {100 * ours['data_wait_share']:.1f}% over the run")
+"$PY" - "$DIR" "$RUNS" "$WARMUP" "$THREADS" <<'EOF'
+import json, statistics as st, sys
+d, runs, w, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ours, py = [], []
+for r in range(1, runs + 1):
+    lines = [json.loads(l) for l in open(f"{d}/ours-{r}.jsonl") if l.strip()]
+    lines = [l for l in lines if "split" not in l]
+    steps = [l for l in lines if l["step"] > w]
+    tok = [l["tokens_per_s"] * l["step_ms"] / 1e3 for l in steps]
+    ours.append({
+        "tps": st.median(t / ((l["step_ms"] - l["loader_wait_ms"]) / 1e3) for t, l in zip(tok, steps)),
+        "tps_e2e": st.median(l["tokens_per_s"] for l in steps),
+        "cpu": st.median(l["cpu_ms"] / 1e3 for l in steps),
+        "tpc": st.median(t / (l["cpu_ms"] / 1e3) for t, l in zip(tok, steps)),
+        "wait": st.median(l["loader_wait_ms"] / l["step_ms"] for l in steps),
+        "wait_ms": st.median(l["loader_wait_ms"] for l in steps),
+        "step_ms": st.median(l["step_ms"] for l in steps),
+        "loss1": lines[0]["loss"]})
+    p = json.load(open(f"{d}/python-{r}.json"))
+    py.append({"tps": p["tokens_per_s_median"], "cpu": p["cpu_s_median"], "tpc": p["tokens_per_cpu_s_median"],
+               "loss1": p["losses"][0]})
+m = lambda xs, k: st.median(x[k] for x in xs)
+print(f"per run (median over steps > {w}):")
+for r, (o, p) in enumerate(zip(ours, py), 1):
+    print(f"  run {r}: eaglekit {o['tps']:8.0f} tok/s {o['cpu']:7.3f} CPU-s/step | "
+          f"PyTorch {p['tps']:8.0f} tok/s {p['cpu']:7.3f} CPU-s/step")
+print(f"medians over {runs} runs, {threads} threads each, data loading excluded on both sides:")
+print(f"  eaglekit train    {m(ours, 'tps'):9.0f} tokens/s  {m(ours, 'cpu'):7.3f} CPU-s/step  {m(ours, 'tpc'):8.0f} tokens/CPU-s"
+      f"  step-1 loss {ours[0]['loss1']:.6f}")
+print(f"  PyTorch (Python)  {m(py, 'tps'):9.0f} tokens/s  {m(py, 'cpu'):7.3f} CPU-s/step  {m(py, 'tpc'):8.0f} tokens/CPU-s"
+      f"  step-1 loss {py[0]['loss1']:.6f}")
+print(f"  ratio eaglekit / PyTorch: {m(ours, 'tps') / m(py, 'tps'):.2f}x tokens/s (wall), "
+      f"{m(ours, 'tpc') / m(py, 'tpc'):.2f}x tokens per CPU-second")
+print(f"eaglekit with data loading: {m(ours, 'tps_e2e'):.0f} tokens/s end to end; waited for data "
+      f"{m(ours, 'wait_ms'):.2f} ms of a {m(ours, 'step_ms'):.0f} ms step = {100 * m(ours, 'wait'):.3f}% (median)")
 EOF

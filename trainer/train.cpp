@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -49,6 +50,9 @@ constexpr double kPi = 3.14159265358979323846;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+
+// CPU time of the whole process (every thread: LibTorch's and the loader's).
+double process_cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
 
 json number(double x) {
   if (!std::isfinite(x)) return nullptr;
@@ -777,7 +781,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   SignalGuard signals;
   const bool show_progress = opts.progress && main_rank && ::isatty(2) == 1;
   TttStats run_stats(steps_s), window(steps_s);
-  double window_tokens = 0, window_time = 0, window_wait = 0, run_tokens = 0, run_time = 0, run_wait = 0;
+  double window_tokens = 0, window_time = 0, window_wait = 0, window_cpu = 0;
+  double run_tokens = 0, run_time = 0, run_wait = 0;
   std::int64_t window_steps = 0;
   double grad_norm = 0, lr = 0;
   std::uint64_t epoch_of_step = loader.state().epoch;
@@ -798,16 +803,19 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     j["tokens_per_s"] = window_time > 0 ? window_tokens / window_time : 0.0;
     j["loader_wait_ms"] = 1000.0 * window_wait / static_cast<double>(window_steps);
     j["data_wait_share"] = window_time > 0 ? window_wait / window_time : 0.0;
+    j["step_ms"] = 1000.0 * window_time / static_cast<double>(window_steps);
+    j["cpu_ms"] = 1000.0 * window_cpu / static_cast<double>(window_steps);
     j["elapsed_s"] = seconds_since(loop_start);
     emit(j);
     window = TttStats(steps_s);
-    window_tokens = window_time = window_wait = 0;
+    window_tokens = window_time = window_wait = window_cpu = 0;
     window_steps = 0;
   };
 
   for (;;) {
     if (opts.max_steps > 0 && step >= opts.max_steps) break;
     const auto t0 = Clock::now();
+    const double cpu0 = process_cpu_seconds();
     const double wait0 = loader.stats().wait_s;
     std::vector<Batch> micro;
     bool finished = false;
@@ -883,6 +891,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     window_tokens += step_tokens;
     window_time += dt;
     window_wait += waited;
+    window_cpu += process_cpu_seconds() - cpu0;
     ++window_steps;
     run_tokens += step_tokens;
     run_time += dt;

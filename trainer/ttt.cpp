@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -64,6 +65,20 @@ class AutocastGuard {
   c10::DeviceType device_;
   bool prev_enabled_ = false;
   c10::ScalarType prev_dtype_ = c10::ScalarType::BFloat16;
+};
+
+// Named ranges for LibTorch's autograd profiler (bench/bench_train_step reads them), one
+// open at a time: begin() closes the previous one. Nearly free when no profiler runs.
+class ProfileScope {
+ public:
+  void begin(const char* name) {
+    guard_.reset();
+    guard_.emplace(at::RecordScope::USER_SCOPE);
+    if (guard_->isActive()) guard_->before(name);
+  }
+
+ private:
+  std::optional<at::RecordFunction> guard_;
 };
 
 // Rows shifted towards higher positions by d along dim 2 ([B, heads, L, D]) or dim 1
@@ -369,7 +384,11 @@ TttUnroll::TttUnroll(const BaseModel& base, DraftModel draft, TttOptions options
   at::NoGradGuard no_grad;
   const c10::Device device = impl_->draft.device();
   impl_->embed_tokens = base.embed_tokens.detach().to(device);
-  impl_->target_head = base.lm_head.detach().to(device).index_select(0, impl_->draft.draft_to_target());
+  // In the draft's dtype (float32), not the base's: with a bf16 base the target logits went
+  // through LibTorch's scalar bf16 CPU matmul (no BLAS), about 40% of a training step's CPU,
+  // and were rounded to bf16 before the softmax.
+  impl_->target_head =
+      base.lm_head.detach().to(device).index_select(0, impl_->draft.draft_to_target()).to(impl_->draft.dtype());
 }
 
 TttUnroll::~TttUnroll() = default;
@@ -410,6 +429,8 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
 
   std::optional<AutocastGuard> autocast;
   if (impl_->options.autocast) autocast.emplace(device.type(), *impl_->options.autocast);
+  ProfileScope scope;
+  scope.begin("ttt.inputs");
 
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor ids = batch.input_ids.to(device, at::kLong);
@@ -448,12 +469,16 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
   at::Tensor prev_out;
   for (std::int64_t s = 0; s < steps; ++s) {
+    scope.begin("ttt.qkv");
     if (s > 0) hidden = cx.shift_right(prev_out);
     Qkv qkv = draft.qkv(emb_normed, hidden, rope);
     k_blocks.push_back(qkv.k);
     v_blocks.push_back(qkv.v);
+    scope.begin("ttt.attention");
     const at::Tensor attn = cx.attention(qkv.q, k_blocks, v_blocks, key_valid, s, scale, docs);
+    scope.begin("ttt.layer");
     const at::Tensor out = draft.finish_layer(hidden, attn);
+    scope.begin("ttt.lm_head_loss");
     const at::Tensor logits = draft.logits(out).to(at::kFloat);
     const at::Tensor logp = at::log_softmax(logits, -1);
     // Draft position t predicts the target at t + 1, from step s on (SPEC: [:, s:L-1]).
@@ -461,6 +486,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
     mask_sums.push_back(weight.sum());
     {
+      scope.begin("ttt.metrics");
       at::NoGradGuard no_grad;
       const at::Tensor counted = weight != 0;
       const at::Tensor right = (logits.argmax(-1) == target_argmax) & counted;
@@ -473,6 +499,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     prev_out = out;
   }
   autocast.reset();
+  scope.begin("ttt.stats");
 
   TttResult r;
   r.ce_sum = at::stack(ce);

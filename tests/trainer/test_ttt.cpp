@@ -303,6 +303,23 @@ TEST_CASE("ttt: masks are built once per (L, step) and reused") {
   CHECK(context.masks().size() == 6);
 }
 
+TEST_CASE("ttt: a bf16 base gives the targets of its float32 upcast (target head in the draft's dtype)") {
+  const DraftConfig c = fixtures::tiny_config();
+  BaseModel base16 = fixtures::random_base(c, 71);
+  base16.embed_tokens = base16.embed_tokens.to(at::kBFloat16);
+  base16.lm_head = base16.lm_head.to(at::kBFloat16);
+  BaseModel base32 = base16;
+  base32.embed_tokens = base16.embed_tokens.to(at::kFloat);
+  base32.lm_head = base16.lm_head.to(at::kFloat);
+  const DraftModel draft(c, fixtures::spread_d2t(c), base32.lm_head, 72);
+  TttUnroll u16(base16, draft), u32(base32, draft);
+  CHECK(std::string(c10::toString(u16.target_head().scalar_type())) == "Float");
+  CHECK(at::equal(u16.target_head(), u32.target_head()));
+  at::NoGradGuard no_grad;
+  const TttBatch batch = fixtures::random_batch(c, 2, 8, {8, 5}, 73);
+  CHECK(u16.forward(batch).loss.item<double>() == u32.forward(batch).loss.item<double>());
+}
+
 TEST_CASE("ttt: batch shape errors say which tensor is wrong") {
   const DraftConfig c = fixtures::tiny_config();
   const BaseModel base = fixtures::random_base(c, 61);
