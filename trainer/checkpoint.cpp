@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -131,6 +132,24 @@ TrainerState TrainerState::from_json(const std::string& text, const std::string&
 
 std::string checkpoint_name(std::int64_t step) { return "checkpoint-" + std::to_string(step); }
 
+namespace {
+
+// Temp folders of saves whose process is gone (a run killed in save_checkpoint, or in the
+// export of final/): ".checkpoint-STEP.tmp-PID", ".final.tmp-PID", and what
+// replace_folder_atomic moves aside (".old" added). Those of a live process are left alone.
+void remove_stale_temp_folders(const std::string& out_dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".checkpoint-", 0) != 0 && name.rfind(".final", 0) != 0) continue;
+    const auto tmp = name.find(".tmp-");
+    if (tmp == std::string::npos) continue;
+    if (process_gone(std::strtol(name.c_str() + tmp + 5, nullptr, 10))) fs::remove_all(e.path(), ec);
+  }
+}
+
+}  // namespace
+
 std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt) {
   const std::string name = checkpoint_name(ckpt.state.step);
   const fs::path out(out_dir);
@@ -139,6 +158,7 @@ std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft,
   std::error_code ec;
   fs::create_directories(out, ec);
   if (ec) throw IoError(out_dir + ": cannot create folder: " + ec.message());
+  remove_stale_temp_folders(out_dir);
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec) throw IoError(tmp.string() + ": cannot create folder: " + ec.message());
@@ -150,20 +170,9 @@ std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft,
     const std::string state = ckpt.state.to_json();
     write_file_atomic((tmp / "trainer_state.json").string(), state.data(), state.size());
     fsync_dir(tmp.string());
-    // Replace an older folder of the same name (a run resumed from an earlier step).
-    if (fs::exists(final_dir)) {
-      const fs::path old = out / ("." + name + ".old-" + std::to_string(::getpid()));
-      fs::remove_all(old, ec);
-      fs::rename(final_dir, old, ec);
-      if (ec) throw IoError(final_dir.string() + ": cannot move the old checkpoint aside: " + ec.message());
-      fs::rename(tmp, final_dir, ec);
-      if (ec) throw IoError(final_dir.string() + ": cannot rename the new checkpoint into place: " + ec.message());
-      fs::remove_all(old, ec);
-    } else {
-      fs::rename(tmp, final_dir, ec);
-      if (ec) throw IoError(final_dir.string() + ": cannot rename the new checkpoint into place: " + ec.message());
-    }
-    fsync_dir(out.string());
+    // An older folder of the same name (a run resumed from an earlier step) is exchanged for
+    // the new one, so checkpoint-STEP never goes missing.
+    replace_folder_atomic(tmp.string(), final_dir.string());
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;

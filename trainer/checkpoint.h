@@ -13,8 +13,9 @@
 //
 // A checkpoint is written into OUT/.checkpoint-STEP.tmp-PID/ and renamed into place once
 // every file is on disk, so a folder named checkpoint-STEP is always complete; an older
-// folder of the same name is replaced. find_latest_checkpoint() also checks that each file
-// is present before it trusts a folder.
+// folder of the same name is exchanged for it atomically (replace_folder_atomic). Temp
+// folders left by a killed process are removed by the next save. find_latest_checkpoint()
+// also checks that each file is present before it trusts a folder.
 //
 // Errors: IoError (cannot write, rename or read), FormatError (a file that does not parse or
 // lacks a field). Not thread-safe; one writer (rank 0).

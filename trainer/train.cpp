@@ -24,6 +24,7 @@
 #include <sstream>
 #include <variant>
 
+#include "formats/atomic_file.h"
 #include "formats/format.h"
 #include "lib/dataset.h"
 #include "lib/loader.h"
@@ -192,8 +193,7 @@ void trim_metrics(const std::string& path, std::int64_t step) {
     kept += line + "\n";
   }
   in.close();
-  std::ofstream out(path, std::ios::trunc);
-  out << kept;
+  write_file_atomic(path, kept.data(), kept.size());  // a kill here must not lose the log
 }
 
 // The draft's d2t for a fresh run: --d2t, else counted over the train split when the
@@ -950,7 +950,18 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     } catch (const UsageError&) {
       eo.dtype = at::kFloat;  // a base config with an unusual torch_dtype ("auto")
     }
-    export_draft(draft, result.final_dir, eo);
+    // Into a temp folder first: final/ appears complete (config.json with model.safetensors)
+    // or not at all, and a rerun replaces an older one in one step.
+    const std::string tmp = (fs::path(opts.out) / (".final.tmp-" + std::to_string(::getpid()))).string();
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    try {
+      export_draft(draft, tmp, eo);
+      replace_folder_atomic(tmp, result.final_dir);
+    } catch (...) {
+      fs::remove_all(tmp, ec);
+      throw;
+    }
     say("done: " + std::to_string(step) + " steps; final draft in " + result.final_dir);
   }
   if (world > 1) mesh.world().barrier();

@@ -3,6 +3,8 @@
 // --init-draft from a checkpoint.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -166,6 +168,42 @@ TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; 
   const at::Tensor x = at::rand({4});
   restore_rng_state(rng);
   CHECK(at::equal(at::rand({4}), x));
+}
+
+TEST_CASE("checkpoint: temp folders of a killed save are removed by the next save; a live writer's stay") {
+  test::TempDir dir("stale");
+  BaseConfig b;
+  b.hidden_size = 16;
+  b.intermediate_size = 32;
+  b.num_attention_heads = 2;
+  b.num_key_value_heads = 1;
+  b.head_dim = 8;
+  b.num_hidden_layers = 8;
+  b.vocab_size = 20;
+  DraftModel draft(draft_config_from_base(b, DraftOptions{}), at::zeros({20}, at::kLong), at::Tensor(), 4);
+  Checkpoint ck;
+  ck.rng = capture_rng_state();
+  ck.options_json = "{}";
+  // The pid of a process that is gone (reaped), as a SIGKILLed run's.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  const std::string out = dir / "out";
+  const std::string dead = std::to_string(child);
+  fs::create_directories(out + "/.checkpoint-3.tmp-" + dead);
+  test::write_text(out + "/.checkpoint-3.tmp-" + dead + "/model.safetensors", "half");
+  fs::create_directories(out + "/.final.tmp-" + dead);
+  fs::create_directories(out + "/.checkpoint-2.tmp-" + dead + ".old");
+  fs::create_directories(out + "/.checkpoint-7.tmp-1");  // pid 1 is alive
+  ck.state.step = 2;
+  save_checkpoint(out, draft, ck);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(out)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{".checkpoint-7.tmp-1", "checkpoint-2"});
+  CHECK(is_complete_checkpoint(out + "/checkpoint-2"));
 }
 
 TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype; --init-draft continues from it") {
