@@ -158,6 +158,9 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::parse(
   } catch (const json::parse_error& e) {
     throw FormatError(path, 8 + (e.byte > 0 ? e.byte - 1 : 0), "header",
                       "not valid JSON: " + json_detail(e));
+  } catch (const json::exception& e) {
+    // A number too large for a double ("1E400") is out_of_range 406, not a parse_error.
+    throw FormatError(path, 8, "header", "not valid JSON: " + json_detail(e));
   }
   if (!header.is_object())
     throw FormatError(path, 8, "header",
@@ -443,6 +446,8 @@ SafetensorsWeights SafetensorsWeights::open_folder(const std::string& dir) {
     } catch (const json::parse_error& e) {
       throw FormatError(index, e.byte > 0 ? e.byte - 1 : 0, "index",
                         "not valid JSON: " + json_detail(e));
+    } catch (const json::exception& e) {  // out_of_range 406: a number past a double's range
+      throw FormatError(index, std::nullopt, "index", "not valid JSON: " + json_detail(e));
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw FormatError(index, std::nullopt, "weight_map",

@@ -565,3 +565,31 @@ TEST_CASE("safetensors: record files missing their tensors say what was expected
                            .c_str(),
                        FormatError);
 }
+
+// Found by tests/fuzz (fuzz_safetensors): a number too large for a double in the header made
+// nlohmann throw out_of_range 406 past the parser instead of a FormatError.
+TEST_CASE("safetensors: a header number that overflows a double is a FormatError (fuzz regression)") {
+  CHECK_THROWS_WITH_AS(
+      parse_bytes(file_bytes(R"({"w":{"dtype":"F32","shape":[1E400],"data_offsets":[0,4]}})", 4)),
+      "bad.safetensors: header at byte 8: not valid JSON: number overflow parsing '1E400'",
+      FormatError);
+  // The exact fuzz input.
+  const auto fuzzed = test::read_bytes(
+      test::source_dir() + "/tests/fuzz/regressions/safetensors-number-overflow.safetensors");
+  CHECK_THROWS_WITH_AS(
+      SafetensorsFile::parse(ByteSource::from_bytes(fuzzed, "fuzzed.safetensors")),
+      doctest::Contains("fuzzed.safetensors: header at byte 8: not valid JSON: number overflow "
+                        "parsing '999E9999999999999999999999999999999999999"),
+      FormatError);
+}
+
+TEST_CASE("safetensors: a weight index number that overflows a double is a FormatError") {
+  test::TempDir d("stidx");
+  test::write_text(d / "model.safetensors.index.json",
+                   R"({"metadata": {"total_size": 1E400}, "weight_map": {}})");
+  CHECK_THROWS_WITH_AS(SafetensorsWeights::open_folder(d.path()),
+                       (d / "model.safetensors.index.json" +
+                        ": index: not valid JSON: number overflow parsing '1E400'")
+                           .c_str(),
+                       FormatError);
+}
