@@ -107,7 +107,11 @@ void check_attention_chunk(const std::vector<at::Tensor>& got, const std::vector
   for (std::size_t i = 0; i < want.size(); ++i) {
     CAPTURE(i);  // 0 out, 1 dq, then dk blocks, then dv blocks
     const at::Tensor w = want[i].narrow(2, chunk.begin, chunk.size());
-    CHECK_MESSAGE(close(got[i], w), diff_text(got[i], w));
+    // Relative to the whole tensor's scale: a rank's slice of a gradient can be exactly 0
+    // (one visible key) while the dense reference holds rounding noise there (~3e-7 with
+    // OpenBLAS, whose blocked sums differ from the reference BLAS).
+    const double scale = want[i].abs().max().item<double>();
+    CHECK_MESSAGE(close(got[i], w, 1e-5, 1e-5 * scale), diff_text(got[i], w));
   }
 }
 
