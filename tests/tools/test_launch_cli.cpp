@@ -22,9 +22,11 @@
 
 #include "formats/safetensors_format.h"
 #include "tests/support.h"
+#include "tests/tools/weights_diff.h"
 
 using namespace eaglekit;
 namespace fs = std::filesystem;
+using test::max_rel_diff;
 
 namespace {
 
@@ -47,24 +49,6 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   return out;
 }
 
-// Largest |a - b| / max|b| over the float tensors of two safetensors files, per tensor.
-double max_rel_diff(const std::string& a_path, const std::string& b_path) {
-  const auto a = SafetensorsFile::open(a_path), b = SafetensorsFile::open(b_path);
-  REQUIRE(a->entries().size() == b->entries().size());
-  double worst = 0;
-  for (const auto& e : a->entries()) {
-    const auto x = a->get(e.name), y = b->get(e.name);
-    REQUIRE_MESSAGE(y, e.name);
-    REQUIRE(x->numel() == y->numel());
-    double scale = 1e-12, diff = 0;
-    for (std::int64_t i = 0; i < x->numel(); ++i) {
-      scale = std::max(scale, std::abs(y->get(i)));
-      diff = std::max(diff, std::abs(x->get(i) - y->get(i)));
-    }
-    worst = std::max(worst, diff / scale);
-  }
-  return worst;
-}
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
