@@ -105,7 +105,9 @@ TEST_CASE("config: bad base configs name the file and the field") {
 }
 
 TEST_CASE("config: draft config.json writes both aux-layer conventions and reads back") {
-  const DraftConfig d = draft_config_from_base(parse_base_config(kLlama31, "c"), DraftOptions{32000});
+  DraftOptions options;
+  options.draft_vocab_size = 32000;
+  const DraftConfig d = draft_config_from_base(parse_base_config(kLlama31, "c"), options);
   const nlohmann::json j = nlohmann::json::parse(draft_config_json(d));
   CHECK(j["architectures"] == nlohmann::json::array({"LlamaForCausalLMEagle3"}));
   CHECK(j["model_type"] == "llama");
