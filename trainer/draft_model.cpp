@@ -196,7 +196,9 @@ std::vector<at::Tensor> DraftModel::parameters() const { return impl_->module->p
 torch::nn::Module& DraftModel::module() { return *impl_->module; }
 
 void DraftModel::load_parameter(const std::string& name, const at::Tensor& value) {
-  at::Tensor* p = impl_->module->named_parameters().find(name);
+  // named_parameters() returns a dict by value: keep it alive while `p` points into it.
+  auto params = impl_->module->named_parameters();
+  at::Tensor* p = params.find(name);
   if (p == nullptr) throw UsageError("the draft has no parameter '" + name + "'");
   if (p->sizes() != value.sizes()) {
     throw UsageError("parameter '" + name + "' has shape " + c10::str(p->sizes()) + ", got " +
