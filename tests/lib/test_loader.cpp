@@ -1,14 +1,4 @@
-// LibTorch pulls in glog, whose CHECK macros clash with doctest's: include it first and
-// drop glog's names before doctest defines its own.
-#include <ATen/ATen.h>
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
+#include "tests/torch_doctest.h"
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/resource.h>

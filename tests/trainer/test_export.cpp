@@ -1,15 +1,5 @@
-// LibTorch pulls in glog, whose CHECK macros clash with doctest's: include it first and
-// drop glog's names before doctest defines its own.
-#include <ATen/ATen.h>
+#include "tests/torch_doctest.h"
 #include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares at::NoGradGuard
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
 
 #include <algorithm>
 #include <filesystem>
