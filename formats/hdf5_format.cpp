@@ -876,7 +876,10 @@ Hdf5Writer::Hdf5Writer(std::string path, Hdf5WriterOptions opts)
     take_hdf5_error();
     throw UsageError("this libhdf5 has no gzip filter; write without compression");
   }
-  file_ = Hid(H5Fcreate(temp_path_.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+  // The file creation list is also the root group's: no object time on it either.
+  Hid fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  if (fcpl.valid() && H5Pset_obj_track_times(fcpl.get(), false) >= 0)
+    file_ = Hid(H5Fcreate(temp_path_.c_str(), H5F_ACC_EXCL, fcpl.get(), H5P_DEFAULT), H5Fclose);
   if (!file_.valid()) {
     const std::string detail = take_hdf5_error();
     throw IoError(temp_path_ + ": cannot create HDF5 file" +
@@ -910,6 +913,15 @@ void Hdf5Writer::fail_write(const std::string& what) {
   throw IoError(temp_path_ + ": " + what + (detail.empty() ? std::string() : ": " + detail));
 }
 
+// Creation property list of a dataset we write. No object times: HDF5 would otherwise
+// stamp each object header with the wall clock, so identical records written twice would
+// give different bytes (and `convert` / `pack` reruns would not be byte-identical).
+Hid untimed_dcpl() {
+  Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (dcpl.valid() && H5Pset_obj_track_times(dcpl.get(), false) < 0) return Hid();
+  return dcpl;
+}
+
 void Hdf5Writer::create_column(Column& c, const std::string& name, hid_t file_type, hid_t mem_type,
                                int rank, hsize_t width, std::size_t itemsize,
                                const char* dtype_attr) {
@@ -923,7 +935,7 @@ void Hdf5Writer::create_column(Column& c, const std::string& name, hid_t file_ty
   hsize_t dims[2] = {0, width};
   hsize_t maxdims[2] = {empty ? 0 : H5S_UNLIMITED, width};
   Hid space(H5Screate_simple(rank, dims, maxdims), H5Sclose);
-  Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  Hid dcpl = untimed_dcpl();
   if (!space.valid() || !dcpl.valid()) fail_write("cannot create dataset " + name);
   if (!empty) {
     c.chunk_rows = std::clamp<hsize_t>(opts_.chunk_bytes / c.row_bytes, 1, kMaxChunkRows);
@@ -1132,8 +1144,10 @@ void Hdf5Writer::finish() {
       H5Tset_size(type.get(), H5T_VARIABLE);
       H5Tset_cset(type.get(), H5T_CSET_UTF8);
       Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-      Hid d(H5Dcreate2(file_.get(), "/conversation_ids", type.get(), space.get(), H5P_DEFAULT,
-                       H5P_DEFAULT, H5P_DEFAULT),
+      Hid dcpl = untimed_dcpl();
+      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), "/conversation_ids", type.get(), space.get(),
+                                      H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
+                         : H5I_INVALID_HID,
             H5Dclose);
       std::vector<const char*> ptrs;
       ptrs.reserve(n);
@@ -1145,8 +1159,10 @@ void Hdf5Writer::finish() {
     {
       const hsize_t m = n + 1;
       Hid space(H5Screate_simple(1, &m, nullptr), H5Sclose);
-      Hid d(H5Dcreate2(file_.get(), "/offsets", H5T_STD_I64LE, space.get(), H5P_DEFAULT,
-                       H5P_DEFAULT, H5P_DEFAULT),
+      Hid dcpl = untimed_dcpl();
+      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), "/offsets", H5T_STD_I64LE, space.get(),
+                                      H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
+                         : H5I_INVALID_HID,
             H5Dclose);
       if (!d.valid() ||
           H5Dwrite(d.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets_.data()) < 0)

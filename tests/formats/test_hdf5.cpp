@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -695,4 +696,37 @@ TEST_CASE("hdf5: concurrent reads from many threads agree") {
   }
   for (auto& th : threads) th.join();
   CHECK(bad == std::vector<int>(4, 0));
+}
+
+TEST_CASE("hdf5: the same records give the same bytes (no object times in the file)") {
+  // HDF5 stamps object headers with the wall clock (32-bit seconds) unless told not to. Two
+  // writes inside one second would match anyway, so look for the clock itself: no 4 bytes
+  // of the file may read as a second of the write window. The data here (small ids, floats
+  // in [-4, 4], no compression) cannot hold such a value by chance.
+  test::TempDir d("h5");
+  const auto records = mixed_records(DType::kFloat32);
+  const auto write = [&](const std::string& path) {
+    auto w = create_hdf5_shard_writer(path, {});
+    for (const auto& r : records) w->add(r);
+    w->finish();
+  };
+  const auto t0 = static_cast<std::uint32_t>(std::time(nullptr));
+  write(d / "a.h5");
+  const auto t1 = static_cast<std::uint32_t>(std::time(nullptr));
+  write(d / "b.h5");
+  const auto a = test::read_bytes(d / "a.h5");
+  REQUIRE(a.size() > 4);
+  std::vector<std::size_t> stamped;
+  for (std::size_t i = 0; i + 4 <= a.size(); ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, a.data() + i, 4);  // little-endian, as HDF5 stores it
+    if (v + 1 >= t0 && v <= t1 + 1) stamped.push_back(i);
+  }
+  INFO("first offset holding a time of the write: " << (stamped.empty() ? 0 : stamped[0]));
+  CHECK(stamped.empty());
+  CHECK(test::read_bytes(d / "b.h5") == a);
+  // The shard still reads back (the root group and every dataset were created untimed).
+  auto reader = open_reader(d / "b.h5");
+  REQUIRE(reader->size() == records.size());
+  for (std::size_t i = 0; i < records.size(); ++i) check_same(reader->read(i), records[i]);
 }
