@@ -11,7 +11,10 @@
 #include <mutex>
 #include <new>
 
+#include <sys/mman.h>
+
 #include "formats/error.h"
+#include "formats/stream_copy.h"
 
 namespace eaglekit {
 
@@ -108,15 +111,34 @@ std::vector<std::vector<std::size_t>> pack_rows(const std::vector<std::size_t>& 
 namespace {
 
 constexpr std::size_t kAlign = 64;
+// Slabs this big come straight from the kernel, populated in one call (one page fault per
+// 4 KiB page costs more than the copy into it) and known to be zero-filled.
+constexpr std::size_t kMapMin = std::size_t{1} << 20;
 
 struct Slab {
-  explicit Slab(std::size_t n)
-      : bytes(n), data(static_cast<std::uint8_t*>(::operator new(n, std::align_val_t(kAlign)))) {}
-  ~Slab() { ::operator delete(data, std::align_val_t(kAlign)); }
+  explicit Slab(std::size_t n) : bytes(n) {
+    if (n >= kMapMin) {
+      void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      if (p != MAP_FAILED) {
+        data = static_cast<std::uint8_t*>(p);
+        mapped = true;
+        zeroed = true;
+        return;
+      }
+    }
+    data = static_cast<std::uint8_t*>(::operator new(n, std::align_val_t(kAlign)));
+  }
+  ~Slab() {
+    if (mapped) ::munmap(data, bytes);
+    else ::operator delete(data, std::align_val_t(kAlign));
+  }
   Slab(const Slab&) = delete;
   Slab& operator=(const Slab&) = delete;
   std::size_t bytes;
-  std::uint8_t* data;
+  std::uint8_t* data = nullptr;
+  bool mapped = false;
+  bool zeroed = false;  // fresh from the kernel and never handed out: every byte is 0
 };
 
 std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -143,7 +165,9 @@ bool BatchMemory::pinned() const { return impl_->pinned; }
 std::uint64_t BatchMemory::slabs_allocated() const { return impl_->allocated.load(); }
 
 std::vector<at::Tensor> BatchMemory::allocate(
-    const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs) {
+    const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs,
+    bool* zeroed) {
+  if (zeroed) *zeroed = false;
   std::vector<at::Tensor> out;
   out.reserve(specs.size());
   if (impl_->pinned) {
@@ -190,6 +214,8 @@ std::vector<at::Tensor> BatchMemory::allocate(
       ++impl_->allocated;
       if (slabs.size() < impl_->keep) slabs.push_back(slab);
     }
+    if (zeroed) *zeroed = slab->zeroed;
+    slab->zeroed = false;
   }
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const auto& [shape, type] = specs[i];
@@ -311,6 +337,7 @@ struct Dest {
   std::int64_t* pos = nullptr;   // pack only
   std::uint8_t* hs = nullptr;
   std::uint8_t* aux_hs = nullptr;
+  bool zeroed = false;  // the hidden-state tensors are all zeros already
 
   // Columns [c0, c1) of row r become padding.
   void pad(std::int64_t r, std::int64_t c0, std::int64_t c1) const {
@@ -322,12 +349,20 @@ struct Dest {
     fill_i64(labels + at, n, 0);
     if (docs) fill_i64(docs + at, n, -1);
     if (pos) fill_i64(pos + at, n, 0);
-    std::memset(hs + static_cast<std::size_t>(at * hidden) * item, 0,
+    if (zeroed) return;
+    stream_zero(hs + static_cast<std::size_t>(at * hidden) * item,
                 static_cast<std::size_t>(n * hidden) * item);
-    std::memset(aux_hs + static_cast<std::size_t>(at * aux) * item, 0,
+    stream_zero(aux_hs + static_cast<std::size_t>(at * aux) * item,
                 static_cast<std::size_t>(n * aux) * item);
   }
 };
+
+// Rows of a record's [T, X] tensor into contiguous batch memory.
+void copy_rows(const HostTensor& t, std::int64_t r0, std::int64_t r1, std::uint8_t* dst) {
+  const HostTensor rows = t.slice_rows(r0, r1);
+  if (rows.is_contiguous()) stream_copy(dst, rows.data, rows.nbytes());
+  else rows.copy_to(dst);
+}
 
 struct Span {
   std::int64_t begin, end;  // columns of the window
@@ -405,8 +440,9 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
     specs.push_back({{out_rows, width}, at::kLong});
   }
   std::vector<at::Tensor> t;
+  bool zeroed = false;
   if (memory) {
-    t = memory->allocate(specs);
+    t = memory->allocate(specs, &zeroed);
   } else {
     for (const auto& [s, type] : specs) t.push_back(at::empty(s, at::TensorOptions().dtype(type)));
   }
@@ -432,6 +468,7 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
   d.hidden = sh.hidden;
   d.aux = sh.aux_width;
   d.item = dtype_size(sh.dtype);
+  d.zeroed = zeroed;
   d.ids = b.input_ids.data_ptr<std::int64_t>();
   d.attn = b.attention_mask.data_ptr<std::int64_t>();
   d.loss = b.loss_mask.data_ptr<std::int64_t>();
@@ -465,9 +502,8 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
       fill_i64(d.docs + at, cnt, p.document);
       for (std::int64_t k = 0; k < cnt; ++k) d.pos[at + k] = s0 + k;
     }
-    rec.hidden_states.slice_rows(s0, s1).copy_to(d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
-    rec.aux_hidden_states.slice_rows(s0, s1).copy_to(d.aux_hs +
-                                                     static_cast<std::size_t>(at * d.aux) * d.item);
+    copy_rows(rec.hidden_states, s0, s1, d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
+    copy_rows(rec.aux_hidden_states, s0, s1, d.aux_hs + static_cast<std::size_t>(at * d.aux) * d.item);
     spans[i] = Span{a - first, e - first};
     bytes[i] = static_cast<std::uint64_t>(cnt) *
                (static_cast<std::uint64_t>(d.hidden + d.aux) * d.item + rec.input_ids.itemsize() +

@@ -97,7 +97,8 @@ std::vector<std::vector<std::size_t>> pack_rows(const std::vector<std::size_t>& 
                                                 std::int64_t max_length);
 
 // Batch memory. On CPU: slabs recycled once the consumer has dropped every tensor of an
-// earlier batch (fresh pages would cost a page fault per 4 KiB). With CUDA present:
+// earlier batch (fresh pages would cost a page fault per 4 KiB); big slabs are mapped from
+// the kernel already populated. With CUDA present:
 // pinned tensors from LibTorch's caching host allocator, which tracks in-flight
 // non_blocking copies before reuse. Thread-safe.
 class BatchMemory {
@@ -111,8 +112,11 @@ class BatchMemory {
   std::uint64_t slabs_allocated() const;  // fresh allocations so far (telemetry, tests)
   // Uninitialized tensors of these shapes and types, carved from one slab (CPU) or
   // allocated pinned. The slab returns to the pool when every tensor (and view) is gone.
+  // *zeroed (when given) tells whether every byte is known to be 0: a fresh slab from the
+  // kernel, on its first use.
   std::vector<at::Tensor> allocate(
-      const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs);
+      const std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>>& specs,
+      bool* zeroed = nullptr);
 
  private:
   struct Impl;

@@ -290,6 +290,76 @@ TEST_CASE("collate: batch memory is reused once the consumer drops a batch") {
   CHECK(mem.slabs_allocated() == 3);
 }
 
+TEST_CASE("collate: big batches (streamed copies, kernel-zeroed and reused dirty slabs) are exact") {
+  // Big enough for the paths small tests never reach: slabs mapped from the kernel (>= 1 MiB,
+  // zero on first use, so padding is not written) and copies that bypass the cache (>= 256
+  // KiB). A reused slab holds the previous batch's bytes, here overwritten by the consumer
+  // too, and every padding byte must be zero again.
+  {
+    BatchMemory m(1, /*pinned=*/0);
+    bool zeroed = false;
+    auto t = m.allocate({{{1024, 1024}, at::kByte}}, &zeroed);
+    CHECK(zeroed);  // fresh from the kernel
+    CHECK(t[0].sum().item<std::int64_t>() == 0);
+    t[0].fill_(1);
+    t.clear();
+    t = m.allocate({{{1024, 1024}, at::kByte}}, &zeroed);
+    CHECK_FALSE(zeroed);  // reused: holds what the last user wrote
+    CHECK(m.slabs_allocated() == 1);
+  }
+  const std::int64_t h = 512, max_length = 640;
+  CollateOptions o;
+  o.max_length = max_length;
+  BatchMemory mem(2, /*pinned=*/0);
+  auto expect_batch = [&](const Batch& b, const std::vector<Record>& recs) {
+    REQUIRE(b.rows() == static_cast<std::int64_t>(recs.size()));
+    for (std::size_t i = 0; i < recs.size(); ++i) {
+      const auto r = static_cast<std::int64_t>(i);
+      const std::int64_t t = std::min(recs[i].tokens(), max_length);
+      const at::Tensor hs = tensor_of(recs[i].hidden_states).slice(0, 0, t);
+      const at::Tensor aux = tensor_of(recs[i].aux_hidden_states).slice(0, 0, t);
+      CHECK(at::equal(b.hidden_states[r].slice(0, 0, t), hs));
+      CHECK(at::equal(b.aux_hidden_states[r].slice(0, 0, t), aux));
+      CHECK(b.hidden_states[r].slice(0, t).abs().sum().item<double>() == 0);
+      CHECK(b.aux_hidden_states[r].slice(0, t).abs().sum().item<double>() == 0);
+      CHECK(b.attention_mask[r].sum().item<std::int64_t>() == t);
+    }
+  };
+  {
+    const std::vector<Record> recs = {make_record("a", 600, h, 1), make_record("b", 333, h, 2)};
+    Batch b = collate_records(recs, o);  // the plain path (at::empty), for reference
+    expect_batch(b, recs);
+    std::vector<Placement> ps(2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      ps[i].row = static_cast<std::int64_t>(i);
+      ps[i].conversation_id = recs[i].conversation_id;
+      ps[i].record = recs[i];
+    }
+    Batch first = collate(ps, 2, 0, o, std::nullopt, &mem);
+    CHECK(mem.slabs_allocated() == 1);
+    expect_batch(first, recs);
+    for (const auto& [key, t] : first.named_tensors()) t.fill_(7);  // the consumer scribbles
+  }
+  // The source rows start 2 bytes into a buffer: unaligned loads into aligned streaming stores.
+  Record odd = make_record("c", 700, h, 3);
+  {
+    const auto bytes = std::make_shared<std::vector<std::uint8_t>>(odd.hidden_states.nbytes() + 2);
+    odd.hidden_states.copy_to(bytes->data() + 2);
+    odd.hidden_states = HostTensor::view(odd.hidden_states.dtype, odd.hidden_states.shape,
+                                         bytes->data() + 2, bytes);
+  }
+  const std::vector<Record> recs = {make_record("d", 100, h, 4), odd.prefix(max_length)};
+  std::vector<Placement> ps(2);
+  for (std::size_t i = 0; i < 2; ++i) {
+    ps[i].row = static_cast<std::int64_t>(i);
+    ps[i].conversation_id = recs[i].conversation_id;
+    ps[i].record = recs[i];
+  }
+  Batch again = collate(ps, 2, 0, o, std::nullopt, &mem);
+  CHECK(mem.slabs_allocated() == 1);  // the dirty slab, reused
+  expect_batch(again, recs);
+}
+
 TEST_CASE("collate: to_host_tensor views a tensor, contiguous first") {
   auto t = at::arange(12, at::kInt).reshape({3, 4}).t();
   const HostTensor h = to_host_tensor(t);
