@@ -20,10 +20,14 @@
 # times mostly measure the other tenants; CPU time measures what each pipeline costs.
 # --cold drops the page cache (echo 3 > /proc/sys/vm/drop_caches, root only) before every
 # competitor of every run, so each reads from disk; the default is a warm page cache.
+# --epochs E makes every competitor do E passes over the data in one process (cat and the C
+# loop get the file list E times; Python keeps its workers between epochs): the loader's
+# one-time costs (its batch memory, about 2 * prefetch batches, is fresh memory the kernel
+# must zero on first use; threads; the first files) then weigh what they weigh in training.
 #
 # usage: bench/bench_loader.sh [--conversations N] [--hidden H] [--min-tokens A]
 #                              [--max-tokens B] [--batch-size S] [--jobs J] [--runs R]
-#                              [--cold] [--dir DIR] [--keep]
+#                              [--epochs E] [--cold] [--dir DIR] [--keep]
 #   defaults: 200 conversations, H=1024 (3 aux layers, bf16: 8 KiB/token), 256..1024 tokens,
 #   batch 8, all cores, 3 runs.
 # The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing. The C
@@ -31,7 +35,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-N=200 HIDDEN=1024 MIN_T=256 MAX_T=1024 BATCH=8 JOBS=0 RUNS=3 DIR="" KEEP=0 COLD=0
+N=200 HIDDEN=1024 MIN_T=256 MAX_T=1024 BATCH=8 JOBS=0 RUNS=3 DIR="" KEEP=0 COLD=0 EPOCHS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --conversations) N=$2; shift 2 ;;
@@ -41,10 +45,11 @@ while [ $# -gt 0 ]; do
     --batch-size) BATCH=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
+    --epochs) EPOCHS=$2; shift 2 ;;
     --dir) DIR=$2; KEEP=1; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --cold) COLD=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "bench_loader.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -72,7 +77,12 @@ fi
 [ -f "$INDEX" ] || "$EK" index "$DIR/records" --out "$INDEX" >/dev/null
 
 mapfile -t FILES < <(find "$DIR/records" -name '*.pt' | sort)
-TOTAL=$(du -cb "${FILES[@]}" | tail -1 | cut -f1)
+TOTAL1=$(du -cb "${FILES[@]}" | tail -1 | cut -f1)
+PASSES=()  # the file list EPOCHS times, for cat and the C loop
+for ((e = 0; e < EPOCHS; e++)); do PASSES+=("${FILES[@]}"); done
+TOTAL=$((TOTAL1 * EPOCHS))
+NSAMPLES=$((${#FILES[@]} * EPOCHS))
+BATCHES=$(( (${#FILES[@]} + BATCH - 1) / BATCH * EPOCHS ))
 
 # (d): read each file whole into one reused buffer.
 RAWREAD="$DIR/raw_read"
@@ -118,8 +128,9 @@ drop_caches() {
   fi
 }
 [ "$COLD" = 1 ] || cat "${FILES[@]}" >/dev/null  # warm the page cache
-echo "dataset: ${#FILES[@]} files, $TOTAL bytes; batch $BATCH, max length $MAX_T, pad mode;" \
-     "$RUNS runs each; page cache: $([ "$COLD" = 1 ] && echo "dropped before each" || echo warm);" \
+echo "dataset: ${#FILES[@]} files, $TOTAL1 bytes; batch $BATCH, max length $MAX_T, pad mode;" \
+     "$EPOCHS epoch(s) per run, $RUNS runs each;" \
+     "page cache: $([ "$COLD" = 1 ] && echo "dropped before each" || echo warm);" \
      "cores: $(nproc), load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
@@ -138,22 +149,22 @@ cat_s=() cat_cpu=() raw_s=() raw_cpu=()
 for ((r = 0; r < RUNS; r++)); do
   drop_caches
   out=$("$EK" loader-bench --data "$CONV" --index "$INDEX" --split all --batch-size "$BATCH" \
-        --max-length "$MAX_T" --jobs "$JOBS" --json 2>/dev/null)
+        --max-length "$MAX_T" --jobs "$JOBS" --batches "$BATCHES" --json 2>/dev/null)
   ours_sps+=("$(json samples_per_s <<<"$out")")
   ours_s+=("$(json seconds <<<"$out")")
   ours_cpu+=("$(json cpu_s <<<"$out")")
   ours_wait+=("$(json wait_ms_per_batch <<<"$out")")
   drop_caches
   out=$("$PY" tests/lib/reference_loader.py bench --data "$CONV" --records "$DIR/records" \
-        --split all --batch-size "$BATCH" --max-length "$MAX_T" --workers 2)
+        --split all --batch-size "$BATCH" --max-length "$MAX_T" --workers 2 --epochs "$EPOCHS")
   py_sps+=("$(json samples_per_s <<<"$out")")
   py_s+=("$(json seconds <<<"$out")")
   py_cpu+=("$(json cpu_s <<<"$out")")
   drop_caches
-  read -r e c <<<"$(timed cat "${FILES[@]}")"
+  read -r e c <<<"$(timed cat "${PASSES[@]}")"
   cat_s+=("$e") cat_cpu+=("$c")
   drop_caches
-  read -r e c <<<"$(timed "$RAWREAD" "${FILES[@]}")"
+  read -r e c <<<"$(timed "$RAWREAD" "${PASSES[@]}")"
   raw_s+=("$e") raw_cpu+=("$c")
 done
 
@@ -161,7 +172,7 @@ awk -v osps="$(med "${ours_sps[@]}")" -v os="$(med "${ours_s[@]}")" -v oc="$(med
     -v ow="$(med "${ours_wait[@]}")" -v psps="$(med "${py_sps[@]}")" -v ps="$(med "${py_s[@]}")" \
     -v pc="$(med "${py_cpu[@]}")" -v cs="$(med "${cat_s[@]}")" -v cc="$(med "${cat_cpu[@]}")" \
     -v rs="$(med "${raw_s[@]}")" -v rc="$(med "${raw_cpu[@]}")" -v total="$TOTAL" \
-    -v n="${#FILES[@]}" 'BEGIN {
+    -v n="$NSAMPLES" 'BEGIN {
   printf "%-44s %10s %12s %8s %8s\n", "medians", "samples/s", "MB/s (files)", "wall s", "CPU s"
   printf "%-44s %10.1f %12.1f %8.3f %8.3f   (consumer wait %.2f ms/batch)\n", "eaglekit loader-bench", osps, total / os / 1e6, os, oc, ow
   printf "%-44s %10.1f %12.1f %8.3f %8.3f\n", "Python reference, DataLoader(num_workers=2)", psps, total * psps / n / 1e6, ps, pc
