@@ -18,7 +18,7 @@ namespace eaglekit::tools {
 struct Command {
   const char* name;
   const char* summary;
-  int (*run)(int argc, char** argv);  // argv[0] is "eaglekit NAME"
+  int (*run)(int argc, char** argv);  // argv[0] is "eaglekit NAME"; nullptr: in eaglekit-torch
 };
 
 // The single table (tools/main.cpp).

@@ -1,5 +1,14 @@
-// eaglekit: one binary, git-style subcommands. The table below drives both dispatch and
+// eaglekit: git-style subcommands. The table below drives both dispatch and
 // `eaglekit --help`. Exit codes: 0 ok, 1 data or runtime error, 2 bad usage.
+//
+// Compiled twice (CMakeLists.txt): as `eaglekit-torch`, with every command, and with
+// EAGLEKIT_FRONT as `eaglekit`, which links no LibTorch and runs the commands that need it
+// (TORCH_COMMAND below) by exec'ing `eaglekit-torch` from its own folder with the same
+// arguments: same process id, signals and exit code, so callers cannot tell the difference,
+// except that `eaglekit index` no longer pays ~0.8 CPU-s to load LibTorch.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 #include <exception>
 #include <iostream>
@@ -8,6 +17,12 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+
+#if defined(EAGLEKIT_FRONT)
+#define TORCH_COMMAND(fn) nullptr
+#else
+#define TORCH_COMMAND(fn) fn
+#endif
 
 namespace eaglekit::tools {
 
@@ -21,18 +36,34 @@ const std::vector<Command>& commands() {
       {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
       {"pack", "Pack records of any format into compressed .eks shards (resumable)", run_pack},
       {"verify", "Decode every record and check every checksum; list bad records", run_verify},
-      {"collate", "Write loader batches as torch.save dicts (inspection, interop)", run_collate},
-      {"loader-bench", "Stream batches without writing; report samples/s, bytes/s, waits", run_loader_bench},
-      {"launch", "Run N local ranks of a distributed job (torchrun-style env, fail-fast)", run_launch},
-      {"vocab", "Count token frequencies and write the draft vocabulary map d2t.pt", run_vocab},
-      {"train", "Train an EAGLE-3 draft with training-time test (checkpoints, resume, export)", run_train},
-      {"evaluate", "Offline acceptance estimate of a draft: pooled loss, acc, cond_acc, est_ar", run_evaluate},
-      {"export", "Write a checkpoint as the draft folder vLLM and SGLang load", run_export},
+      {"collate", "Write loader batches as torch.save dicts (inspection, interop)", TORCH_COMMAND(run_collate)},
+      {"loader-bench", "Stream batches without writing; report samples/s, bytes/s, waits", TORCH_COMMAND(run_loader_bench)},
+      {"launch", "Run N local ranks of a distributed job (torchrun-style env, fail-fast)", TORCH_COMMAND(run_launch)},
+      {"vocab", "Count token frequencies and write the draft vocabulary map d2t.pt", TORCH_COMMAND(run_vocab)},
+      {"train", "Train an EAGLE-3 draft with training-time test (checkpoints, resume, export)", TORCH_COMMAND(run_train)},
+      {"evaluate", "Offline acceptance estimate of a draft: pooled loss, acc, cond_acc, est_ar", TORCH_COMMAND(run_evaluate)},
+      {"export", "Write a checkpoint as the draft folder vLLM and SGLang load", TORCH_COMMAND(run_export)},
   };
   return kCommands;
 }
 
 namespace {
+
+// Replaces this process with eaglekit-torch, from this binary's folder, given the arguments
+// this one got. Returns only on failure, with the exit code.
+int exec_torch_binary(char** argv) {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  std::string path = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+  const auto slash = path.rfind('/');
+  path = (slash == std::string::npos ? std::string(".") : path.substr(0, slash)) + "/eaglekit-torch";
+  ::execv(path.c_str(), argv);
+  const int err = errno;
+  std::cerr << "eaglekit: cannot run " << path << ": " << std::strerror(err)
+            << " (the commands that need LibTorch live in eaglekit-torch, which must sit next to"
+               " eaglekit; build it with the eaglekit target)\n";
+  return 1;
+}
 
 void print_usage(std::ostream& os) {
   os << "eaglekit: offline EAGLE-3 draft training toolkit\n\n"
@@ -79,6 +110,7 @@ int main(int argc, char** argv) {
   const std::string name = argv[first];
   for (const auto& c : commands()) {
     if (name != c.name) continue;
+    if (c.run == nullptr) return exec_torch_binary(argv);
     std::string prog = std::string("eaglekit ") + c.name;
     argv[first] = prog.data();
     try {

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -27,8 +28,8 @@ std::string make_dataset(const test::TempDir& dir, const std::string& name = "da
   return out;
 }
 
-// The default dataset, made once for the whole binary (each eaglekit run costs ~0.7 s of
-// CPU, most of it loading LibTorch). Tests that modify files work on a copy.
+// The default dataset, made once for the whole binary. Tests that modify files work on a
+// copy.
 const std::string& shared_dataset() {
   static test::TempDir dir("cli-shared");
   static const std::string data = make_dataset(dir);
@@ -99,6 +100,38 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
     CHECK(r.out.empty());
   }
   CHECK_FALSE(fs::exists("x"));
+}
+
+TEST_CASE("cli: eaglekit loads no LibTorch and runs the LibTorch commands through eaglekit-torch") {
+  const char* env = std::getenv("EAGLEKIT_BIN");
+  const std::string bin = env ? env : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
+  // The data commands' binary must not pull LibTorch in (that is its point: ~0.8 CPU-s a run).
+  const auto deps = test::run("ldd " + quote(bin));
+  REQUIRE(deps.exit_code == 0);
+  CHECK(deps.out.find("libc.so") != std::string::npos);
+  CHECK(deps.out.find("libtorch") == std::string::npos);
+  CHECK(deps.out.find("libc10") == std::string::npos);
+  // A LibTorch command is exec'd: same arguments (the global --verbose included), same
+  // output and exit codes as if it ran here.
+  const auto help = test::eaglekit("--verbose train --help");
+  CHECK(help.exit_code == 0);
+  CHECK(help.out.find("Usage:") != std::string::npos);
+  CHECK(help.out.find("eaglekit train") != std::string::npos);
+  const auto bad = test::eaglekit("export --no-such-flag");
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err.rfind("eaglekit export: ", 0) == 0);
+  // Without eaglekit-torch beside it, the error says what is missing.
+  test::TempDir dir("front-alone");
+  const std::string alone = dir / "eaglekit";
+  fs::copy_file(bin, alone);
+  fs::permissions(alone, fs::perms::owner_all);
+  const auto lost = test::run(quote(alone) + " train --help");
+  CHECK(lost.exit_code == 1);
+  CHECK(lost.err == "eaglekit: cannot run " + fs::canonical(dir.path()).string() +
+                        "/eaglekit-torch: No such file or directory (the commands that need "
+                        "LibTorch live in eaglekit-torch, which must sit next to eaglekit; build "
+                        "it with the eaglekit target)\n");
+  CHECK(test::run(quote(alone) + " inspect --help").exit_code == 0);  // data commands need nothing
 }
 
 TEST_CASE("cli: synth then inspect --json gives the documented shape") {
