@@ -293,7 +293,7 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   }
   ExportOptions eo;
   if (!options.dtype.empty()) eo.dtype = parse_float_dtype(options.dtype);
-  export_draft(draft, out_dir, eo);
+  export_draft_folder(draft, out_dir, eo);
   ExportReport r;
   r.source = source;
   r.out = out_dir;

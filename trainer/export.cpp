@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 
@@ -32,6 +36,62 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   if (ec) throw IoError(dir + ": cannot create folder: " + ec.message());
   write_safetensors(dir + "/model.safetensors", tensors);
   write_file_atomic(dir + "/config.json", config_text.data(), config_text.size());
+}
+
+void export_draft_folder(const DraftModel& draft, const std::string& dir, const ExportOptions& options) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path target = fs::absolute(dir, ec).lexically_normal();
+  if (ec) throw IoError(dir + ": cannot resolve the folder: " + ec.message());
+  if (!target.has_filename()) target = target.parent_path();  // "served/"
+  if (!target.has_filename() || target == target.root_path())
+    throw UsageError(dir + ": not a folder an export can replace");
+  const fs::file_status st = fs::symlink_status(target, ec);
+  if (fs::exists(st)) {
+    if (!fs::is_directory(st))
+      throw UsageError(dir + ": exists and is not a folder (export writes a folder)");
+    // The old folder goes as a whole: refuse to take anything with it but an old export.
+    for (const auto& e : fs::directory_iterator(target, ec)) {
+      const std::string name = e.path().filename().string();
+      const bool file = e.is_regular_file(ec);
+      if (file && (name == "config.json" || name == "model.safetensors" ||
+                   name.find(".tmp.") != std::string::npos))
+        continue;
+      throw UsageError(dir + ": holds " + name + (file ? "" : " (not a file)") +
+                       ", which is not part of an exported draft; export replaces the folder as a "
+                       "whole, so give a new or empty folder");
+    }
+    if (ec) throw IoError(dir + ": cannot list folder: " + ec.message());
+  }
+  const fs::path parent = target.parent_path();
+  const std::string name = target.filename().string();
+  fs::create_directories(parent, ec);
+  if (ec) throw IoError(parent.string() + ": cannot create folder: " + ec.message());
+  // Temp folders of exports to the same DIR whose process is gone (killed mid-export), and
+  // what replace_folder_atomic may have set aside (".old" added).
+  const std::string prefix = "." + name + ".tmp-";
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(prefix, 0) != 0) continue;
+    if (process_gone(std::strtol(n.c_str() + prefix.size(), nullptr, 10)))
+      fs::remove_all(e.path(), ec);
+  }
+  const fs::path tmp = parent / (prefix + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  try {
+    export_draft(draft, tmp.string(), options);
+    // The files are fsynced by their writers; their names in the folder must be too
+    // before the folder becomes visible as DIR.
+    const int fd = ::open(tmp.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      ::fsync(fd);
+      ::close(fd);
+    }
+    replace_folder_atomic(tmp.string(), target.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
 }
 
 DraftModel load_draft(const std::string& dir) {

@@ -38,8 +38,20 @@ struct ExportOptions {
   std::optional<c10::ScalarType> dtype;
 };
 
-// Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created).
+// Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created). For
+// a folder being filled before it is renamed into place (a checkpoint's temp folder).
 void export_draft(const DraftModel& draft, const std::string& dir, const ExportOptions& options = {});
+
+// The export as a whole folder that appears complete or not at all (`eaglekit export --out
+// DIR`): written into the temp folder ".NAME.tmp-PID" beside DIR, fsynced, then renamed over
+// DIR or atomically exchanged with the old one (replace_folder_atomic), so a server never
+// finds a half-written DIR and a failed or killed export leaves an existing DIR as it was.
+// Because the old folder is replaced as a whole, DIR must be absent, empty or hold only an
+// exported draft's files (config.json, model.safetensors, our ".tmp." files); else
+// UsageError before anything is written. Temp folders of killed exports to DIR are removed;
+// a failed export removes its own. Throws as export_draft, IoError when the rename fails.
+void export_draft_folder(const DraftModel& draft, const std::string& dir,
+                         const ExportOptions& options = {});
 
 // Reads an exported folder (ours, or a published EAGLE-3 draft in the same layout): the
 // config from config.json, every weight, d2t (identity when absent and Vd == V). An

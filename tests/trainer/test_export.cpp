@@ -1,7 +1,12 @@
 #include "tests/torch_doctest.h"
 #include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares at::NoGradGuard
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -74,6 +79,109 @@ TEST_CASE("export: export then load is bit-exact and computes the same loss") {
   c10::NoGradGuard no_grad;
   TttUnroll u1(base, d), u2(base, back);
   CHECK(u1.forward(batch).loss.item<float>() == u2.forward(batch).loss.item<float>());
+}
+
+TEST_CASE("export: a folder export appears whole; a failed one leaves the old folder and no temp folder") {
+  namespace fs = std::filesystem;
+  test::TempDir dir("export-atomic");
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 93);
+  const DraftModel d = trained_looking_draft(c, base);
+  const std::string out = dir / "served";
+  auto entries = [](const std::string& folder) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(folder)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> kDraftFiles = {"config.json", "model.safetensors"};
+
+  export_draft_folder(d, out);
+  CHECK(entries(dir.path()) == std::vector<std::string>{"served"});
+  CHECK(entries(out) == kDraftFiles);
+  const auto old_model = test::read_bytes(out + "/model.safetensors");
+  const auto old_config = test::read_bytes(out + "/config.json");
+  REQUIRE(old_model.size() > 16 * 1024);
+
+  // A failure in the middle of writing model.safetensors: with a 4 KiB file size limit (and
+  // SIGXFSZ ignored) the first 4 KiB are written, then write() fails with EFBIG. The bf16
+  // export would differ in every byte, so an in-place write would show.
+  ExportOptions bf16;
+  bf16.dtype = at::kBFloat16;
+  {
+    rlimit saved{};
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+    rlimit small = saved;
+    small.rlim_cur = 4096;
+    const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    std::string err = "(no error)";
+    try {
+      export_draft_folder(d, out, bf16);
+    } catch (const IoError& e) {
+      err = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &saved);
+    std::signal(SIGXFSZ, previous);
+    CHECK(err.find("File too large") != std::string::npos);
+  }
+  CHECK(test::read_bytes(out + "/model.safetensors") == old_model);
+  CHECK(test::read_bytes(out + "/config.json") == old_config);
+  CHECK(entries(dir.path()) == std::vector<std::string>{"served"});
+  CHECK(entries(out) == kDraftFiles);
+
+  // A complete export replaces the old folder.
+  export_draft_folder(d, out, bf16);
+  CHECK(entries(dir.path()) == std::vector<std::string>{"served"});
+  CHECK(entries(out) == kDraftFiles);
+  CHECK(load_draft(out).config().torch_dtype == "bfloat16");
+
+  // Refused before anything is written: a file in the way, a folder holding other files
+  // (it would be replaced as a whole).
+  test::write_text(dir / "file", "keep");
+  CHECK_THROWS_WITH_AS(export_draft_folder(d, dir / "file"),
+                       (dir / "file" + ": exists and is not a folder (export writes a folder)").c_str(),
+                       UsageError);
+  fs::create_directories(dir / "hf");
+  test::write_text(dir / "hf/tokenizer.json", "{}");
+  CHECK_THROWS_WITH_AS(export_draft_folder(d, dir / "hf"),
+                       (dir / "hf" + ": holds tokenizer.json, which is not part of an exported draft; "
+                                     "export replaces the folder as a whole, so give a new or empty folder")
+                           .c_str(),
+                       UsageError);
+  CHECK(entries(dir / "hf") == std::vector<std::string>{"tokenizer.json"});
+  CHECK(entries(dir.path()) == std::vector<std::string>{"file", "hf", "served"});
+  // A folder named config.json in an old export: written in place, model.safetensors would
+  // be replaced before config.json failed, leaving a new model beside no config.
+  const auto bf16_model = test::read_bytes(out + "/model.safetensors");
+  fs::remove(out + "/config.json");
+  fs::create_directories(out + "/config.json/x");
+  CHECK_THROWS_WITH_AS(export_draft_folder(d, out),
+                       (out + ": holds config.json (not a file), which is not part of an exported draft; "
+                              "export replaces the folder as a whole, so give a new or empty folder")
+                           .c_str(),
+                       UsageError);
+  CHECK(test::read_bytes(out + "/model.safetensors") == bf16_model);
+  CHECK(entries(dir.path()) == std::vector<std::string>{"file", "hf", "served"});
+  fs::remove_all(out + "/config.json");
+
+  // Temp folders of a killed export to the same folder are removed; a live process's and
+  // those of other folders stay. The pid of a reaped child stands for a SIGKILLed run.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  const std::string dead = std::to_string(child);
+  fs::create_directories(dir / (".served.tmp-" + dead));
+  test::write_text(dir / (".served.tmp-" + dead + "/model.safetensors"), "half");
+  fs::create_directories(dir / (".served.tmp-" + dead + ".old"));
+  fs::create_directories(dir / ".served.tmp-1");  // pid 1 is alive
+  fs::create_directories(dir / (".other.tmp-" + dead));
+  export_draft_folder(d, out + "/");
+  CHECK(entries(dir.path()) ==
+        std::vector<std::string>{".other.tmp-" + dead, ".served.tmp-1", "file", "hf", "served"});
+  CHECK(load_draft(out).config().torch_dtype == "float32");
 }
 
 TEST_CASE("export: the folder opens in Python with the exact names, shapes, dtypes and config") {
