@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <fcntl.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -13,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
+#include <optional>
 #include <system_error>
 
 #include "formats/atomic_file.h"
@@ -229,23 +232,61 @@ std::string resolve_resume(const std::string& dir) {
                    " (looked for the folder itself and checkpoint-STEP folders below it)");
 }
 
+namespace {
+
+// Name of CUDA device i's generator in rng.safetensors: "cuda" for device 0 (what
+// checkpoints held before every device was saved, so old and new read each other), then
+// "cuda:1", "cuda:2", ...
+std::string cuda_rng_name(std::size_t i) { return i == 0 ? "cuda" : "cuda:" + std::to_string(i); }
+
+// The device index of a "cuda" / "cuda:N" name, else nullopt.
+std::optional<std::size_t> cuda_rng_index(const std::string& name) {
+  if (name == "cuda") return 0;
+  if (name.rfind("cuda:", 0) != 0 || name.size() == 5 || name.size() > 9 ||
+      name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return std::nullopt;
+  return std::stoul(name.substr(5));
+}
+
+// torch::cuda::device_count() is in the C++ API of LibTorch 1.13 and 2.x alike, and 0 in a
+// CPU build or with no visible device (at::hasCUDA() is true for a CUDA build without GPUs).
+std::size_t visible_cuda_devices() { return at::hasCUDA() ? torch::cuda::device_count() : 0; }
+
+at::Generator cuda_generator(std::size_t i) {
+  return at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, at::Tensor>> capture_rng_state() {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  out.emplace_back("cpu", at::detail::getDefaultCPUGenerator().get_state());
-  if (at::hasCUDA()) {
-    at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0));
-    out.emplace_back("cuda", gen.get_state());
+  {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());  // as torch.get_rng_state does
+    out.emplace_back("cpu", gen.get_state());
+  }
+  // Every visible device, as torch.cuda.get_rng_state_all: a process may draw on devices
+  // other than its current one.
+  for (std::size_t i = 0, n = visible_cuda_devices(); i < n; ++i) {
+    at::Generator gen = cuda_generator(i);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.emplace_back(cuda_rng_name(i), gen.get_state());
   }
   return out;
 }
 
 void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& states) {
+  const std::size_t devices = visible_cuda_devices();
   for (const auto& [name, state] : states) {
     if (name == "cpu") {
       at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(state);
-    } else if (name == "cuda" && at::hasCUDA()) {
-      auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0));
+    } else if (const auto i = cuda_rng_index(name); i && *i < devices) {
+      // A state of a device not visible now (a resume on fewer GPUs, or on the CPU) has no
+      // generator to go to; the draws it would govern do not happen here either.
+      at::Generator gen = cuda_generator(*i);
+      std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(state);
     }
   }

@@ -5,7 +5,8 @@
 //                                   parameters' dtype (float32: bit-exact), so a checkpoint
 //                                   is also a servable draft and an --init-draft folder
 //   optimizer.safetensors           AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME" (float32)
-//   rng.safetensors                 LibTorch generator states ("cpu", "cuda" when used), uint8
+//   rng.safetensors                 LibTorch generator states, uint8: "cpu", and per visible
+//                                   CUDA device "cuda" (device 0), "cuda:1", "cuda:2", ...
 //   trainer_state.json              {"format": "eaglekit-checkpoint", "version": 1, "step",
 //                                   "epoch", "sampler": SamplerState, "optimizer_steps",
 //                                   "schedule_total_steps", "tokens", "world_size", "cp_size"}
@@ -77,7 +78,9 @@ std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);
 // checkpoint below it. Throws UsageError saying what was looked for when there is none.
 std::string resolve_resume(const std::string& dir);
 
-// The generator states worth saving: "cpu", and "cuda" when CUDA is initialized.
+// The generator states of this process: "cpu", and one per visible CUDA device ("cuda",
+// "cuda:1", ...; none without CUDA). Restoring sets each named generator that exists here
+// and skips the states of devices not visible now.
 std::vector<std::pair<std::string, at::Tensor>> capture_rng_state();
 void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& states);
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 #include <sys/wait.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -23,6 +24,23 @@ using namespace eaglekit;
 using namespace eaglekit::trainer;
 
 using test::read_jsonl;
+
+namespace {
+
+// A small draft (hidden 16, vocab 20) for the tests that save and load checkpoints.
+DraftModel small_draft() {
+  BaseConfig b;
+  b.hidden_size = 16;
+  b.intermediate_size = 32;
+  b.num_attention_heads = 2;
+  b.num_key_value_heads = 1;
+  b.head_dim = 8;
+  b.num_hidden_layers = 8;
+  b.vocab_size = 20;
+  return DraftModel(draft_config_from_base(b, DraftOptions{}), at::zeros({20}, at::kLong), at::Tensor(), 4);
+}
+
+}  // namespace
 
 TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32, 1e-6)") {
   auto job = test::make_synth_job(30);
@@ -168,6 +186,44 @@ TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; 
   const at::Tensor x = at::rand({4});
   restore_rng_state(rng);
   CHECK(at::equal(at::rand({4}), x));
+}
+
+TEST_CASE("checkpoint: generator states round-trip through rng.safetensors, one per visible CUDA device") {
+  // A CPU build only exercises "cpu" and the skipping of devices it does not have; the
+  // per-device CUDA states are checked where a GPU is visible.
+  test::TempDir dir("rng");
+  const std::size_t devices = at::hasCUDA() ? torch::cuda::device_count() : 0;
+  const auto states = capture_rng_state();
+  std::vector<std::string> names, want{"cpu"};
+  for (const auto& [name, state] : states) names.push_back(name);
+  for (std::size_t i = 0; i < devices; ++i) want.push_back(i == 0 ? "cuda" : "cuda:" + std::to_string(i));
+  CHECK(names == want);
+
+  auto draws = [&] {
+    std::vector<at::Tensor> out{at::rand({4})};
+    for (std::size_t i = 0; i < devices; ++i)
+      out.push_back(at::rand({4}, at::TensorOptions().device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))).cpu());
+    return out;
+  };
+  const auto first = draws();
+  Checkpoint ck;
+  ck.rng = states;
+  ck.options_json = "{}";
+  ck.state.step = 1;
+  const std::string saved = save_checkpoint(dir / "out", small_draft(), ck);
+  const auto again = draws();  // the generators moved on
+  CHECK_FALSE(at::equal(again[0], first[0]));
+  // States of devices not visible here (and names that are no device) are skipped.
+  auto loaded = load_checkpoint(saved).checkpoint.rng;
+  loaded.emplace_back("cuda:" + std::to_string(devices + 3), at::zeros({16}, at::kByte));
+  loaded.emplace_back("cuda:x", at::zeros({16}, at::kByte));
+  restore_rng_state(loaded);
+  const auto replay = draws();
+  REQUIRE(replay.size() == first.size());
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    CAPTURE(i);
+    CHECK(at::equal(replay[i], first[i]));
+  }
 }
 
 TEST_CASE("checkpoint: temp folders of a killed save are removed by the next save; a live writer's stay") {
