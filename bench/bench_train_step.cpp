@@ -7,10 +7,12 @@
 // Prints, over the timed steps: the median wall and thread-CPU time of each phase, then
 // LibTorch's legacy autograd profiler aggregated by operator (self time: time in the op
 // minus the ops it calls; the ttt.* user scopes of trainer/ttt.cpp show the unroll's
-// parts), the top --top rows.
+// parts), the top --top rows; --shapes splits each operator by its input shapes (which
+// tensor a `mul` or `copy_` was spent on).
 //
 // usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
+//                         [--shapes]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -40,6 +42,7 @@ struct Args {
   std::string base;
   std::int64_t draft_vocab = 256, batch = 16, length = 128, ttt_steps = 3;
   int threads = 2, warmup = 2, reps = 5, top = 25;
+  bool shapes = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -59,6 +62,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--warmup") a.warmup = std::stoi(next());
     else if (k == "--reps") a.reps = std::stoi(next());
     else if (k == "--top") a.top = std::stoi(next());
+    else if (k == "--shapes") a.shapes = true;
     else throw std::runtime_error("unknown option " + k);
   }
   if (a.base.empty()) throw std::runtime_error("--base DIR is required");
@@ -81,8 +85,21 @@ struct OpTime {
   std::int64_t calls = 0;
 };
 
-// Pairs push/pop ranges per thread and sums inclusive and self time per name.
-std::map<std::string, OpTime> aggregate(const torch::autograd::profiler::thread_event_lists& lists) {
+// "[4, 256] [1024]": an event's input shapes, scalars and non-tensors as [].
+std::string shape_key(const std::vector<std::vector<std::int64_t>>& shapes) {
+  std::string s;
+  for (const auto& shape : shapes) {
+    s += s.empty() ? "[" : " [";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    s += "]";
+  }
+  return s;
+}
+
+// Pairs push/pop ranges per thread and sums inclusive and self time per name (and per input
+// shapes with `by_shape`).
+std::map<std::string, OpTime> aggregate(const torch::autograd::profiler::thread_event_lists& lists,
+                                        bool by_shape) {
   using torch::autograd::profiler::EventKind;
   using torch::autograd::profiler::LegacyEvent;
   std::map<std::string, OpTime> out;
@@ -99,7 +116,8 @@ std::map<std::string, OpTime> aggregate(const torch::autograd::profiler::thread_
         const Open o = stack.back();
         stack.pop_back();
         const double us = o.push->cpuElapsedUs(e);
-        OpTime& t = out[o.push->name()];
+        const std::string name = o.push->name();
+        OpTime& t = out[by_shape && name.rfind("ttt.", 0) != 0 ? name + " " + shape_key(o.push->shapes()) : name];
         t.total_us += us;
         t.self_us += us - o.child_us;
         ++t.calls;
@@ -195,18 +213,19 @@ int main(int argc, char** argv) try {
 
   // One more step under the profiler.
   using namespace torch::autograd::profiler;
-  enableProfilerLegacy(ProfilerConfig(ProfilerState::CPU));
+  enableProfilerLegacy(ProfilerConfig(ProfilerState::CPU, /*report_input_shapes=*/a.shapes));
   run_step(false);
-  const auto ops = aggregate(disableProfilerLegacy());
+  const auto ops = aggregate(disableProfilerLegacy(), a.shapes);
   std::vector<std::pair<std::string, OpTime>> rows(ops.begin(), ops.end());
   double self_total = 0;
   for (const auto& [name, t] : rows) self_total += t.self_us;
   std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.self_us > y.second.self_us; });
   std::printf("\nprofiled step: %.1f ms of operator self time; top %d by self time:\n", self_total / 1e3, a.top);
-  std::printf("  %-44s %7s %10s %10s %6s\n", "op", "calls", "self ms", "total ms", "self%");
+  const int width = a.shapes ? 90 : 44;
+  std::printf("  %-*s %7s %10s %10s %6s\n", width, "op", "calls", "self ms", "total ms", "self%");
   for (int i = 0; i < a.top && i < static_cast<int>(rows.size()); ++i) {
     const auto& [name, t] = rows[i];
-    std::printf("  %-44s %7lld %10.2f %10.2f %5.1f%%\n", name.substr(0, 44).c_str(), static_cast<long long>(t.calls),
+    std::printf("  %-*s %7lld %10.2f %10.2f %5.1f%%\n", width, name.substr(0, width).c_str(), static_cast<long long>(t.calls),
                 t.self_us / 1e3, t.total_us / 1e3, 100.0 * t.self_us / self_total);
   }
   std::printf("\nscopes (inclusive):\n");
