@@ -5,6 +5,7 @@
 #include <ATen/record_function.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -199,55 +200,101 @@ at::Tensor ttt_attention_dense(const at::Tensor& q, const std::vector<at::Tensor
   return attend(q, k, v, allowed, scale).out.to(q.scalar_type());
 }
 
+std::int64_t ttt_query_chunk_rows(std::int64_t length) {
+  // Query chunk c of T rows sees block-0 keys [0, (c + 1) T - s) only, so n chunks compute
+  // (n + 1) / (2 n) of the dense L x L scores; chunks of at least 128 rows keep the per-chunk
+  // operator overhead small, and at most 8 chunks bound the number of kernel launches.
+  constexpr std::int64_t kMinRows = 128, kMaxChunks = 8;
+  const std::int64_t chunks = std::clamp<std::int64_t>((length + kMinRows - 1) / kMinRows, 1, kMaxChunks);
+  return (length + chunks - 1) / chunks;
+}
+
 at::Tensor ttt_attention_local(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids,
-                               TttMaskCache* cache) {
+                               TttMaskCache* cache, std::int64_t query_chunk_rows) {
   check_qkv(q, k_blocks, v_blocks, step);
   const std::int64_t b = q.size(0), heads = q.size(1), l = q.size(2), d = q.size(3);
   const std::int64_t kv_heads = k_blocks[0].size(1), rep = heads / kv_heads;
   const at::Tensor valid = key_valid.to(at::kBool);
-
-  // Block 0: the base features, a causal mask shifted by the step (j <= q - s).
-  at::Tensor allowed0 = cache ? cache->block0(l, step, q.device())
-                              : ttt_mask(l, step, 0, l, 0, l, q.device());
-  allowed0 = allowed0.unsqueeze(0) & valid.unsqueeze(1);
-  if (document_ids.defined()) allowed0 = allowed0 & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1));
-  const at::Tensor qg = q.reshape({b, kv_heads, rep * l, d});
-  at::Tensor s0 = at::matmul(qg, k_blocks[0].transpose(-1, -2)).to(at::kFloat).mul(scale).view({b, kv_heads, rep, l, l});
-  s0 = s0.masked_fill(allowed0.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
-  at::Tensor m = std::get<0>(s0.max(-1));
+  const auto float_opts = q.options().dtype(at::kFloat);
+  // Query heads sharing a kv head are consecutive: [B, kv_heads, rep, L, D].
+  const at::Tensor q5 = q.reshape({b, kv_heads, rep, l, d});
 
   // Blocks i >= 1: exactly one key per query, the draft chain's own position q - (s - i).
-  const at::Tensor q5 = q.reshape({b, kv_heads, rep, l, d}).to(at::kFloat);
-  const at::Tensor positions = at::arange(l, at::TensorOptions().dtype(at::kLong).device(q.device()));
-  std::vector<at::Tensor> chain_scores, chain_values;
-  for (std::int64_t i = 1; i <= step; ++i) {
-    const std::int64_t shift = step - i;
-    const at::Tensor k_i = shift_rows(k_blocks[i], shift, 2).to(at::kFloat);
-    at::Tensor ok = (positions >= shift).unsqueeze(0) & shift_rows(valid, shift, 1);
-    if (document_ids.defined()) ok = ok & (document_ids == shift_rows(document_ids, shift, 1));
-    at::Tensor sc = (q5 * k_i.unsqueeze(2)).sum(-1).mul(scale);
-    sc = sc.masked_fill(ok.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
-    m = at::maximum(m, sc);
-    chain_scores.push_back(sc);
-    chain_values.push_back(shift_rows(v_blocks[i], shift, 2));
+  // Raw scores [B, kv_heads, rep, L, s] (float32), whether each is allowed [B, L, s], values.
+  at::Tensor chain_scores, chain_ok;
+  std::vector<at::Tensor> chain_values;
+  if (step > 0) {
+    const at::Tensor qf = q5.to(at::kFloat);
+    const at::Tensor positions = at::arange(l, at::TensorOptions().dtype(at::kLong).device(q.device()));
+    std::vector<at::Tensor> scores, ok;
+    for (std::int64_t i = 1; i <= step; ++i) {
+      const std::int64_t shift = step - i;
+      const at::Tensor k_i = shift_rows(k_blocks[i], shift, 2).to(at::kFloat);
+      at::Tensor allowed = (positions >= shift).unsqueeze(0) & shift_rows(valid, shift, 1);
+      if (document_ids.defined()) allowed = allowed & (document_ids == shift_rows(document_ids, shift, 1));
+      scores.push_back((qf * k_i.unsqueeze(2)).sum(-1));
+      ok.push_back(allowed);
+      chain_values.push_back(shift_rows(v_blocks[i], shift, 2).to(at::kFloat).unsqueeze(2));
+    }
+    chain_scores = at::stack(scores, -1);
+    chain_ok = at::stack(ok, -1);
   }
 
-  const at::Tensor mx = safe_max(m);
-  const at::Tensor e0 = at::exp(s0 - mx.unsqueeze(-1));
-  at::Tensor den = e0.sum(-1);
+  // Block 0: the base features, a causal mask shifted by the step (j <= q - s).
+  const at::Tensor& causal0 = cache ? cache->block0(l, step, q.device()) : ttt_mask(l, step, 0, l, 0, l, q.device());
+  const at::Tensor& k0 = k_blocks[0];
   const at::Tensor& v0 = v_blocks[0];
-  at::Tensor out = at::matmul(e0.view({b, kv_heads, rep * l, l}).to(v0.scalar_type()), v0)
-                       .to(at::kFloat)
-                       .view({b, kv_heads, rep, l, d});
-  for (std::size_t c = 0; c < chain_scores.size(); ++c) {
-    const at::Tensor e = at::exp(chain_scores[c] - mx);
-    den = den + e;
-    out = out + e.unsqueeze(-1) * chain_values[c].to(at::kFloat).unsqueeze(2);
+  const std::int64_t rows = query_chunk_rows > 0 ? query_chunk_rows : ttt_query_chunk_rows(l);
+
+  // One softmax per query chunk over its block-0 keys and its s chain keys side by side.
+  // Disallowed keys get -inf (exp gives exactly 0); a row with no allowed key at all gets a
+  // finite row (no NaN, forward or backward) and its output is multiplied by 0.
+  std::vector<at::Tensor> outs;
+  for (std::int64_t q0 = 0; q0 < l; q0 += rows) {
+    const std::int64_t t = std::min(rows, l - q0);
+    const std::int64_t kn = std::clamp<std::int64_t>(q0 + t - step, 0, l);  // keys j <= q - s < q0 + t - s
+    std::vector<at::Tensor> raw, allowed;
+    if (kn > 0) {
+      const at::Tensor qc = q5.narrow(3, q0, t).reshape({b, kv_heads, rep * t, d});
+      raw.push_back(at::matmul(qc, k0.narrow(2, 0, kn).transpose(-1, -2)).to(at::kFloat).view({b, kv_heads, rep, t, kn}));
+      at::Tensor a0 = causal0.narrow(0, q0, t).narrow(1, 0, kn).unsqueeze(0) & valid.narrow(1, 0, kn).unsqueeze(1);
+      if (document_ids.defined())
+        a0 = a0 & (document_ids.narrow(1, q0, t).unsqueeze(2) == document_ids.narrow(1, 0, kn).unsqueeze(1));
+      allowed.push_back(a0);
+    }
+    if (step > 0) {
+      raw.push_back(chain_scores.narrow(3, q0, t));
+      allowed.push_back(chain_ok.narrow(1, q0, t));
+    }
+    if (raw.empty()) {
+      outs.push_back(at::zeros({b, kv_heads, rep, t, d}, float_opts));
+      continue;
+    }
+    const at::Tensor ok = allowed.size() == 1 ? allowed[0] : at::cat(allowed, -1);  // [B, t, kn + s]
+    const at::Tensor has_key = ok.any(-1);                                          // [B, t]
+    const at::Tensor bias = at::zeros(ok.sizes(), float_opts)
+                                .masked_fill_(ok.logical_not() & has_key.unsqueeze(-1), kNegInf)
+                                .view({b, 1, 1, t, ok.size(-1)});
+    // bias + scale * raw: the scaling and the mask in one pass; softmax fwd/bwd are fused.
+    const at::Tensor p = at::softmax(at::add(bias, raw.size() == 1 ? raw[0] : at::cat(raw, -1), scale), -1);
+    std::vector<at::Tensor> parts;
+    if (kn > 0 && step > 0) {
+      parts = at::split_with_sizes(p, {kn, step}, -1);
+    } else {
+      parts = {kn > 0 ? p : at::Tensor(), step > 0 ? p : at::Tensor()};
+    }
+    at::Tensor out = kn > 0 ? at::matmul(parts[0].reshape({b, kv_heads, rep * t, kn}).to(v0.scalar_type()),
+                                         v0.narrow(2, 0, kn))
+                                  .to(at::kFloat)
+                                  .view({b, kv_heads, rep, t, d})
+                            : at::zeros({b, kv_heads, rep, t, d}, float_opts);
+    for (std::int64_t c = 0; c < step; ++c)
+      out = out + parts[1].select(-1, c).unsqueeze(-1) * chain_values[static_cast<std::size_t>(c)].narrow(3, q0, t);
+    outs.push_back(out * has_key.to(at::kFloat).view({b, 1, 1, t, 1}));
   }
-  const at::Tensor den_safe = at::where(den > 0, den, at::ones_like(den));
-  out = out / den_safe.unsqueeze(-1);
+  const at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 3);
   return out.view({b, heads, l, d}).to(q.scalar_type());
 }
 

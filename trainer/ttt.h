@@ -77,11 +77,17 @@ at::Tensor ttt_attention_dense(const at::Tensor& q, const std::vector<at::Tensor
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids = {});
 // The same result computed as block 0 (dense, shifted causal) plus one key per query in
-// each block i >= 1 (the diagonal q - (s - i)): O(L^2 + L s). Returns q's dtype.
+// each block i >= 1 (the diagonal q - (s - i)): O(L^2 + L s), one fused softmax per chunk of
+// query_chunk_rows query rows (0: ttt_query_chunk_rows(L)), each against only the block-0
+// keys its rows can see, so about half of the L x L scores are never computed. Returns q's
+// dtype.
 at::Tensor ttt_attention_local(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids = {},
-                               TttMaskCache* cache = nullptr);
+                               TttMaskCache* cache = nullptr, std::int64_t query_chunk_rows = 0);
+// The query chunk ttt_attention_local uses for sequences of `length` rows: 1 to 8 chunks of
+// at least 128 rows (one chunk up to 128).
+std::int64_t ttt_query_chunk_rows(std::int64_t length);
 
 // --- the sequence layout ---------------------------------------------------------------
 

@@ -80,6 +80,7 @@ TEST_CASE("ttt: fast attention equals the dense SPEC-mask attention, values and 
   const std::int64_t b = 2, heads = 4, kv = 2, l = 9, d = 8;
   const at::Tensor key_valid = at::ones({b, l}, at::kBool);
   key_valid[1].narrow(0, 6, 3).fill_(false);  // row 1 is padded after 6 keys
+  key_valid[1][0] = false;                     // and its query 0 sees no key at all at step 0
   at::Tensor docs = at::zeros({b, l}, at::kLong);
   docs[0].narrow(0, 4, 5).fill_(1);  // row 0 packs two documents
   docs[1].narrow(0, 6, 3).fill_(-1);
@@ -94,21 +95,38 @@ TEST_CASE("ttt: fast attention equals the dense SPEC-mask attention, values and 
         vs.push_back(at::randn({b, kv, l, d}).requires_grad_());
       }
       const at::Tensor doc = packed ? docs : at::Tensor();
-      TttMaskCache cache;
-      const at::Tensor fast = ttt_attention_local(q, ks, vs, key_valid, s, 0.35, doc, &cache);
       const at::Tensor dense = ttt_attention_dense(q, ks, vs, key_valid, s, 0.35, doc);
-      CHECK(fast.sizes() == q.sizes());
-      CHECK(max_rel(fast, dense) < 1e-5);
-      CHECK(cache.size() == 1);
-      const at::Tensor w = at::randn(fast.sizes());
+      const at::Tensor w = at::randn(dense.sizes());
       std::vector<at::Tensor> inputs = {q};
       inputs.insert(inputs.end(), ks.begin(), ks.end());
       inputs.insert(inputs.end(), vs.begin(), vs.end());
-      const auto g_fast = torch::autograd::grad({(fast * w).sum()}, inputs);
       const auto g_dense = torch::autograd::grad({(dense * w).sum()}, inputs);
-      for (std::size_t i = 0; i < inputs.size(); ++i) CHECK(max_rel(g_fast[i], g_dense[i]) < 1e-5);
+      // Query chunks: the default (one chunk at L=9); 1 row (at s >= 1 the first chunks see
+      // no block-0 key); 2 and 4 rows (the last chunk shorter).
+      for (const std::int64_t rows : {0, 1, 2, 4}) {
+        CAPTURE(rows);
+        TttMaskCache cache;
+        const at::Tensor fast = ttt_attention_local(q, ks, vs, key_valid, s, 0.35, doc, &cache, rows);
+        CHECK(fast.sizes() == q.sizes());
+        CHECK(max_rel(fast, dense) < 1e-5);
+        CHECK(cache.size() == 1);
+        const auto g_fast = torch::autograd::grad({(fast * w).sum()}, inputs);
+        for (std::size_t i = 0; i < inputs.size(); ++i) {
+          CHECK(at::isfinite(g_fast[i]).all().item<bool>());
+          CHECK(max_rel(g_fast[i], g_dense[i]) < 1e-5);
+        }
+      }
     }
   }
+}
+
+TEST_CASE("ttt: query chunks of the fast attention") {
+  CHECK(ttt_query_chunk_rows(1) == 1);
+  CHECK(ttt_query_chunk_rows(128) == 128);
+  CHECK(ttt_query_chunk_rows(129) == 65);   // 2 chunks
+  CHECK(ttt_query_chunk_rows(256) == 128);
+  CHECK(ttt_query_chunk_rows(2048) == 256);  // at most 8 chunks
+  CHECK(ttt_query_chunk_rows(4097) == 513);
 }
 
 TEST_CASE("ttt: partial attention merged by log-sum-exp equals attention over all keys, never NaN") {
