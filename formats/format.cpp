@@ -7,6 +7,7 @@
 
 #include "formats/byte_source.h"
 #include "formats/error.h"
+#include "formats/file_walk.h"
 #include "formats/registry.h"
 
 namespace eaglekit {
@@ -103,29 +104,8 @@ RecordSpec parse_record_spec(const std::string& spec) {
 
 std::vector<std::string> find_record_files(const std::string& root) {
   std::vector<std::string> out;
-  std::error_code ec;
-  if (fs::is_regular_file(root, ec)) {
-    out.push_back(root);
-    return out;
-  }
-  if (!fs::is_directory(root, ec)) throw IoError(root + ": no such file or directory");
-  fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end;
-  if (ec) throw IoError::from_errno(root, "cannot list", ec.value());
-  for (; it != end; it.increment(ec)) {
-    if (ec) throw IoError::from_errno(it->path().string(), "cannot list", ec.value());
-    if (!it->is_regular_file(ec)) continue;
-    const std::string p = it->path().string();
-    const auto name = it->path().filename().string();
-    if (name.find(".tmp.") != std::string::npos) continue;  // writers' temp files
-    Format f = Format::kUnknown;
-    try {
-      f = detect_file_format(p);
-    } catch (const IoError&) {
-      out.push_back(p);  // unreadable: let the caller report it
-      continue;
-    }
-    if (f != Format::kUnknown) out.push_back(p);
-  }
+  for (auto& p : list_files_below(root))
+    if (record_file_format(p)) out.push_back(std::move(p));  // unreadable: the caller reports it
   std::sort(out.begin(), out.end());
   return out;
 }

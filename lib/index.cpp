@@ -51,6 +51,7 @@
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
 #include "formats/error.h"
+#include "formats/file_walk.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -718,42 +719,6 @@ bool reusable(const DatasetIndex& prev, std::size_t fi, std::uint64_t size, std:
   return true;
 }
 
-// Every regular file below root (or root itself), by the rules of find_record_files
-// (formats/format.h) but without reading a byte: symlinked folders are not followed,
-// unreadable folders are skipped, writers' temp files ("*.tmp.*") are left out. Format
-// detection happens later, in parallel, and only for files the previous index does not
-// already know unchanged.
-std::vector<std::string> list_candidate_files(const std::string& root) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  if (fs::is_regular_file(root, ec)) {
-    out.push_back(root);
-    return out;
-  }
-  if (!fs::is_directory(root, ec)) throw IoError(root + ": no such file or directory");
-  fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end;
-  if (ec) throw IoError::from_errno(root, "cannot list", ec.value());
-  for (; it != end; it.increment(ec)) {
-    if (ec) throw IoError::from_errno(it->path().string(), "cannot list", ec.value());
-    if (!it->is_regular_file(ec)) continue;
-    if (it->path().filename().string().find(".tmp.") != std::string::npos) continue;
-    out.push_back(it->path().string());
-  }
-  return out;
-}
-
-// The format by magic bytes; nullopt for a readable file that is not a record. A file whose
-// head cannot be read is kept (as kUnknown) so that it is reported, as find_record_files does.
-std::optional<Format> record_format(const std::string& path) {
-  try {
-    const Format f = detect_file_format(path);
-    if (f == Format::kUnknown) return std::nullopt;
-    return f;
-  } catch (const IoError&) {
-    return Format::kUnknown;
-  }
-}
-
 }  // namespace
 
 IndexReport build_index(const IndexOptions& opts) {
@@ -767,7 +732,9 @@ IndexReport build_index(const IndexOptions& opts) {
   std::vector<std::string> paths;
   for (const auto& root : opts.roots) {
     roots.push_back(absolute_path(root));
-    for (auto& p : list_candidate_files(root)) paths.push_back(absolute_path(p));
+    // Listed without reading a byte; format detection happens later, in parallel, and only
+    // for files the previous index does not already know unchanged.
+    for (auto& p : list_files_below(root)) paths.push_back(absolute_path(p));
   }
   // Overlapping roots name a file twice; it is one file.
   std::sort(paths.begin(), paths.end());
@@ -823,7 +790,7 @@ IndexReport build_index(const IndexOptions& opts) {
             if (known && reusable(*prev, it->second, size, mtime)) {
               files[i] = reuse_file(*prev, it->second, path);
               origin[i] = Origin::kUnchanged;
-            } else if (const auto format = record_format(path)) {
+            } else if (const auto format = record_file_format(path)) {
               files[i] = index_one_file(path, size, mtime, *format);
               origin[i] = known ? Origin::kChanged : Origin::kNew;
             } else {
