@@ -106,18 +106,7 @@ TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32
 
 TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; bad state files are named") {
   test::TempDir dir("ckpt");
-  const DraftConfig c = [] {
-    BaseConfig b;
-    b.hidden_size = 16;
-    b.intermediate_size = 32;
-    b.num_attention_heads = 2;
-    b.num_key_value_heads = 1;
-    b.head_dim = 8;
-    b.num_hidden_layers = 8;
-    b.vocab_size = 20;
-    return draft_config_from_base(b, DraftOptions{});
-  }();
-  DraftModel draft(c, at::zeros({20}, at::kLong), at::Tensor(), 4);
+  const DraftModel draft = small_draft();
   Checkpoint ck;
   ck.state.sampler.samples = 10;
   ck.optimizer = {{"exp_avg.fc.weight", at::ones({16, 48})}};
@@ -228,15 +217,7 @@ TEST_CASE("checkpoint: generator states round-trip through rng.safetensors, one 
 
 TEST_CASE("checkpoint: temp folders of a killed save are removed by the next save; a live writer's stay") {
   test::TempDir dir("stale");
-  BaseConfig b;
-  b.hidden_size = 16;
-  b.intermediate_size = 32;
-  b.num_attention_heads = 2;
-  b.num_key_value_heads = 1;
-  b.head_dim = 8;
-  b.num_hidden_layers = 8;
-  b.vocab_size = 20;
-  DraftModel draft(draft_config_from_base(b, DraftOptions{}), at::zeros({20}, at::kLong), at::Tensor(), 4);
+  const DraftModel draft = small_draft();
   Checkpoint ck;
   ck.rng = capture_rng_state();
   ck.options_json = "{}";
