@@ -22,7 +22,7 @@
 # competitor of every run, so each reads from disk; the default is a warm page cache.
 # --epochs E makes every competitor do E passes over the data in one process (cat and the C
 # loop get the file list E times; Python keeps its workers between epochs): the loader's
-# one-time costs (its batch memory, about 2 * prefetch batches, is fresh memory the kernel
+# one-time costs (its batch memory, about prefetch + 2 batches, is fresh memory the kernel
 # must zero on first use; threads; the first files) then weigh what they weigh in training.
 #
 # usage: bench/bench_loader.sh [--conversations N] [--hidden H] [--min-tokens A]

@@ -5,9 +5,9 @@
 //
 // Engine: a tbb::parallel_pipeline (plan -> read+decode+truncate -> collate -> deliver)
 // runs on its own thread in a task arena of `jobs` threads. At most `prefetch` batches are
-// being read or collated and at most `prefetch` wait ready in the queue, so peak memory is
-// about (2 * prefetch + batches the consumer still holds) batches, whatever the dataset
-// size. Only the rows a batch needs are read (read_prefix up to max_length, or up to the
+// being read or collated (one collates at a time, over all threads) and at most `prefetch`
+// wait ready in the queue, so peak memory is about (prefetch + 1 + batches the consumer
+// still holds) batches, whatever the dataset size. Only the rows a batch needs are read (read_prefix up to max_length, or up to the
 // token window's end); the read stage parses only metadata, and collation copies the tensor
 // bytes once, from the file mapping straight into recycled batch tensors.
 //
@@ -62,6 +62,9 @@ struct LoaderStats {
   std::size_t queue_depth = 0;      // ready batches now
   double mean_queue_depth = 0;      // ready batches seen by next(), averaged
   std::size_t max_queue_depth = 0;
+  // Batch buffers allocated fresh so far (the rest were reused): a fresh one is new memory
+  // the kernel zeroes on first touch, the loader's main one-time cost.
+  std::uint64_t fresh_buffers = 0;
 
   double samples_per_s() const { return elapsed_s > 0 ? samples / elapsed_s : 0; }
   double bytes_per_s() const { return elapsed_s > 0 ? bytes / elapsed_s : 0; }
