@@ -106,8 +106,13 @@ std::optional<AttentionPartial> pair_partial(const at::Tensor& q, const std::vec
                          valid_k.unsqueeze(1);
     if (docs) allowed = allowed & (docs_q.unsqueeze(2) == docs_k.unsqueeze(1));
     const at::Tensor qg = q.reshape({b, kv_heads, rep * nq, d});
-    s0 = at::matmul(qg, ks[0].transpose(-1, -2)).to(at::kFloat).mul(scale).view({b, kv_heads, rep, nq, nk});
-    s0 = s0.masked_fill(allowed.logical_not().unsqueeze(1).unsqueeze(1), kNegInf);
+    // The mask as an additive bias (0 or -inf, per row, not per head) and the scale in one
+    // pass over the scores, forward and backward: bias + scale * raw is bitwise the product
+    // where allowed (a separate mul and masked_fill cost three passes forward, three back).
+    const at::Tensor bias = at::zeros(allowed.sizes(), q.options().dtype(at::kFloat))
+                                .masked_fill_(allowed.logical_not(), kNegInf)
+                                .view({b, 1, 1, nq, nk});
+    s0 = at::add(bias, at::matmul(qg, ks[0].transpose(-1, -2)).to(at::kFloat).view({b, kv_heads, rep, nq, nk}), scale);
     m = std::get<0>(s0.max(-1));
   }
 
