@@ -175,7 +175,7 @@ std::vector<at::Tensor> BatchMemory::allocate(
     // of non_blocking copies and never hands a block back while a copy may still read it.
     for (const auto& [shape, type] : specs)
       out.push_back(at::empty(shape, at::TensorOptions().dtype(type).pinned_memory(true)));
-    impl_->allocated += specs.size();
+    ++impl_->allocated;
     return out;
   }
   std::vector<std::size_t> offsets;

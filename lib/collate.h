@@ -109,7 +109,9 @@ class BatchMemory {
   BatchMemory(const BatchMemory&) = delete;
   BatchMemory& operator=(const BatchMemory&) = delete;
   bool pinned() const;
-  std::uint64_t slabs_allocated() const;  // fresh allocations so far (telemetry, tests)
+  // Batches given fresh memory so far, not a reused slab (telemetry, tests); pinned: every
+  // batch (LibTorch's caching host allocator may still reuse its blocks).
+  std::uint64_t slabs_allocated() const;
   // Uninitialized tensors of these shapes and types, carved from one slab (CPU) or
   // allocated pinned. The slab returns to the pool when every tensor (and view) is gone.
   // *zeroed (when given) tells whether every byte is known to be 0: a fresh slab from the

@@ -680,11 +680,13 @@ std::string BenchReport::to_text() const {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
                 "%lld batches, %llu samples (%llu skipped) in %.3f s: %.1f samples/s, %.1f MB/s, "
-                "consumer wait %.3f ms/batch, mean queue depth %.2f, CPU %.3f s\n",
+                "consumer wait %.3f ms/batch, mean queue depth %.2f, CPU %.3f s, "
+                "fresh batch buffers %llu\n",
                 static_cast<long long>(batches), static_cast<unsigned long long>(stats.samples),
                 static_cast<unsigned long long>(stats.skipped), seconds,
                 static_cast<double>(stats.samples) / s, static_cast<double>(stats.bytes) / s / 1e6,
-                stats.wait_ms_per_batch(), stats.mean_queue_depth, cpu_seconds);
+                stats.wait_ms_per_batch(), stats.mean_queue_depth, cpu_seconds,
+                static_cast<unsigned long long>(stats.fresh_buffers));
   return buf;
 }
 

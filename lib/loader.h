@@ -63,7 +63,8 @@ struct LoaderStats {
   double mean_queue_depth = 0;      // ready batches seen by next(), averaged
   std::size_t max_queue_depth = 0;
   // Batch buffers allocated fresh so far (the rest were reused): a fresh one is new memory
-  // the kernel zeroes on first touch, the loader's main one-time cost.
+  // the kernel zeroes on first touch, the loader's main one-time cost. With pinned memory:
+  // every batch (BatchMemory::slabs_allocated).
   std::uint64_t fresh_buffers = 0;
 
   double samples_per_s() const { return elapsed_s > 0 ? samples / elapsed_s : 0; }
