@@ -196,14 +196,61 @@ std::vector<at::Tensor> unpack_blocks(const at::Tensor& packed, std::int64_t fir
   return out;
 }
 
+// pair_partial in chunks of `rows` query rows when the key chunk reaches past the first
+// chunk's queries (the diagonal pair): every key of every block a query row q sees has a
+// global index <= q, so each query chunk needs only the keys below its last row + 1 (about
+// half of a diagonal pair's scores are never computed). Rows are independent softmaxes, so
+// the chunks' outputs and log-sum-exps are concatenated; a chunk that sees nothing gives 0
+// and -inf, as merge_partials expects.
+std::optional<AttentionPartial> pair_partial_chunked(const at::Tensor& q, const std::vector<at::Tensor>& ks,
+                                                     const std::vector<at::Tensor>& vs,
+                                                     const at::Tensor& valid_k, const at::Tensor& docs_q,
+                                                     const at::Tensor& docs_k, std::int64_t q_begin,
+                                                     std::int64_t k_begin, std::int64_t length,
+                                                     std::int64_t step, double scale, std::int64_t rows) {
+  const std::int64_t nq = q.size(2), nk = ks[0].size(2);
+  if (rows <= 0) rows = ttt_query_chunk_rows(nq);
+  if (rows >= nq || q_begin + rows - k_begin >= nk)
+    return pair_partial(q, ks, vs, valid_k, docs_q, docs_k, q_begin, k_begin, length, step, scale);
+  auto narrow_all = [](const std::vector<at::Tensor>& xs, std::int64_t n) {
+    std::vector<at::Tensor> out;
+    for (const auto& x : xs) out.push_back(x.narrow(2, 0, n));
+    return out;
+  };
+  const auto float_opts = q.options().dtype(at::kFloat);
+  std::vector<at::Tensor> outs, lses;
+  bool any = false;
+  for (std::int64_t q0 = 0; q0 < nq; q0 += rows) {
+    const std::int64_t t = std::min(rows, nq - q0);
+    const std::int64_t kn = std::clamp<std::int64_t>(q_begin + q0 + t - k_begin, 0, nk);
+    std::optional<AttentionPartial> part;
+    if (kn > 0) {
+      part = pair_partial(q.narrow(2, q0, t), narrow_all(ks, kn), narrow_all(vs, kn), valid_k.narrow(1, 0, kn),
+                          docs_q.defined() ? docs_q.narrow(1, q0, t) : at::Tensor(),
+                          docs_k.defined() ? docs_k.narrow(1, 0, kn) : at::Tensor(), q_begin + q0, k_begin,
+                          length, step, scale);
+    }
+    if (part) {
+      any = true;
+      outs.push_back(part->out);
+      lses.push_back(part->lse);
+    } else {
+      outs.push_back(at::zeros({q.size(0), q.size(1), t, q.size(3)}, float_opts));
+      lses.push_back(at::full({q.size(0), q.size(1), t}, kNegInf, float_opts));
+    }
+  }
+  if (!any) return std::nullopt;
+  return AttentionPartial{at::cat(outs, 2), at::cat(lses, 2)};
+}
+
 std::optional<AttentionPartial> pair_from_packed(const RingGeometry& g, const at::Tensor& q,
                                                  const at::Tensor& packed, int src) {
   const std::int64_t blocks = g.step + 1;
   const auto s = static_cast<std::size_t>(src);
   const at::Tensor docs_k = g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s];
-  return pair_partial(q, unpack_blocks(packed, 0, blocks), unpack_blocks(packed, blocks, blocks),
-                      g.meta.valid[s], g.docs_q, docs_k, g.begins[static_cast<std::size_t>(g.rank())],
-                      g.begins[s], g.length, g.step, g.scale);
+  return pair_partial_chunked(q, unpack_blocks(packed, 0, blocks), unpack_blocks(packed, blocks, blocks),
+                              g.meta.valid[s], g.docs_q, docs_k, g.begins[static_cast<std::size_t>(g.rank())],
+                              g.begins[s], g.length, g.step, g.scale, g.options.query_chunk_rows);
 }
 
 void merge_into(std::optional<AttentionPartial>& acc, std::optional<AttentionPartial> part) {

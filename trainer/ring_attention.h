@@ -52,6 +52,10 @@ enum class KvExchange {
 
 struct RingOptions {
   KvExchange exchange = KvExchange::kRing;
+  // The diagonal pair (this rank's queries against its own keys) is computed in chunks of
+  // this many query rows, each against only the keys it can see; 0: ttt_query_chunk_rows
+  // of the rank's rows.
+  std::int64_t query_chunk_rows = 0;
 };
 
 // TTT attention of step `step` for this rank's query rows against every rank's chunks of

@@ -22,6 +22,7 @@ struct AttnCase {
   std::int64_t step;
   bool docs;
   KvExchange exchange;
+  std::int64_t query_chunk_rows = 0;  // RingOptions::query_chunk_rows (0: the default)
 };
 
 std::vector<AttnCase> attention_cases(int cp) {
@@ -32,6 +33,10 @@ std::vector<AttnCase> attention_cases(int cp) {
     for (std::int64_t s = 0; s <= 3; ++s) v.push_back({l, s, l == 13, KvExchange::kRing});
   v.push_back({13, 2, true, KvExchange::kAllGather});
   v.push_back({12, 3, false, KvExchange::kAllGather});
+  // The diagonal pair in query chunks of 1-3 rows (the first ones see no block-0 key).
+  v.push_back({13, 2, true, KvExchange::kRing, 2});
+  v.push_back({12, 3, false, KvExchange::kRing, 3});
+  v.push_back({13, 1, false, KvExchange::kAllGather, 1});
   return v;
 }
 
@@ -92,6 +97,7 @@ std::vector<at::Tensor> ring_attention_run(const dist::Group& cp, const AttnCase
   for (const auto& v : in.vs) vs.push_back(local(v, 2).requires_grad_(true));
   trainer::RingOptions ro;
   ro.exchange = c.exchange;
+  ro.query_chunk_rows = c.query_chunk_rows;
   const at::Tensor out = trainer::ring_ttt_attention(cp, c.length, q, ks, vs, local(in.key_valid, 1), c.step,
                                                      kScale, local(in.docs, 1), ro);
   (out * local(in.d_out, 2)).sum().backward();
@@ -156,6 +162,7 @@ void check_ring_job(int cp_size) {
     const AttnCase& c = cases[i];
     CAPTURE(c.length);
     CAPTURE(c.step);
+    CAPTURE(c.query_chunk_rows);
     CAPTURE(c.docs);
     CAPTURE(static_cast<int>(c.exchange));
     const auto want = reference_attention(c, make_inputs(c, 100 + i));
@@ -215,6 +222,7 @@ TEST_CASE("ring: one-rank ring attention equals the dense reference, output and 
   for (const AttnCase& c : attention_cases(4)) {
     CAPTURE(c.length);
     CAPTURE(c.step);
+    CAPTURE(c.query_chunk_rows);
     CAPTURE(c.docs);
     const auto in = make_inputs(c, 900 + i++);
     check_attention_chunk(ring_attention_run(solo, c, in), reference_attention(c, in), {0, c.length});
@@ -223,12 +231,15 @@ TEST_CASE("ring: one-rank ring attention equals the dense reference, output and 
 
 TEST_CASE("ring: rows with no visible key give 0 and finite gradients, never NaN") {
   const dist::Group solo;
-  AttnCase c{6, 2, false, KvExchange::kRing};
-  auto in = make_inputs(c, 5);
-  in.key_valid.fill_(false);
-  const auto got = ring_attention_run(solo, c, in);
-  CHECK(got[0].abs().max().item<float>() == 0.0f);
-  for (const auto& t : got) CHECK(at::isfinite(t).all().item<bool>());
+  for (const std::int64_t rows : {0, 2}) {
+    CAPTURE(rows);
+    AttnCase c{6, 2, false, KvExchange::kRing, rows};
+    auto in = make_inputs(c, 5);
+    in.key_valid.fill_(false);
+    const auto got = ring_attention_run(solo, c, in);
+    CHECK(got[0].abs().max().item<float>() == 0.0f);
+    for (const auto& t : got) CHECK(at::isfinite(t).all().item<bool>());
+  }
 }
 
 TEST_CASE("ring: RingContext on one rank is the single-rank context; misuse is reported") {
