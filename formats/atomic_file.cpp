@@ -130,4 +130,30 @@ bool process_gone(long pid) {
   return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
+std::size_t remove_stale_temp_files(const std::string& dir,
+                                    const std::function<bool(const std::string&)>& ours) {
+  std::size_t removed = 0;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    // ".NAME.tmp.PID.N", as AtomicFile names them.
+    const auto tmp = name.rfind(".tmp.");
+    if (name.size() < 2 || name[0] != '.' || tmp == std::string::npos || tmp < 2) continue;
+    const std::string tail = name.substr(tmp + 5);
+    const auto dot = tail.find('.');
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.size() <= 18 && t.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (dot == std::string::npos || !digits(tail.substr(0, dot)) || !digits(tail.substr(dot + 1)))
+      continue;
+    const long pid = std::stol(tail.substr(0, dot));
+    if (pid == static_cast<long>(::getpid()) || !process_gone(pid)) continue;
+    if (!ours(name.substr(1, tmp - 1))) continue;
+    std::error_code rm;
+    if (std::filesystem::remove(it->path(), rm)) ++removed;
+  }
+  return removed;
+}
+
 }  // namespace eaglekit

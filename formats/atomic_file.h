@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace eaglekit {
@@ -50,5 +51,13 @@ void replace_folder_atomic(const std::string& from, const std::string& to);
 
 // True when `pid` names no running process (ESRCH), as for a writer killed before commit.
 bool process_gone(long pid);
+
+// Removes the temp files ".NAME.tmp.PID.N" in `dir` (not below it) that writers killed
+// before commit() left: those whose PID is gone and whose NAME ours(NAME) accepts (the
+// outputs of the calling command). Temp files of live processes, this one included, stay.
+// PIDs are per host: two hosts writing one folder of a shared file system must not share
+// an output. Returns how many it removed; never throws (a file it cannot remove stays).
+std::size_t remove_stale_temp_files(const std::string& dir,
+                                    const std::function<bool(const std::string&)>& ours);
 
 }  // namespace eaglekit

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 
+#include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "lib/progress.h"
 
@@ -129,15 +130,24 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   WriterOptions wo = options.writer;
   wo.format = res.format;
 
+  // A killed earlier run of this conversion leaves writers' temp files beside the outputs
+  // (ignored by every reader); they are removed once their process is gone.
   if (res.folder_output) {
     fs::create_directories(dst, ec);
     if (ec) throw IoError::from_errno(dst, "cannot create folder", ec.value());
+    const std::string ext = extension_of(res.format);
+    remove_stale_temp_files(dst, [&](const std::string& name) {
+      return name.size() > ext.size() && name.compare(name.size() - ext.size(), ext.size(), ext) == 0;
+    });
   } else {
     const auto parent = fs::path(dst).parent_path();
     if (!parent.empty()) {
       fs::create_directories(parent, ec);
       if (ec) throw IoError::from_errno(parent.string(), "cannot create folder", ec.value());
     }
+    const std::string file = fs::path(dst).filename().string();
+    remove_stale_temp_files(parent.empty() ? "." : parent.string(),
+                            [&](const std::string& name) { return name == file; });
   }
 
   Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? 1 : 0);

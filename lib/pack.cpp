@@ -1,8 +1,5 @@
 #include "lib/pack.h"
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <tbb/parallel_for.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
@@ -103,16 +100,9 @@ void save_manifest(const std::string& path, const Manifest& m, const PackOptions
 // Temp files of writers whose process is gone (a killed pack) are removed; those of a
 // live process are left alone.
 void remove_stale_temps(const std::string& out_dir) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(out_dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    const bool ours = name.rfind(".shard-", 0) == 0 || name.rfind(".pack-manifest.json", 0) == 0;
-    const auto tmp = name.find(".tmp.");
-    if (!ours || tmp == std::string::npos) continue;
-    const long pid = std::strtol(name.c_str() + tmp + 5, nullptr, 10);
-    if (pid <= 0 || pid == static_cast<long>(::getpid())) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) fs::remove(entry.path(), ec);
-  }
+  remove_stale_temp_files(out_dir, [](const std::string& name) {
+    return name.rfind("shard-", 0) == 0 || name == kPackManifestName;
+  });
 }
 
 // Exact size of a record's index entry (formats/eks_format.h), to keep shards under the limit.

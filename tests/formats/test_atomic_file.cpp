@@ -60,3 +60,35 @@ TEST_CASE("atomic_file: process_gone tells a dead writer's pid from a live one")
   REQUIRE(::waitpid(child, &status, 0) == child);  // reaped: the pid names nothing now
   CHECK(process_gone(child));
 }
+
+TEST_CASE("atomic_file: remove_stale_temp_files removes only dead writers' temps of our outputs") {
+  test::TempDir d("stale");
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  const std::string dead = std::to_string(child), live = std::to_string(::getpid());
+  const std::vector<std::string> files = {
+      "." + std::string("a.pt.tmp.") + dead + ".0",    // stale, ours: removed
+      ".b.pt.tmp." + dead + ".17",                      // stale, ours: removed
+      ".a.pt.tmp." + live + ".1",                       // this process is writing it
+      ".c.h5.tmp." + dead + ".0",                       // stale, not ours (ours: *.pt)
+      "a.pt",                                           // a finished output
+      ".a.pt.tmp.x.0",                                  // not a temp name: no pid
+      ".a.pt.tmp." + dead,                              // not a temp name: no counter
+      "a.pt.tmp." + dead + ".0",                        // not hidden: not ours to touch
+  };
+  for (const auto& f : files) test::write_text(d / f, "x");
+  fs::create_directories(d / "sub");
+  test::write_text(d / ("sub/.d.pt.tmp." + dead + ".0"), "x");  // below dir: left alone
+  const auto ends_pt = [](const std::string& name) {
+    return name.size() > 3 && name.compare(name.size() - 3, 3, ".pt") == 0;
+  };
+  CHECK(remove_stale_temp_files(d.path(), ends_pt) == 2);
+  std::vector<std::string> want = {files[2], files[3], files[4], files[5], files[6], files[7], "sub"};
+  std::sort(want.begin(), want.end());
+  CHECK(names_in(d.path()) == want);
+  CHECK(fs::exists(d / ("sub/.d.pt.tmp." + dead + ".0")));
+  CHECK(remove_stale_temp_files(d / "missing", ends_pt) == 0);  // no folder: nothing, no throw
+}

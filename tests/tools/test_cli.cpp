@@ -1,6 +1,8 @@
 // The eaglekit binary: inspect, convert and synth as a user runs them (exit codes, --help,
 // JSON shape, error lines), and conversions between every pair of writable formats.
 #include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -306,6 +308,39 @@ TEST_CASE("cli: convert between pt, safetensors, hdf5 and eks preserves every va
   CHECK(r.err == "eaglekit convert: DST " + record_path(data, 0) + " is the source file; write elsewhere\n");
   r = test::eaglekit("convert --format hdf5 " + quote(data + "/records") + " " + quote(dir / "st/"));
   CHECK(r.exit_code == 2);
+}
+
+TEST_CASE("cli: convert removes the temp files a killed earlier run left beside its outputs") {
+  test::TempDir dir("cli");
+  const std::string data = shared_dataset();
+  const pid_t child = ::fork();  // a pid that names no process once reaped: a dead writer
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  const std::string dead = std::to_string(child);
+  // Folder output: stale temps of this format's files go; another format's, a live
+  // process's and finished files stay.
+  fs::create_directories(dir / "st");
+  const std::string stale = ".synth-000001.safetensors.tmp." + dead + ".3";
+  const std::string other = ".notes.h5.tmp." + dead + ".0";
+  const std::string live = ".x.safetensors.tmp." + std::to_string(::getpid()) + ".0";
+  for (const auto& f : {stale, other, live}) test::write_text(dir / ("st/" + f), "half");
+  auto r = test::eaglekit("convert --format safetensors " + quote(data + "/records") + " " + quote(dir / "st/"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_FALSE(fs::exists(dir / ("st/" + stale)));
+  CHECK(fs::exists(dir / ("st/" + other)));
+  CHECK(fs::exists(dir / ("st/" + live)));
+  CHECK(fs::exists(dir / "st/synth-000001.safetensors"));
+  // Shard output: the shard's own stale temp goes, a sibling shard's stays.
+  const std::string shard_stale = ".all.eks.tmp." + dead + ".0";
+  const std::string sibling = ".other.eks.tmp." + dead + ".0";
+  for (const auto& f : {shard_stale, sibling}) test::write_text(dir / f, "half");
+  r = test::eaglekit("convert " + quote(data + "/records") + " " + quote(dir / "all.eks"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_FALSE(fs::exists(dir / shard_stale));
+  CHECK(fs::exists(dir / sibling));
+  CHECK(fs::exists(dir / "all.eks"));
 }
 
 TEST_CASE("cli: a conversion that fails part-way leaves no output that looks complete") {
