@@ -97,14 +97,6 @@ void save_manifest(const std::string& path, const Manifest& m, const PackOptions
   write_file_atomic(path, text.data(), text.size());
 }
 
-// Temp files of writers whose process is gone (a killed pack) are removed; those of a
-// live process are left alone.
-void remove_stale_temps(const std::string& out_dir) {
-  remove_stale_temp_files(out_dir, [](const std::string& name) {
-    return name.rfind("shard-", 0) == 0 || name == kPackManifestName;
-  });
-}
-
 // Exact size of a record's index entry (formats/eks_format.h), to keep shards under the limit.
 std::uint64_t index_entry_bytes(const EksRecordEntry& e) {
   std::uint64_t n = 2 + e.conversation_id.size() + 8 + 8 + 8 + 1 + 1;
@@ -208,7 +200,10 @@ PackResult pack_records(const PackOptions& o) {
       manifest.shards.push_back(std::move(s));
     }
   }
-  remove_stale_temps(o.out_dir);
+  // Temp files of a killed earlier pack (dead writers only; a live one's stay).
+  remove_stale_temp_files(o.out_dir, [](const std::string& name) {
+    return name.rfind("shard-", 0) == 0 || name == kPackManifestName;
+  });
 
   // Sources, minus anything inside the output folder.
   const fs::path out_canon = canonical_or_absolute(o.out_dir);

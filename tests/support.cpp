@@ -84,6 +84,15 @@ RunResult eaglekit(const std::string& args) {
 
 std::string source_dir() { return EAGLEKIT_SOURCE_DIR; }
 
+std::string dead_pid() {
+  const pid_t child = ::fork();
+  if (child < 0) throw std::runtime_error("dead_pid: fork failed");
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child) throw std::runtime_error("dead_pid: waitpid failed");
+  return std::to_string(child);
+}
+
 std::string shared_testdata(const std::string& rel) {
   const std::string shared = source_dir() + "/../shared/testdata/" + rel;
   if (fs::exists(shared)) return shared;

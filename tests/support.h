@@ -40,6 +40,9 @@ RunResult eaglekit(const std::string& args);
 std::string source_dir();  // repository root
 std::string shared_testdata(const std::string& rel);  // ../shared/testdata/REL (or tests/data)
 std::string quote(const std::string& s);  // shell single-quote
+// The pid of a process that has exited and been reaped: it names no process now, like the
+// pid a SIGKILLed writer left in its temp file names. Throws when fork or waitpid fails.
+std::string dead_pid();
 std::vector<std::uint8_t> read_bytes(const std::string& path);
 void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes);
 void write_text(const std::string& path, const std::string& text);

@@ -1,7 +1,6 @@
 // replace_folder_atomic (a folder appears whole, an existing one is exchanged in one step)
 // and process_gone (how stale temp files of killed writers are recognized).
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,22 +52,12 @@ TEST_CASE("atomic_file: replace_folder_atomic renames a new folder and exchanges
 TEST_CASE("atomic_file: process_gone tells a dead writer's pid from a live one") {
   CHECK_FALSE(process_gone(::getpid()));
   CHECK_FALSE(process_gone(0));
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);  // reaped: the pid names nothing now
-  CHECK(process_gone(child));
+  CHECK(process_gone(std::stol(test::dead_pid())));
 }
 
 TEST_CASE("atomic_file: remove_stale_temp_files removes only dead writers' temps of our outputs") {
   test::TempDir d("stale");
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  const std::string dead = std::to_string(child), live = std::to_string(::getpid());
+  const std::string dead = test::dead_pid(), live = std::to_string(::getpid());
   const std::vector<std::string> files = {
       "." + std::string("a.pt.tmp.") + dead + ".0",    // stale, ours: removed
       ".b.pt.tmp." + dead + ".17",                      // stale, ours: removed

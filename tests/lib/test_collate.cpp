@@ -325,17 +325,21 @@ TEST_CASE("collate: big batches (streamed copies, kernel-zeroed and reused dirty
       CHECK(b.attention_mask[r].sum().item<std::int64_t>() == t);
     }
   };
-  {
-    const std::vector<Record> recs = {make_record("a", 600, h, 1), make_record("b", 333, h, 2)};
-    Batch b = collate_records(recs, o);  // the plain path (at::empty), for reference
-    expect_batch(b, recs);
-    std::vector<Placement> ps(2);
-    for (std::size_t i = 0; i < 2; ++i) {
+  // Pad mode through the batch memory: one row per record.
+  auto collate_in_memory = [&](const std::vector<Record>& recs) {
+    std::vector<Placement> ps(recs.size());
+    for (std::size_t i = 0; i < recs.size(); ++i) {
       ps[i].row = static_cast<std::int64_t>(i);
       ps[i].conversation_id = recs[i].conversation_id;
       ps[i].record = recs[i];
     }
-    Batch first = collate(ps, 2, 0, o, std::nullopt, &mem);
+    return collate(ps, static_cast<std::int64_t>(recs.size()), 0, o, std::nullopt, &mem);
+  };
+  {
+    const std::vector<Record> recs = {make_record("a", 600, h, 1), make_record("b", 333, h, 2)};
+    Batch b = collate_records(recs, o);  // the plain path (at::empty), for reference
+    expect_batch(b, recs);
+    Batch first = collate_in_memory(recs);
     CHECK(mem.slabs_allocated() == 1);
     expect_batch(first, recs);
     for (const auto& [key, t] : first.named_tensors()) t.fill_(7);  // the consumer scribbles
@@ -349,13 +353,7 @@ TEST_CASE("collate: big batches (streamed copies, kernel-zeroed and reused dirty
                                          bytes->data() + 2, bytes);
   }
   const std::vector<Record> recs = {make_record("d", 100, h, 4), odd.prefix(max_length)};
-  std::vector<Placement> ps(2);
-  for (std::size_t i = 0; i < 2; ++i) {
-    ps[i].row = static_cast<std::int64_t>(i);
-    ps[i].conversation_id = recs[i].conversation_id;
-    ps[i].record = recs[i];
-  }
-  Batch again = collate(ps, 2, 0, o, std::nullopt, &mem);
+  Batch again = collate_in_memory(recs);
   CHECK(mem.slabs_allocated() == 1);  // the dirty slab, reused
   expect_batch(again, recs);
 }

@@ -2,7 +2,6 @@
 // same bytes as one uninterrupted run, codec mismatch, bad sources, and verify's report.
 #include <doctest/doctest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -178,10 +177,7 @@ TEST_CASE("pack: a rerun after an interruption ends with the same shards as one 
     test::write_text(d / "out/pack-manifest.json", m.dump());
     const std::size_t first = m["shards"][0]["sources"].size();
     // The temp file of a writer whose process is gone.
-    const pid_t child = ::fork();
-    if (child == 0) ::_exit(0);
-    ::waitpid(child, nullptr, 0);
-    const std::string stale = ".shard-000002.eks.tmp." + std::to_string(child) + ".0";
+    const std::string stale = ".shard-000002.eks.tmp." + test::dead_pid() + ".0";
     test::write_text(d / ("out/" + stale), "half a shard");
 
     const PackResult r = pack_records(options(d / "src", d / "out"));

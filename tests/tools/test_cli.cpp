@@ -1,7 +1,6 @@
 // The eaglekit binary: inspect, convert and synth as a user runs them (exit codes, --help,
 // JSON shape, error lines), and conversions between every pair of writable formats.
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -313,12 +312,7 @@ TEST_CASE("cli: convert between pt, safetensors, hdf5 and eks preserves every va
 TEST_CASE("cli: convert removes the temp files a killed earlier run left beside its outputs") {
   test::TempDir dir("cli");
   const std::string data = shared_dataset();
-  const pid_t child = ::fork();  // a pid that names no process once reaped: a dead writer
-  REQUIRE(child >= 0);
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  const std::string dead = std::to_string(child);
+  const std::string dead = test::dead_pid();
   // Folder output: stale temps of this format's files go; another format's, a live
   // process's and finished files stay.
   fs::create_directories(dir / "st");

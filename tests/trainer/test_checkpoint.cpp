@@ -3,7 +3,6 @@
 // --init-draft from a checkpoint.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -221,14 +220,8 @@ TEST_CASE("checkpoint: temp folders of a killed save are removed by the next sav
   Checkpoint ck;
   ck.rng = capture_rng_state();
   ck.options_json = "{}";
-  // The pid of a process that is gone (reaped), as a SIGKILLed run's.
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
   const std::string out = dir / "out";
-  const std::string dead = std::to_string(child);
+  const std::string dead = test::dead_pid();  // as a SIGKILLed run's
   fs::create_directories(out + "/.checkpoint-3.tmp-" + dead);
   test::write_text(out + "/.checkpoint-3.tmp-" + dead + "/model.safetensors", "half");
   fs::create_directories(out + "/.final.tmp-" + dead);

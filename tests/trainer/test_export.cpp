@@ -2,7 +2,6 @@
 #include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares at::NoGradGuard
 
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -166,13 +165,8 @@ TEST_CASE("export: a folder export appears whole; a failed one leaves the old fo
   fs::remove_all(out + "/config.json");
 
   // Temp folders of a killed export to the same folder are removed; a live process's and
-  // those of other folders stay. The pid of a reaped child stands for a SIGKILLed run.
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  const std::string dead = std::to_string(child);
+  // those of other folders stay.
+  const std::string dead = test::dead_pid();
   fs::create_directories(dir / (".served.tmp-" + dead));
   test::write_text(dir / (".served.tmp-" + dead + "/model.safetensors"), "half");
   fs::create_directories(dir / (".served.tmp-" + dead + ".old"));
