@@ -75,7 +75,6 @@ inline trainer::TrainOptions small_options(const SynthJob& job, const std::strin
   return o;
 }
 
-// The float weights of a model.safetensors, by name.
 // Every JSON object of a .jsonl file (metrics.jsonl), in order.
 inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::ifstream f(path);
@@ -86,6 +85,7 @@ inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   return out;
 }
 
+// The float weights of a model.safetensors, by name.
 inline std::vector<std::pair<std::string, at::Tensor>> read_weights(const std::string& path) {
   const auto file = SafetensorsFile::open(path);
   std::vector<std::pair<std::string, at::Tensor>> out;
