@@ -1,5 +1,7 @@
 #include "tests/support.h"
 
+#include <doctest/doctest.h>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -9,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <stdexcept>
 
 namespace eaglekit::test {
@@ -74,6 +77,15 @@ RunResult python(const std::string& script, const std::vector<std::string>& args
 
 bool python_has(const std::string& module) {
   return run(python_bin() + " -c 'import " + module + "'").exit_code == 0;
+}
+
+void require_python(const std::string& module) {
+  static std::map<std::string, bool> known;
+  const auto it = known.find(module);
+  const bool has = it != known.end() ? it->second : (known[module] = python_has(module));
+  const bool stdlib = module != "torch" && module != "h5py" && module != "numpy";
+  REQUIRE_MESSAGE(has, python_bin() << " cannot import " << module << ": install Debian's "
+                                    << (stdlib ? "python3" : "python3-" + module) << " (scripts/setup does)");
 }
 
 RunResult eaglekit(const std::string& args) {

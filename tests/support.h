@@ -34,6 +34,9 @@ std::string python_bin();
 // Runs `python3 -c SCRIPT` with that interpreter. Extra args follow the script.
 RunResult python(const std::string& script, const std::vector<std::string>& args = {});
 bool python_has(const std::string& module);  // e.g. "torch", "h5py"
+// Fails the calling test unless python_bin() imports `module` (answers cached per module):
+// the interop tests are part of the suite, and scripts/setup installs what they need.
+void require_python(const std::string& module);
 // Runs the built eaglekit binary with args (already shell-quoted as needed).
 RunResult eaglekit(const std::string& args);
 

@@ -590,7 +590,7 @@ TEST_CASE("eks: corrupt shards fail with errors that name shard, field and recor
 }
 
 TEST_CASE("eks: an independent Python reading of the documented layout agrees") {
-  if (!test::python_has("numpy")) return;
+  test::require_python("numpy");
   test::TempDir d("eks");
   std::vector<Record> recs = {make_record("py-0", 45, 16, 3, DType::kBFloat16, 61),
                               make_record("py-1", 7, 8, 2, DType::kFloat32, 62, DType::kBool)};

@@ -159,10 +159,7 @@ TEST_CASE("pickle: _rebuild_tensor_v3 over an UntypedStorage takes its dtype arg
 }
 
 TEST_CASE("pickle: Python pickles of protocols 2-5 parse to the same tree") {
-  if (!test::python_has("pickle")) {
-    MESSAGE("skipped: /usr/bin/python3 is missing");
-    return;
-  }
+  test::require_python("pickle");
   test::TempDir d("pk");
   const auto r = test::python(R"(
 import collections, pickle, sys

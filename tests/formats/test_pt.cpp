@@ -185,12 +185,6 @@ std::string open_error(const std::string& path) {
   return "<no error>";
 }
 
-// Importing torch takes seconds; ask once.
-bool python_has_torch() {
-  static const bool kHas = test::python_has("torch");
-  return kHas;
-}
-
 bool has(const std::string& haystack, const std::string& needle) {
   if (haystack.find(needle) != std::string::npos) return true;
   MESSAGE("'" << needle << "' not in: " << haystack);
@@ -305,10 +299,7 @@ TEST_CASE("pt: every torch.save variant reads equal (committed files)") {
 }
 
 TEST_CASE("pt: every torch.save variant reads equal (written now by Python torch)") {
-  if (!python_has_torch()) {
-    MESSAGE("skipped: /usr/bin/python3 has no torch (apt-get install python3-torch)");
-    return;
-  }
+  test::require_python("torch");
   test::TempDir d("ptvar");
   const auto r = test::run(test::python_bin() + " " +
                            test::quote(test::source_dir() + "/tests/data/pt/make_variants.py") +
@@ -319,10 +310,7 @@ TEST_CASE("pt: every torch.save variant reads equal (written now by Python torch
 }
 
 TEST_CASE("pt: files we write load in torch.load bit-exactly") {
-  if (!python_has_torch()) {
-    MESSAGE("skipped: /usr/bin/python3 has no torch (apt-get install python3-torch)");
-    return;
-  }
+  test::require_python("torch");
   test::TempDir d("ptw");
   json manifest = json::object();
   auto describe = [](const std::vector<PtEntry>& entries) {

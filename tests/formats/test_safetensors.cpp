@@ -91,7 +91,7 @@ def load(path):
 std::string py(const std::string& body) { return std::string(kPyReference) + body; }
 
 void require_python() {
-  REQUIRE_MESSAGE(test::python_has("numpy"), "Debian python3-numpy is needed at /usr/bin/python3");
+  test::require_python("numpy");
 }
 
 std::vector<std::uint8_t> file_bytes(const std::string& header, std::size_t data_bytes,

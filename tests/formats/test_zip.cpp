@@ -87,10 +87,7 @@ TEST_CASE("zip: writer output reads back, data 64-byte aligned") {
 }
 
 TEST_CASE("zip: Python's zipfile reads our archives and their CRCs (zip64 forced too)") {
-  if (!test::python_has("zipfile")) {
-    MESSAGE("skipped: /usr/bin/python3 is missing");
-    return;
-  }
+  test::require_python("zipfile");
   test::TempDir d("zip");
   const std::string plain = write_sample(d, false, "plain.zip");
   const std::string z64 = write_sample(d, true, "z64.zip");
@@ -113,10 +110,7 @@ print('ok')
 }
 
 TEST_CASE("zip: archives made by Python's zipfile (comment, zip64, deflate)") {
-  if (!test::python_has("zipfile")) {
-    MESSAGE("skipped: /usr/bin/python3 is missing");
-    return;
-  }
+  test::require_python("zipfile");
   test::TempDir d("zip");
   const auto r = test::python(R"(
 import sys, zipfile

@@ -165,7 +165,7 @@ bool same_pt(const std::string& a, const std::string& b) {
 }  // namespace
 
 TEST_CASE("loader: pad batches equal the Python reference port, tensor by tensor") {
-  REQUIRE(test::python_has("torch"));
+  test::require_python("torch");
   // 23 records of 2..64 tokens (some cut at 48), stored loss masks (int64 and bool), int and
   // string ids, 2 conversations without a record.
   auto d = make_data(23);
@@ -201,7 +201,7 @@ TEST_CASE("loader: pad batches equal the Python reference port, tensor by tensor
 }
 
 TEST_CASE("loader: the collate command writes the reference's batches") {
-  REQUIRE(test::python_has("torch"));
+  test::require_python("torch");
   auto d = make_data(12);
   const std::string out = d->dir / "cli";
   const auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " +

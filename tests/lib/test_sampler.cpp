@@ -49,7 +49,7 @@ TEST_CASE("sampler: reference order is the identity, shuffled orders are permuta
 }
 
 TEST_CASE("sampler: the permutation is the documented algorithm (Python port agrees)") {
-  REQUIRE(test::python_has("torch"));
+  test::require_python("torch");
   const std::string script =
       "import sys; sys.path.insert(0, sys.argv[1])\n"
       "import reference_loader as r\n"
