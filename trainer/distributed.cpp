@@ -694,6 +694,13 @@ LaunchResult launch_local(const LaunchOptions& options) {
         ::dup2(log_fd, 1);
         ::dup2(log_fd, 2);
       }
+      // Default dispositions before unblocking: a signal landing before exec must not run
+      // the launcher's own handlers in this copy of it (exec resets them only afterwards).
+      for (const int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2}) {
+        struct sigaction dfl {};
+        dfl.sa_handler = SIG_DFL;
+        ::sigaction(sig, &dfl, nullptr);
+      }
       ::pthread_sigmask(SIG_SETMASK, &mask.old(), nullptr);
       ::execve(program.c_str(), argv.ptrs.data(), envp);
       const char msg[] = "eaglekit launch: exec failed\n";
