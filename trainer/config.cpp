@@ -1,5 +1,6 @@
 #include "trainer/config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -32,6 +33,8 @@ json parse_json(const std::string& text, const std::string& where) {
     return j;
   } catch (const json::parse_error& e) {
     throw FormatError(where, e.byte, "config", std::string("not valid JSON: ") + e.what());
+  } catch (const json::exception& e) {  // a number out of range (406) is not a parse_error
+    throw FormatError(where, std::nullopt, "config", std::string("not valid JSON: ") + e.what());
   }
 }
 
@@ -51,8 +54,11 @@ std::int64_t get_int(const json& j, const char* key, const std::string& where,
   }
   if (v->is_number_integer()) return v->get<std::int64_t>();
   // Some exporters write integral values as floats (32.0).
-  if (v->is_number_float() && v->get<double>() == static_cast<double>(static_cast<std::int64_t>(v->get<double>())))
-    return static_cast<std::int64_t>(v->get<double>());
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    // Range first: casting a double outside int64 is undefined.
+    if (d == std::floor(d) && std::abs(d) < 9.0e18) return static_cast<std::int64_t>(d);
+  }
   throw FormatError(where, std::nullopt, key, "expected an integer, got " + v->dump());
 }
 
@@ -84,41 +90,225 @@ std::vector<std::int64_t> get_int_list(const json& v, const char* key, const std
   return out;
 }
 
-RopeScaling parse_rope_scaling(const json& j, const std::string& where) {
-  RopeScaling r;
-  auto v = field(j, "rope_scaling");
-  if (!v) return r;
-  if (!v->is_object()) throw FormatError(where, std::nullopt, "rope_scaling", "expected an object or null");
-  std::string type = "default";
-  if (auto t = field(*v, "rope_type")) type = t->is_string() ? t->get<std::string>() : t->dump();
-  else if (auto t2 = field(*v, "type")) type = t2->is_string() ? t2->get<std::string>() : t2->dump();
-  if (type == "default") return r;
-  if (type != "llama3") {
-    throw UnsupportedError(where, std::nullopt, "rope_scaling.rope_type",
-                           "'" + type + "' is not implemented (default and llama3 are)");
+std::optional<double> get_optional_double(const json& j, const char* key, const std::string& where,
+                                          const std::string& field_name) {
+  const auto v = field(j, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) throw FormatError(where, std::nullopt, field_name, "expected a number, got " + v->dump());
+  return v->get<double>();
+}
+
+std::vector<double> get_double_list(const json& j, const char* key, const std::string& where,
+                                    const std::string& field_name) {
+  const auto v = field(j, key);
+  if (!v) throw FormatError(where, std::nullopt, field_name, "missing");
+  if (!v->is_array()) throw FormatError(where, std::nullopt, field_name, "expected a list of numbers");
+  std::vector<double> out;
+  for (const auto& e : *v) {
+    if (!e.is_number()) throw FormatError(where, std::nullopt, field_name, "expected a list of numbers");
+    out.push_back(e.get<double>());
   }
-  const std::string w = where;
-  r.type = RopeType::kLlama3;
-  r.factor = get_double(*v, "factor", w);
-  r.low_freq_factor = get_double(*v, "low_freq_factor", w);
-  r.high_freq_factor = get_double(*v, "high_freq_factor", w);
-  r.original_max_position_embeddings = get_int(*v, "original_max_position_embeddings", w);
-  if (r.factor <= 0 || r.low_freq_factor <= 0 || r.high_freq_factor <= r.low_freq_factor ||
-      r.original_max_position_embeddings <= 0) {
-    throw FormatError(where, std::nullopt, "rope_scaling",
-                      "llama3 needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got " +
-                          v->dump());
+  return out;
+}
+
+std::string number_text(double v) {
+  std::string s = json(v).dump();
+  return s;
+}
+
+// One RoPE object: `rope_scaling` (v4) or `rope_parameters` (v5). `name` is its key, for
+// messages; `top` the config holding it (longrope's original_max_position_embeddings may
+// sit there); `max_pos` the config's max_position_embeddings.
+RopeScaling parse_rope_object(const json& v, const std::string& name, const json& top, std::int64_t max_pos,
+                              const std::string& where, std::vector<std::string>* notes) {
+  auto note = [&](const std::string& text) {
+    if (notes) notes->push_back(text);
+  };
+  const auto key = [&](const char* k) { return name + "." + k; };
+  const auto number = [&](const char* k) {
+    const auto x = get_optional_double(v, k, where, key(k));
+    if (!x) throw FormatError(where, std::nullopt, key(k), "missing");
+    return *x;
+  };
+  const auto integer = [&](const char* k) {
+    const double x = number(k);
+    if (x != std::floor(x) || !(std::abs(x) < 9.0e18))
+      throw FormatError(where, std::nullopt, key(k), "expected an integer, got " + number_text(x));
+    return static_cast<std::int64_t>(x);
+  };
+  RopeScaling r;
+  std::string type = "default";
+  if (auto t = field(v, "rope_type")) type = t->is_string() ? t->get<std::string>() : t->dump();
+  else if (auto t2 = field(v, "type")) type = t2->is_string() ? t2->get<std::string>() : t2->dump();
+  if (field(v, "mrope_section")) {
+    throw UnsupportedError(where, std::nullopt, key("mrope_section"),
+                           "multimodal RoPE (mrope) is not implemented for a Llama draft");
+  }
+  if (auto p = get_optional_double(v, "partial_rotary_factor", where, key("partial_rotary_factor")); p && *p != 1.0) {
+    throw UnsupportedError(where, std::nullopt, key("partial_rotary_factor"),
+                           "partial rotary embeddings (" + number_text(*p) + ") are not implemented for a Llama draft");
+  }
+  const auto parsed = parse_rope_type(type);
+  if (!parsed) {
+    throw UnsupportedError(where, std::nullopt, key("rope_type"),
+                           "'" + type + "' is not implemented (default, linear, dynamic, llama3, yarn and longrope are)");
+  }
+  r.type = *parsed;
+  switch (r.type) {
+    case RopeType::kDefault:
+      break;
+    case RopeType::kLinear:
+      r.factor = number("factor");
+      break;
+    case RopeType::kDynamic:
+      if (field(v, "alpha")) {
+        throw UnsupportedError(where, std::nullopt, key("alpha"), "dynamic NTK-alpha RoPE is not implemented");
+      }
+      r.factor = number("factor");
+      break;
+    case RopeType::kLlama3:
+      r.factor = number("factor");
+      r.low_freq_factor = number("low_freq_factor");
+      r.high_freq_factor = number("high_freq_factor");
+      r.original_max_position_embeddings = integer("original_max_position_embeddings");
+      break;
+    case RopeType::kYarn: {
+      if (field(v, "original_max_position_embeddings")) {
+        r.original_max_position_embeddings = integer("original_max_position_embeddings");
+      } else {
+        r.original_max_position_embeddings = max_pos;
+        note(key("original_max_position_embeddings") + " is absent: " + std::to_string(max_pos) +
+             ", the config's max_position_embeddings (as transformers v4 takes it)");
+      }
+      if (field(v, "factor")) {
+        r.factor = number("factor");
+      } else {
+        r.factor = static_cast<double>(max_pos) / static_cast<double>(r.original_max_position_embeddings);
+        note(key("factor") + " is absent: " + number_text(r.factor) +
+             " = max_position_embeddings / original_max_position_embeddings (as transformers takes it)");
+      }
+      // transformers reads these with `or`: absent, null and 0 all take the paper's values.
+      const auto fast = get_optional_double(v, "beta_fast", where, key("beta_fast"));
+      const auto slow = get_optional_double(v, "beta_slow", where, key("beta_slow"));
+      r.beta_fast = fast && *fast != 0 ? *fast : 32.0;
+      r.beta_slow = slow && *slow != 0 ? *slow : 1.0;
+      if (!fast || *fast == 0) note(key("beta_fast") + " is absent: 32, YaRN's default");
+      if (!slow || *slow == 0) note(key("beta_slow") + " is absent: 1, YaRN's default");
+      r.truncate = get_bool(v, "truncate", where, true);
+      r.attention_factor = get_optional_double(v, "attention_factor", where, key("attention_factor"));
+      r.mscale = get_optional_double(v, "mscale", where, key("mscale"));
+      r.mscale_all_dim = get_optional_double(v, "mscale_all_dim", where, key("mscale_all_dim"));
+      break;
+    }
+    case RopeType::kLongrope:
+      r.short_factor = get_double_list(v, "short_factor", where, key("short_factor"));
+      r.long_factor = get_double_list(v, "long_factor", where, key("long_factor"));
+      if (field(v, "original_max_position_embeddings")) {
+        r.original_max_position_embeddings = integer("original_max_position_embeddings");
+      } else if (field(top, "original_max_position_embeddings")) {  // Phi-3 keeps it at the top
+        r.original_max_position_embeddings = get_int(top, "original_max_position_embeddings", where);
+      } else {
+        throw FormatError(where, std::nullopt, key("original_max_position_embeddings"), "missing (longrope needs it)");
+      }
+      r.attention_factor = get_optional_double(v, "attention_factor", where, key("attention_factor"));
+      r.short_mscale = get_optional_double(v, "short_mscale", where, key("short_mscale"));
+      r.long_mscale = get_optional_double(v, "long_mscale", where, key("long_mscale"));
+      break;
   }
   return r;
 }
 
+struct Rope {
+  double theta = 10000.0;
+  RopeScaling scaling;
+};
+
+// RoPE of a config: transformers v5 `rope_parameters` (rope_theta inside it; a per-layer-type
+// map uses its "full_attention" entry) or v4 `rope_theta` + `rope_scaling`. Where both
+// forms are present they must agree.
+Rope read_rope(const json& j, std::int64_t max_pos, const std::string& where, std::vector<std::string>* notes) {
+  Rope out;
+  const auto top_theta = get_optional_double(j, "rope_theta", where, "rope_theta");
+  std::optional<RopeScaling> legacy;
+  if (const auto rs = field(j, "rope_scaling")) {
+    if (!rs->is_object()) throw FormatError(where, std::nullopt, "rope_scaling", "expected an object or null");
+    legacy = parse_rope_object(*rs, "rope_scaling", j, max_pos, where, notes);
+  }
+  if (const auto rp = field(j, "rope_parameters")) {
+    if (!rp->is_object()) throw FormatError(where, std::nullopt, "rope_parameters", "expected an object or null");
+    json params = *rp;
+    std::string name = "rope_parameters";
+    if (!params.contains("rope_type") && !params.contains("rope_theta") && !params.contains("type")) {
+      const auto full = field(params, "full_attention");
+      if (!full || !full->is_object()) {
+        throw FormatError(where, std::nullopt, "rope_parameters",
+                          "expected rope_type and rope_theta, or a map of layer types with full_attention");
+      }
+      if (notes) notes->push_back("rope_parameters is given per layer type: the draft uses full_attention's");
+      params = *full;
+      name = "rope_parameters.full_attention";
+    }
+    const auto theta = get_optional_double(params, "rope_theta", where, name + ".rope_theta");
+    if (!theta && !top_theta) throw FormatError(where, std::nullopt, name + ".rope_theta", "missing");
+    if (theta && top_theta && *theta != *top_theta) {
+      throw FormatError(where, std::nullopt, name + ".rope_theta",
+                        number_text(*theta) + " disagrees with rope_theta " + number_text(*top_theta));
+    }
+    out.theta = theta ? *theta : *top_theta;
+    // Without v4 dropping, some tools save the legacy key beside it: both must say the same.
+    std::vector<std::string> ignored;
+    out.scaling = parse_rope_object(params, name, j, max_pos, where, legacy ? &ignored : notes);
+    if (legacy && *legacy != out.scaling) {
+      throw FormatError(where, std::nullopt, "rope_scaling", "disagrees with " + name);
+    }
+    return out;
+  }
+  if (top_theta) {
+    out.theta = *top_theta;
+  } else if (notes) {
+    notes->push_back("rope_theta is absent: 10000, the transformers default");
+  }
+  if (legacy) out.scaling = *legacy;
+  return out;
+}
+
 nlohmann::ordered_json rope_scaling_json(const RopeScaling& r) {
-  if (r.type == RopeType::kDefault) return nullptr;
-  return nlohmann::ordered_json{{"rope_type", "llama3"},
-              {"factor", r.factor},
-              {"low_freq_factor", r.low_freq_factor},
-              {"high_freq_factor", r.high_freq_factor},
-              {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  using oj = nlohmann::ordered_json;
+  oj j;
+  j["rope_type"] = rope_type_name(r.type);
+  switch (r.type) {
+    case RopeType::kDefault:
+      return nullptr;
+    case RopeType::kLinear:
+    case RopeType::kDynamic:
+      j["factor"] = r.factor;
+      break;
+    case RopeType::kLlama3:
+      j["factor"] = r.factor;
+      j["low_freq_factor"] = r.low_freq_factor;
+      j["high_freq_factor"] = r.high_freq_factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      break;
+    case RopeType::kYarn:
+      j["factor"] = r.factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      j["beta_fast"] = r.beta_fast;
+      j["beta_slow"] = r.beta_slow;
+      j["truncate"] = r.truncate;
+      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
+      if (r.mscale) j["mscale"] = *r.mscale;
+      if (r.mscale_all_dim) j["mscale_all_dim"] = *r.mscale_all_dim;
+      break;
+    case RopeType::kLongrope:
+      j["short_factor"] = r.short_factor;
+      j["long_factor"] = r.long_factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
+      if (r.short_mscale) j["short_mscale"] = *r.short_mscale;
+      if (r.long_mscale) j["long_mscale"] = *r.long_mscale;
+      break;
+  }
+  return j;
 }
 
 std::string get_dtype_name(const json& j, const std::string& fallback) {
@@ -130,34 +320,36 @@ std::string get_dtype_name(const json& j, const std::string& fallback) {
 
 }  // namespace
 
-bool RopeScaling::operator==(const RopeScaling& o) const {
-  if (type != o.type) return false;
-  if (type == RopeType::kDefault) return true;
-  return factor == o.factor && low_freq_factor == o.low_freq_factor &&
-         high_freq_factor == o.high_freq_factor &&
-         original_max_position_embeddings == o.original_max_position_embeddings;
-}
-
 BaseConfig parse_base_config(const std::string& json_text, const std::string& where) {
   json j = parse_json(json_text, where);
   if (!j.contains("hidden_size") && j.contains("text_config") && j["text_config"].is_object())
     j = j["text_config"];
   BaseConfig c;
+  auto noted = [&](const char* key, const std::string& value) {
+    if (!field(j, key)) c.defaults_applied.push_back(std::string(key) + " is absent: " + value);
+  };
   c.hidden_size = get_int(j, "hidden_size", where);
   c.intermediate_size = get_int(j, "intermediate_size", where);
   c.num_attention_heads = get_int(j, "num_attention_heads", where);
   c.num_key_value_heads = get_int(j, "num_key_value_heads", where, c.num_attention_heads);
   if (c.num_attention_heads <= 0)
     throw FormatError(where, std::nullopt, "num_attention_heads", "must be positive");
+  noted("num_key_value_heads", std::to_string(c.num_key_value_heads) + " (no grouped-query attention), the transformers default");
   c.head_dim = get_int(j, "head_dim", where, c.hidden_size / c.num_attention_heads);
+  noted("head_dim", std::to_string(c.head_dim) + " = hidden_size / num_attention_heads, the transformers default");
   c.num_hidden_layers = get_int(j, "num_hidden_layers", where);
   c.vocab_size = get_int(j, "vocab_size", where);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
+  noted("max_position_embeddings", "2048, the transformers LlamaConfig default");
   c.rms_norm_eps = get_double(j, "rms_norm_eps", where, 1e-6);
-  c.rope_theta = get_double(j, "rope_theta", where, 10000.0);
-  c.rope_scaling = parse_rope_scaling(j, where);
+  noted("rms_norm_eps", "1e-6, the transformers LlamaConfig default");
+  const Rope rope = read_rope(j, c.max_position_embeddings, where, &c.defaults_applied);
+  c.rope_theta = rope.theta;
+  c.rope_scaling = rope.scaling;
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, false);
   c.torch_dtype = get_dtype_name(j, "bfloat16");
+  if (!field(j, "torch_dtype") && !field(j, "dtype"))
+    c.defaults_applied.push_back("torch_dtype is absent: the draft is exported as bfloat16");
   const std::pair<const char*, std::int64_t> positive[] = {
       {"hidden_size", c.hidden_size},       {"intermediate_size", c.intermediate_size},
       {"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim},
@@ -204,6 +396,11 @@ void DraftConfig::check() const {
   }
   if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
   if (!(rope_theta > 0)) fail("rope_theta must be positive");
+  try {
+    rope_frequencies(rope_theta, rope_scaling, head_dim, max_position_embeddings);
+  } catch (const UsageError& e) {
+    fail(e.what());
+  }
   if (!aux_layer_ids.empty()) {
     if (static_cast<std::int64_t>(aux_layer_ids.size()) != num_aux_layers) {
       fail(std::to_string(aux_layer_ids.size()) + " aux layer ids for " +
@@ -257,12 +454,13 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
     }
   }
   d.rms_norm_eps = get_double(j, "rms_norm_eps", where, 1e-6);
-  d.rope_theta = get_double(j, "rope_theta", where, 10000.0);
-  d.rope_scaling = parse_rope_scaling(j, where);
   d.vocab_size = get_int(j, "vocab_size", where);
   d.draft_vocab_size = get_int(j, "draft_vocab_size", where, d.vocab_size);
   d.target_hidden_size = get_int(j, "target_hidden_size", where, d.hidden_size);
   d.max_position_embeddings = get_int(j, "max_position_embeddings", where, 2048);
+  const Rope rope = read_rope(j, d.max_position_embeddings, where, nullptr);
+  d.rope_theta = rope.theta;
+  d.rope_scaling = rope.scaling;
   if (const auto ids = field(j, "eagle_aux_hidden_state_layer_ids")) {
     d.aux_layer_ids = get_int_list(*ids, "eagle_aux_hidden_state_layer_ids", where);
   } else if (const auto ec = field(j, "eagle_config"); ec && ec->is_object()) {
@@ -315,6 +513,9 @@ std::string draft_config_json(const DraftConfig& c) {
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rope_theta"] = c.rope_theta;
   j["rope_scaling"] = rope_scaling_json(c.rope_scaling);
+  // transformers' Phi-3 reads longrope's pretraining context at the top level.
+  if (c.rope_scaling.type == RopeType::kLongrope)
+    j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
   j["tie_word_embeddings"] = false;
   j["torch_dtype"] = c.torch_dtype;
   j["eagle_aux_hidden_state_layer_ids"] = c.aux_layer_ids;

@@ -5,26 +5,19 @@
 // Errors: a missing or mistyped field throws FormatError naming the file and the field; a
 // RoPE variant we do not implement throws UnsupportedError; inconsistent sizes throw
 // UsageError from DraftConfig::check().
+//
+// RoPE is read from `rope_theta` + `rope_scaling` (transformers v4) or `rope_parameters`
+// (transformers v5, where rope_theta lives inside; per-layer-type forms use
+// "full_attention"), see docs/rope.md.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "trainer/rope.h"
+
 namespace eaglekit::trainer {
-
-enum class RopeType { kDefault, kLlama3 };
-
-// `rope_scaling` of the config. The llama3 fields are used only when type is kLlama3.
-struct RopeScaling {
-  RopeType type = RopeType::kDefault;
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  std::int64_t original_max_position_embeddings = 8192;
-
-  bool operator==(const RopeScaling& o) const;
-};
 
 // The fields of a base model's config.json that the draft depends on. Multimodal configs
 // that nest the language model under "text_config" are read from there.
@@ -42,6 +35,9 @@ struct BaseConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   std::string torch_dtype = "bfloat16";
+  // Fields of meaning that the file left out and the value taken for each, as sentences
+  // ("rope_theta is absent: 10000, the transformers default"): shown to the user.
+  std::vector<std::string> defaults_applied;
 };
 
 // `where` names the source in error messages (a path).

@@ -108,27 +108,18 @@ struct DraftModel::Impl {
 };
 
 at::Tensor rope_inv_freq(const DraftConfig& c) {
-  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
-  at::Tensor inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, c.head_dim, 2, opts) / static_cast<double>(c.head_dim));
-  if (c.rope_scaling.type == RopeType::kLlama3) {
-    // Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    const auto& r = c.rope_scaling;
-    const double old_len = static_cast<double>(r.original_max_position_embeddings);
-    const double low_freq_wavelen = old_len / r.low_freq_factor;
-    const double high_freq_wavelen = old_len / r.high_freq_factor;
-    const at::Tensor wavelen = 2.0 * M_PI / inv;
-    const at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
-    const at::Tensor blended = (1.0 - smooth) * inv / r.factor + smooth * inv;
-    at::Tensor out = torch::where(wavelen > low_freq_wavelen, inv / r.factor, blended);
-    inv = torch::where(wavelen < high_freq_wavelen, inv, out);
-  }
-  return inv;
+  const RopeFrequencies f = rope_frequencies(c.rope_theta, c.rope_scaling, c.head_dim, c.max_position_embeddings);
+  return torch::tensor(f.inv_freq, torch::TensorOptions().dtype(torch::kDouble));
 }
 
 RotaryTable rope_table(const DraftConfig& c, const at::Tensor& positions) {
-  const at::Tensor inv = rope_inv_freq(c).to(positions.device());
+  const RopeFrequencies f = rope_frequencies(c.rope_theta, c.rope_scaling, c.head_dim, c.max_position_embeddings);
+  const at::Tensor inv = torch::tensor(f.inv_freq, torch::TensorOptions().dtype(torch::kDouble)).to(positions.device());
   const at::Tensor angles = positions.to(torch::kDouble).unsqueeze(-1) * inv;
   const at::Tensor emb = torch::cat({angles, angles}, -1);
+  // YaRN and LongRoPE scale cos and sin (and so q.k by the square), as the engines do.
+  if (f.attention_factor != 1.0)
+    return {(emb.cos() * f.attention_factor).to(torch::kFloat), (emb.sin() * f.attention_factor).to(torch::kFloat)};
   return {emb.cos().to(torch::kFloat), emb.sin().to(torch::kFloat)};
 }
 

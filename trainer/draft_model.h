@@ -37,12 +37,13 @@ struct RotaryTable {
   at::Tensor sin;
 };
 
-// Inverse frequencies [head_dim / 2] (float64) after the configured scaling (default or
-// llama3), computed as Hugging Face does.
+// Inverse frequencies [head_dim / 2] (float64) after the configured scaling
+// (trainer/rope.h: default, linear, dynamic, llama3, yarn, longrope), as transformers does.
 at::Tensor rope_inv_freq(const DraftConfig& config);
 // The table for int64 `positions` [L] (global positions: 0..L-1 on a single rank, the
 // chunk's own range under context parallelism) or [B, L] (per-row positions of packed
-// rows), on the positions' device: [L, head_dim] or [B, L, head_dim].
+// rows), on the positions' device: [L, head_dim] or [B, L, head_dim]. cos and sin carry the
+// variant's attention factor (1 but for yarn and longrope).
 RotaryTable rope_table(const DraftConfig& config, const at::Tensor& positions);
 // x [B, heads, L, head_dim] rotated; computed in float32, returned in x's dtype.
 at::Tensor apply_rope(const at::Tensor& x, const RotaryTable& table);

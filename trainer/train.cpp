@@ -597,6 +597,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   bo.device = device;
   const BaseModel base = load_base_model(opts.base, bo);
   const BaseConfig& bc = base.config;
+  for (const auto& d : bc.defaults_applied) say(opts.base + "/config.json: " + d);
   if (shape.hidden != bc.hidden_size) {
     throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
                      opts.base + " has hidden_size " + std::to_string(bc.hidden_size));
@@ -641,6 +642,12 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     dopts.aux_layer_ids = opts.aux_layer_ids;
     dopts.modelopt_norm = opts.modelopt_norm;
     const DraftConfig c = draft_config_from_base(bc, dopts);
+    if (opts.aux_layer_ids.empty() && !c.aux_layer_ids.empty()) {
+      std::string ids;
+      for (auto id : c.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+      say("aux layer ids " + ids + ": EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+          "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used others");
+    }
     draft_holder.emplace(c, d2t, base.lm_head.to(at::kCPU), opts.seed);
   }
   DraftModel draft = *draft_holder;
@@ -659,7 +666,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     }
     if (c.aux_layer_ids.empty()) {
       throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
-                       " aux layers and the export must name them (the ids the dump used)");
+                       " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
+                       "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
     }
   }
   draft.to(device, at::kFloat);

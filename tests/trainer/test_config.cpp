@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <functional>
 #include <nlohmann/json.hpp>
 
@@ -92,11 +93,16 @@ TEST_CASE("config: bad base configs name the file and the field") {
         }) == "b/config.json: hidden_size: expected an integer, got \"8\"");
   CHECK(message_of<FormatError>([] { parse_base_config("{not json", "b/config.json"); })
             .rfind("b/config.json", 0) == 0);
+  // Found by fuzz_config: a number past a double's range is nlohmann's out_of_range, not a
+  // parse_error, and escaped as an unknown exception.
+  const std::string overflow = test::source_dir() + "/tests/fuzz/regressions/config-number-overflow.json";
+  CHECK(message_of<FormatError>([&] { load_base_config(overflow); }).rfind(overflow + ": config: not valid JSON: ", 0) == 0);
   CHECK(message_of<UnsupportedError>([] {
           parse_base_config(R"({"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
-              "num_hidden_layers": 8, "vocab_size": 9, "rope_scaling": {"rope_type": "yarn", "factor": 4}})",
+              "num_hidden_layers": 8, "vocab_size": 9, "rope_scaling": {"rope_type": "ntk", "factor": 4}})",
                             "b/config.json");
-        }) == "b/config.json: rope_scaling.rope_type: 'yarn' is not implemented (default and llama3 are)");
+        }) == "b/config.json: rope_scaling.rope_type: 'ntk' is not implemented (default, linear, dynamic, llama3, yarn "
+              "and longrope are)");
   CHECK(message_of<FormatError>([] {
           parse_base_config(R"({"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
               "num_hidden_layers": 8, "vocab_size": 0})", "b/config.json");
@@ -169,4 +175,66 @@ TEST_CASE("config: draft consistency checks") {
   CHECK(message_of<UsageError>([&] { d.check(); }) == "draft config: 2 aux layer ids for 3 aux layers");
   d.aux_layer_ids = {16, 2, 29};
   CHECK(message_of<UsageError>([&] { d.check(); }) == "draft config: aux layer ids must increase");
+}
+
+// The published config.json of real bases (tests/data/base-configs/README.md says where
+// each was copied from) and the draft each implies. The README's table of bases shows the
+// same rows.
+TEST_CASE("config: real base configs give the draft the engines would build, or a clear error") {
+  struct Row {
+    const char* file;
+    std::int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab;
+    std::vector<std::int64_t> aux_ids;
+    RopeType rope;
+    double theta;
+    const char* dtype;
+    bool tied;
+  };
+  const std::vector<Row> rows = {
+      {"llama-3.1-8b.json", 4096, 32, 8, 128, 14336, 128256, {2, 16, 29}, RopeType::kLlama3, 500000, "bfloat16", false},
+      {"llama-3.2-1b.json", 2048, 32, 8, 64, 8192, 128256, {2, 8, 13}, RopeType::kLlama3, 500000, "bfloat16", true},
+      {"llama-3.1-70b-instruct.json", 8192, 64, 8, 128, 28672, 128256, {2, 40, 77}, RopeType::kLlama3, 500000, "bfloat16", false},
+      {"llama-4-scout.json", 5120, 40, 8, 128, 8192, 202048, {2, 24, 45}, RopeType::kLlama3, 500000, "bfloat16", false},
+      {"qwen2.5-7b.json", 3584, 28, 4, 128, 18944, 152064, {2, 14, 25}, RopeType::kDefault, 1e6, "bfloat16", false},
+      {"qwen3-8b.json", 4096, 32, 8, 128, 12288, 151936, {2, 18, 33}, RopeType::kDefault, 1e6, "bfloat16", false},
+      {"qwen3-30b-a3b.json", 2048, 32, 4, 128, 6144, 151936, {2, 24, 45}, RopeType::kDefault, 1e6, "bfloat16", false},
+      {"gpt-oss-20b.json", 2880, 64, 8, 64, 2880, 201088, {2, 12, 21}, RopeType::kYarn, 150000, "bfloat16", false},
+      {"kimi-k2.json", 7168, 64, 64, 112, 18432, 163840, {2, 30, 58}, RopeType::kYarn, 50000, "bfloat16", false},
+      {"deepseek-r1.json", 7168, 128, 128, 56, 18432, 129280, {2, 30, 58}, RopeType::kYarn, 10000, "bfloat16", false},
+      {"gemma-3-1b.json", 1152, 4, 1, 256, 6912, 262144, {2, 13, 23}, RopeType::kDefault, 1e6, "bfloat16", false},
+      {"mistral.json", 5120, 32, 8, 128, 14336, 131072, {2, 20, 37}, RopeType::kDefault, 1e6, "bfloat16", false},
+      {"glm-5-v5.json", 6144, 64, 64, 64, 12288, 154880, {2, 39, 75}, RopeType::kDefault, 1e6, "bfloat16", false},
+  };
+  const std::string dir = test::source_dir() + "/tests/data/base-configs/";
+  for (const auto& r : rows) {
+    CAPTURE(r.file);
+    const BaseConfig b = load_base_config(dir + r.file);
+    const DraftConfig d = draft_config_from_base(b, {});
+    CHECK(d.hidden_size == r.hidden);
+    CHECK(d.num_attention_heads == r.heads);
+    CHECK(d.num_key_value_heads == r.kv_heads);
+    CHECK(d.head_dim == r.head_dim);
+    CHECK(d.intermediate_size == r.intermediate);
+    CHECK(d.vocab_size == r.vocab);
+    CHECK(d.aux_layer_ids == r.aux_ids);
+    CHECK(d.rope_scaling.type == r.rope);
+    CHECK(d.rope_theta == r.theta);
+    CHECK(d.torch_dtype == r.dtype);
+    CHECK(b.tie_word_embeddings == r.tied);
+  }
+  // gpt-oss names no dtype (its weights are mxfp4): the default is said.
+  const auto oss = load_base_config(dir + "gpt-oss-20b.json").defaults_applied;
+  CHECK(std::find(oss.begin(), oss.end(), "torch_dtype is absent: the draft is exported as bfloat16") != oss.end());
+  // Llama-3.1 omits head_dim: derived, and said.
+  const auto llama = load_base_config(dir + "llama-3.1-8b.json").defaults_applied;
+  CHECK(std::find(llama.begin(), llama.end(),
+                  "head_dim is absent: 128 = hidden_size / num_attention_heads, the transformers default") != llama.end());
+  // Gemma-3 27B's text_config leaves vocab_size to transformers' Gemma3TextConfig default,
+  // which is not ours to assume.
+  CHECK(message_of<FormatError>([&] { load_base_config(dir + "gemma-3.json"); }) ==
+        dir + "gemma-3.json: vocab_size: missing");
+  // Qwen3.5's multimodal RoPE is not a Llama draft's.
+  CHECK(message_of<UnsupportedError>([&] { load_base_config(dir + "qwen3.5-27b-v5.json"); }) ==
+        dir + "qwen3.5-27b-v5.json: rope_parameters.mrope_section: multimodal RoPE (mrope) is not implemented for a "
+              "Llama draft");
 }

@@ -84,7 +84,11 @@ TEST_CASE("draft_model: llama3 RoPE frequencies and tables match a Python comput
   c.num_attention_heads = 1;
   c.num_key_value_heads = 1;
   c.rope_theta = 500000.0;
-  c.rope_scaling = {RopeType::kLlama3, 8.0, 1.0, 4.0, 8192};
+  c.rope_scaling.type = RopeType::kLlama3;
+  c.rope_scaling.factor = 8.0;
+  c.rope_scaling.low_freq_factor = 1.0;
+  c.rope_scaling.high_freq_factor = 4.0;
+  c.rope_scaling.original_max_position_embeddings = 8192;
   const auto r = test::python(R"(
 import math, json
 d, theta, factor, low, high, old = 128, 500000.0, 8.0, 1.0, 4.0, 8192
