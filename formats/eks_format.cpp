@@ -350,7 +350,10 @@ EksWriter::EksWriter(std::string path, EksEncodeOptions opts) : impl_(std::make_
 
 EksWriter::~EksWriter() = default;
 
-void EksWriter::add(const Record& r) { add_encoded(encode_eks_record(r, impl_->opts)); }
+void EksWriter::add(const Record& r) {
+  // One dtype for hidden and aux in a record's blocks.
+  add_encoded(encode_eks_record(r.with_common_hidden_dtype(), impl_->opts));
+}
 
 void EksWriter::add_encoded(EksEncodedRecord rec) {
   if (impl_->finished) throw Error(impl_->path + ": add() after finish()");

@@ -398,6 +398,14 @@ HostTensor read_rows(hid_t dset, DType dtype, std::size_t rank, hsize_t width, h
   return t;
 }
 
+// read_rows of a column stored as `stored`, returned as `want` (common_hidden_dtype of the
+// record's two columns).
+HostTensor read_rows_as(hid_t dset, DType stored, DType want, std::size_t rank, hsize_t width, hsize_t row0,
+                        hsize_t n, const std::string& path, const std::string& field) {
+  HostTensor t = read_rows(dset, stored, rank, width, row0, n, path, field);
+  return stored == want ? t : widened(t, want);
+}
+
 std::vector<std::string> read_strings(hid_t dset, hsize_t n, const std::string& path,
                                       const std::string& field) {
   Hid type(H5Dget_type(dset), H5Tclose);
@@ -486,6 +494,9 @@ class Hdf5Reader final : public RecordReader {
     std::string group;  // group layout: absolute path of the record's group
     hsize_t row0 = 0;   // shard layout: first row
     DType mask_dtype = DType::kUInt8;
+    // As stored; info.hidden_dtype is what both are read as (common_hidden_dtype).
+    DType hidden_stored = DType::kFloat32;
+    DType aux_stored = DType::kFloat32;
   };
 
   const Entry& entry(std::size_t i) const {
@@ -634,10 +645,6 @@ void Hdf5Reader::open_shard(hid_t root) {
   ids_.dtype = stored_dtype(ids_.dset.get(), Role::kIds, p, "/input_ids");
   hidden_.dtype = stored_dtype(hidden_.dset.get(), Role::kHidden, p, "/hidden_states");
   aux_.dtype = stored_dtype(aux_.dset.get(), Role::kHidden, p, "/aux_hidden_states");
-  if (aux_.dtype != hidden_.dtype)
-    fail(p, "/aux_hidden_states",
-         "dtype " + std::string(dtype_name(aux_.dtype)) + " differs from hidden_states " +
-             std::string(dtype_name(hidden_.dtype)));
   if (mask_.dset.valid())
     mask_.dtype = stored_dtype(mask_.dset.get(), Role::kMask, p, "/loss_mask");
 
@@ -649,7 +656,7 @@ void Hdf5Reader::open_shard(hid_t root) {
   }
 
   const std::vector<std::string> ids = read_strings(ids_ds.get(), n, p, "/conversation_ids");
-  const std::size_t row_bytes = dtype_size(ids_.dtype) + (h + kh) * dtype_size(hidden_.dtype) +
+  const std::size_t row_bytes = dtype_size(ids_.dtype) + h * dtype_size(hidden_.dtype) + kh * dtype_size(aux_.dtype) +
                                 (mask_.dset.valid() ? dtype_size(mask_.dtype) : 0);
   entries_.resize(n);
   for (hsize_t i = 0; i < n; ++i) {
@@ -663,7 +670,9 @@ void Hdf5Reader::open_shard(hid_t root) {
     info.hidden_size = static_cast<std::int64_t>(h);
     info.aux_width = static_cast<std::int64_t>(kh);
     info.ids_dtype = ids_.dtype;
-    info.hidden_dtype = hidden_.dtype;
+    info.hidden_dtype = common_hidden_dtype(hidden_.dtype, aux_.dtype);
+    e.hidden_stored = hidden_.dtype;
+    e.aux_stored = aux_.dtype;
     info.has_loss_mask = mask_.dset.valid();
     info.codec = codec;
     info.byte_size = codec == "raw" ? static_cast<std::uint64_t>(info.tokens) * row_bytes : 0;
@@ -737,12 +746,9 @@ void Hdf5Reader::add_group_record(const std::string& group, const std::string& i
   info.hidden_size = static_cast<std::int64_t>(d_hid[1]);
   info.aux_width = static_cast<std::int64_t>(d_aux[1]);
   info.ids_dtype = stored_dtype(ids.get(), Role::kIds, p, f_ids);
-  info.hidden_dtype = stored_dtype(hid.get(), Role::kHidden, p, f_hid);
-  const DType aux_dtype = stored_dtype(aux.get(), Role::kHidden, p, f_aux);
-  if (aux_dtype != info.hidden_dtype)
-    fail(p, f_aux,
-         "dtype " + std::string(dtype_name(aux_dtype)) + " differs from hidden_states " +
-             std::string(dtype_name(info.hidden_dtype)));
+  e.hidden_stored = stored_dtype(hid.get(), Role::kHidden, p, f_hid);
+  e.aux_stored = stored_dtype(aux.get(), Role::kHidden, p, f_aux);
+  info.hidden_dtype = common_hidden_dtype(e.hidden_stored, e.aux_stored);
   info.has_loss_mask = mask.valid();
   if (mask.valid()) e.mask_dtype = stored_dtype(mask.get(), Role::kMask, p, f_mask);
   std::string codec = "raw";
@@ -786,23 +792,23 @@ Record Hdf5Reader::read_prefix(std::size_t i, std::int64_t max_rows) const {
   Hdf5Lock lock;
   if (shard_) {
     r.input_ids = read_rows(ids_.dset.get(), info.ids_dtype, 1, 1, e.row0, n, path_, ids_.field);
-    r.hidden_states =
-        read_rows(hidden_.dset.get(), info.hidden_dtype, 2, h, e.row0, n, path_, hidden_.field);
+    r.hidden_states = read_rows_as(hidden_.dset.get(), e.hidden_stored, info.hidden_dtype, 2, h, e.row0, n, path_,
+                                   hidden_.field);
     r.aux_hidden_states =
-        read_rows(aux_.dset.get(), info.hidden_dtype, 2, kh, e.row0, n, path_, aux_.field);
+        read_rows_as(aux_.dset.get(), e.aux_stored, info.hidden_dtype, 2, kh, e.row0, n, path_, aux_.field);
     if (mask_.dset.valid())
       r.loss_mask = read_rows(mask_.dset.get(), e.mask_dtype, 1, 1, e.row0, n, path_, mask_.field);
     return r;
   }
-  auto read_ds = [&](const char* name, DType dtype, std::size_t rank, hsize_t width) {
+  auto read_ds = [&](const char* name, DType stored, DType dtype, std::size_t rank, hsize_t width) {
     const std::string field = child_path(e.group, name);
     Hid d = open_dataset(file_.get(), field, true, path_, "the file changed since it was opened");
-    return read_rows(d.get(), dtype, rank, width, 0, n, path_, field);
+    return read_rows_as(d.get(), stored, dtype, rank, width, 0, n, path_, field);
   };
-  r.input_ids = read_ds("input_ids", info.ids_dtype, 1, 1);
-  r.hidden_states = read_ds("hidden_states", info.hidden_dtype, 2, h);
-  r.aux_hidden_states = read_ds("aux_hidden_states", info.hidden_dtype, 2, kh);
-  if (info.has_loss_mask) r.loss_mask = read_ds("loss_mask", e.mask_dtype, 1, 1);
+  r.input_ids = read_ds("input_ids", info.ids_dtype, info.ids_dtype, 1, 1);
+  r.hidden_states = read_ds("hidden_states", e.hidden_stored, info.hidden_dtype, 2, h);
+  r.aux_hidden_states = read_ds("aux_hidden_states", e.aux_stored, info.hidden_dtype, 2, kh);
+  if (info.has_loss_mask) r.loss_mask = read_ds("loss_mask", e.mask_dtype, e.mask_dtype, 1, 1);
   return r;
 }
 
@@ -1017,7 +1023,9 @@ void Hdf5Writer::write_int_attr(hid_t obj, const char* name, std::int64_t value)
     fail_write(std::string("cannot write attribute ") + name);
 }
 
-void Hdf5Writer::add(const Record& r) {
+void Hdf5Writer::add(const Record& in) {
+  // A shard holds one dtype for both columns.
+  const Record r = in.with_common_hidden_dtype();
   if (finished_) throw UsageError(path_ + ": add() after finish()");
   if (broken_) throw IoError(path_ + ": an earlier write failed; the shard cannot be finished");
   const std::string where = path_ + ": record \"" + r.conversation_id + "\"";

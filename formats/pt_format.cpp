@@ -464,7 +464,7 @@ RecordInfo PtReader::info(std::size_t i) const {
 
 Record PtReader::read_prefix(std::size_t i, std::int64_t max_rows) const {
   if (i != 0) throw Error(impl_->path + ": record " + std::to_string(i) + " out of range (a .pt file holds 1)");
-  Record r = max_rows < 0 ? impl_->record : impl_->record.prefix(max_rows);
+  Record r = (max_rows < 0 ? impl_->record : impl_->record.prefix(max_rows)).with_common_hidden_dtype();
   r.input_ids = aligned(r.input_ids);
   r.hidden_states = aligned(r.hidden_states);
   r.aux_hidden_states = aligned(r.aux_hidden_states);

@@ -29,10 +29,9 @@ void Record::check(const std::string& where) const {
   if (!is_floating(hidden_states.dtype))
     fail("hidden_states", "expected a floating dtype, got " +
                               std::string(dtype_name(hidden_states.dtype)));
-  if (aux_hidden_states.dtype != hidden_states.dtype)
-    fail("aux_hidden_states", "dtype " + std::string(dtype_name(aux_hidden_states.dtype)) +
-                                  " differs from hidden_states " +
-                                  std::string(dtype_name(hidden_states.dtype)));
+  if (!is_floating(aux_hidden_states.dtype))
+    fail("aux_hidden_states", "expected a floating dtype, got " +
+                                  std::string(dtype_name(aux_hidden_states.dtype)));
   if (hidden_states.shape[0] != t)
     fail("hidden_states", std::to_string(hidden_states.shape[0]) + " rows but input_ids has " +
                               std::to_string(t) + " tokens");
@@ -51,6 +50,36 @@ void Record::check(const std::string& where) const {
   }
 }
 
+DType common_hidden_dtype(DType hidden, DType aux) {
+  if (hidden == aux) return hidden;
+  if (hidden == DType::kFloat64 || aux == DType::kFloat64) return DType::kFloat64;
+  return DType::kFloat32;
+}
+
+HostTensor widened(const HostTensor& t, DType to) {
+  HostTensor out = HostTensor::zeros(to, t.shape);
+  const std::int64_t n = t.numel();
+  if (to == DType::kFloat64) {
+    auto* p = reinterpret_cast<double*>(out.mutable_data());
+    for (std::int64_t i = 0; i < n; ++i) p[i] = t.get(i);
+  } else if (to == DType::kFloat32) {
+    auto* p = reinterpret_cast<float*>(out.mutable_data());
+    for (std::int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(t.get(i));
+  } else {
+    throw UsageError("widened: to " + std::string(dtype_name(to)) + " is not float32 or float64");
+  }
+  return out;
+}
+
+Record Record::with_common_hidden_dtype() const {
+  const DType want = common_hidden_dtype(hidden_states.dtype, aux_hidden_states.dtype);
+  if (hidden_states.dtype == want && aux_hidden_states.dtype == want) return *this;
+  Record r = *this;
+  if (r.hidden_states.dtype != want) r.hidden_states = widened(r.hidden_states, want);
+  if (r.aux_hidden_states.dtype != want) r.aux_hidden_states = widened(r.aux_hidden_states, want);
+  return r;
+}
+
 RecordInfo info_of(const Record& r) {
   RecordInfo info;
   info.conversation_id = r.conversation_id;
@@ -58,7 +87,7 @@ RecordInfo info_of(const Record& r) {
   info.hidden_size = r.hidden_size();
   info.aux_width = r.aux_width();
   info.ids_dtype = r.input_ids.dtype;
-  info.hidden_dtype = r.hidden_states.dtype;
+  info.hidden_dtype = common_hidden_dtype(r.hidden_states.dtype, r.aux_hidden_states.dtype);
   info.has_loss_mask = r.loss_mask.has_value();
   return info;
 }

@@ -14,7 +14,7 @@ struct Record {
   std::string conversation_id;
   HostTensor input_ids;          // [T] int64 or int32
   HostTensor hidden_states;      // [T, H] bf16 / fp16 / fp32
-  HostTensor aux_hidden_states;  // [T, k*H], same dtype as hidden_states
+  HostTensor aux_hidden_states;  // [T, k*H], floating; may differ from hidden_states' dtype
   std::optional<HostTensor> loss_mask;  // [T] int64 / bool / uint8; absent = all ones
 
   std::int64_t tokens() const { return input_ids.shape.empty() ? 0 : input_ids.shape[0]; }
@@ -27,7 +27,19 @@ struct Record {
   // Checks ranks, dtypes and that all per-token tensors have T rows and aux width is a
   // multiple of H. Throws FormatError naming `where` and the offending field.
   void check(const std::string& where) const;
+  // The record with hidden_states and aux_hidden_states both in common_hidden_dtype()
+  // (copies of the tensors that need widening; the same views when they already agree).
+  // Readers hand out records in this form, so batches hold one dtype.
+  Record with_common_hidden_dtype() const;
 };
+
+// The dtype a record whose hidden_states and aux_hidden_states are stored in different
+// float types is read as: the narrowest into which both convert exactly (fp16 and bf16:
+// float32; anything with float64: float64). Equal dtypes stay as they are.
+DType common_hidden_dtype(DType hidden, DType aux);
+// `t` as a contiguous tensor of floating dtype `to`, element by element (exact when `to`
+// is at least as wide).
+HostTensor widened(const HostTensor& t, DType to);
 
 // What an index or `inspect` needs without reading tensor bytes.
 struct RecordInfo {
@@ -37,7 +49,7 @@ struct RecordInfo {
   std::int64_t hidden_size = 0;
   std::int64_t aux_width = 0;      // k*H
   DType ids_dtype = DType::kInt64;
-  DType hidden_dtype = DType::kBFloat16;
+  DType hidden_dtype = DType::kBFloat16;  // of both hidden and aux, as read (common_hidden_dtype)
   bool has_loss_mask = false;
   std::string codec = "raw";       // "raw", "zstd", "fp8", "gzip", "hdf5-gzip", ...
   std::uint64_t byte_offset = 0;   // where the record starts in its file (0 if unknown)

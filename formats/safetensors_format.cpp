@@ -614,7 +614,7 @@ class SafetensorsRecordReader final : public RecordReader {
   }
   Record read_prefix(std::size_t i, std::int64_t max_rows) const override {
     check_index(i);
-    return safetensors_record(*file_, max_rows);
+    return safetensors_record(*file_, max_rows).with_common_hidden_dtype();
   }
 
  private:

@@ -515,6 +515,34 @@ TEST_CASE("pt: record round trip through our writer and reader") {
   CHECK_FALSE(fs::exists(d / "dup.pt"));
 }
 
+TEST_CASE("pt: hidden_states and aux_hidden_states of different dtypes read as the wider (float32)") {
+  test::TempDir d("ptmix");
+  Record rec = make_record(5, 4, DType::kFloat16, true);
+  const Record aux32 = make_record(5, 4, DType::kFloat32, true);
+  rec.aux_hidden_states = aux32.aux_hidden_states;
+  rec.check("mixed");  // allowed: each tensor keeps its dtype on disk
+  {
+    PtWriter w(d / "m.pt");
+    w.add(rec);
+    w.finish();
+  }
+  PtReader r(d / "m.pt");
+  CHECK(r.info(0).hidden_dtype == DType::kFloat32);
+  const Record back = r.read(0);
+  CHECK(back.hidden_states.dtype == DType::kFloat32);
+  CHECK(back.hidden_states.equal(widened(rec.hidden_states, DType::kFloat32)));
+  CHECK(back.aux_hidden_states.equal(aux32.aux_hidden_states));
+  for (std::int64_t i = 0; i < rec.hidden_states.numel(); ++i)
+    CHECK(back.hidden_states.get(i) == rec.hidden_states.get(i));  // exact
+  CHECK(r.read_prefix(0, 2).hidden_states.equal(widened(rec.hidden_states, DType::kFloat32).rows(2)));
+  CHECK(common_hidden_dtype(DType::kBFloat16, DType::kFloat16) == DType::kFloat32);
+  CHECK(common_hidden_dtype(DType::kFloat32, DType::kFloat64) == DType::kFloat64);
+  CHECK(common_hidden_dtype(DType::kBFloat16, DType::kBFloat16) == DType::kBFloat16);
+  Record bad = rec;
+  bad.aux_hidden_states = rec.input_ids;
+  CHECK_THROWS_AS(bad.check("x"), FormatError);
+}
+
 namespace {
 
 // A file image in page-aligned memory whose pages can be protected.

@@ -309,6 +309,31 @@ TEST_CASE("cli: convert between pt, safetensors, hdf5 and eks preserves every va
   CHECK(r.exit_code == 2);
 }
 
+TEST_CASE("cli: convert reads a hand-written h5py dump whose hidden and aux dtypes differ") {
+  test::TempDir dir("climix");
+  test::require_python("h5py");
+  const auto py = test::python(R"PY(
+import sys, h5py, numpy as np
+with h5py.File(sys.argv[1], "w") as f:
+    for i in range(3):
+        g = f.create_group("conv-%d" % i)
+        g["input_ids"] = np.arange(5 + i, dtype=np.int64)
+        g["hidden_states"] = (np.arange((5 + i) * 8).reshape(5 + i, 8) / 7).astype(np.float16)
+        g["aux_hidden_states"] = (np.arange((5 + i) * 24).reshape(5 + i, 24) / 3).astype(np.float32)
+)PY",
+                               {dir / "dump.h5"});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  auto r = test::eaglekit("convert --json " + quote(dir / "dump.h5") + " " + quote(dir / "out.eks"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto in = open_reader(dir / "dump.h5"), out = open_reader(dir / "out.eks");
+  REQUIRE(out->size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    const Record a = in->read(i), b = out->read(*out->find(a.conversation_id));
+    CHECK(out->info(i).hidden_dtype == DType::kFloat32);
+    CHECK(same_record(a, b));  // the fp16 values widened exactly, the fp32 ones as they were
+  }
+}
+
 TEST_CASE("cli: convert removes the temp files a killed earlier run left beside its outputs") {
   test::TempDir dir("cli");
   const std::string data = shared_dataset();
