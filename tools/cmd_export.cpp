@@ -26,7 +26,9 @@ int run_export(int argc, char** argv) {
       ("out", "Folder to write", cxxopts::value<std::string>())
       ("aux-layer-ids", "Aux layers of the dump, HF hidden_states ids (e.g. 2,16,29); default: the checkpoint's",
        cxxopts::value<std::string>())
-      ("dtype", "bf16, fp16 or fp32 (default: the checkpoint's)", cxxopts::value<std::string>()->default_value(""))
+      ("dtype", "bf16, fp16 or fp32 (default: the dtype the draft is served in, the base's torch_dtype)",
+       cxxopts::value<std::string>()->default_value(""))
+      ("allow-unservable", "Write a draft vLLM and SGLang do not compute (--modelopt-norm) anyway")
       ("json", "Print {\"source\", \"out\", \"parameters\", \"dtype\", \"aux_layer_ids\"}");
   options.parse_positional({"checkpoint"});
   auto args = parse_args(options, argc, argv);
@@ -37,8 +39,10 @@ int run_export(int argc, char** argv) {
   trainer::ExportCheckpointOptions o;
   if (a.count("aux-layer-ids")) o.aux_layer_ids = parse_layer_ids(a["aux-layer-ids"].as<std::string>(), "--aux-layer-ids");
   o.dtype = a["dtype"].as<std::string>();
+  o.allow_unservable = a.count("allow-unservable") > 0;
   const trainer::ExportReport r =
       trainer::export_checkpoint(a["checkpoint"].as<std::string>(), a["out"].as<std::string>(), o);
+  for (const auto& w : r.warnings) std::cerr << "eaglekit export: warning: " << w << "\n";
   if (a.count("json")) {
     std::cout << r.to_json() << "\n";
   } else {

@@ -94,7 +94,8 @@ int run_train(int argc, char** argv) {
       ("draft-vocab-size", "Draft vocabulary size (default: the base's)", cxxopts::value<std::int64_t>())
       ("d2t", "d2t.pt from eaglekit vocab (default: counted over the train split)", cxxopts::value<std::string>())
       ("aux-layer-ids", "Aux layers of the dump, HF hidden_states ids (e.g. 2,16,29)", cxxopts::value<std::string>())
-      ("modelopt-norm", "ModelOpt's form: input_layernorm also applied to the hidden input")
+      ("modelopt-norm", "ModelOpt's form: input_layernorm also applied to the hidden input (no serving engine computes it)")
+      ("allow-unservable", "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)")
       ("ttt-steps", "TTT steps S (default 3)", cxxopts::value<std::int64_t>())
       ("loss-decay", "Loss weight decay per step (default 0.9)", cxxopts::value<double>());
   options.add_options("Optimization")
@@ -159,6 +160,7 @@ int run_train(int argc, char** argv) {
   set("d2t", o.d2t);
   if (a.count("aux-layer-ids")) o.aux_layer_ids = parse_ids(a["aux-layer-ids"].as<std::string>(), "--aux-layer-ids");
   if (a.count("modelopt-norm")) o.modelopt_norm = true;
+  if (a.count("allow-unservable")) o.allow_unservable = true;
   set("ttt-steps", o.ttt_steps);
   set("loss-decay", o.loss_decay);
   set("batch-size", o.batch_size);

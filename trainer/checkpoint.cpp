@@ -306,7 +306,26 @@ std::string ExportReport::to_json() const {
   j["parameters"] = parameters;
   j["dtype"] = dtype;
   j["aux_layer_ids"] = aux_layer_ids;
+  j["warnings"] = warnings;
   return j.dump();
+}
+
+c10::ScalarType serving_export_dtype(const std::string& requested, const DraftConfig& config,
+                                     std::vector<std::string>& warnings) {
+  c10::ScalarType dtype = at::kBFloat16;
+  if (!requested.empty()) {
+    dtype = parse_float_dtype(requested);
+  } else {
+    try {
+      dtype = parse_float_dtype(config.torch_dtype);
+    } catch (const UsageError&) {
+      warnings.push_back("the draft's serving dtype '" + config.torch_dtype + "' is no float dtype: exporting bfloat16");
+    }
+  }
+  if (dtype == at::kFloat)
+    warnings.push_back("float32 export: SGLang's --dtype auto serves a float32 config as float16; pass --dtype bf16 "
+                       "(or the target's dtype) for a draft served as trained");
+  return dtype;
 }
 
 ExportReport export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
@@ -332,14 +351,15 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
     for (const auto& [name, value] : draft.named_parameters()) renamed.load_parameter(name, value);
     draft = renamed;
   }
-  ExportOptions eo;
-  if (!options.dtype.empty()) eo.dtype = parse_float_dtype(options.dtype);
-  export_draft_folder(draft, out_dir, eo);
   ExportReport r;
+  ExportOptions eo;
+  eo.dtype = serving_export_dtype(options.dtype, draft.config(), r.warnings);
+  eo.allow_unservable = options.allow_unservable;
+  export_draft_folder(draft, out_dir, eo);
   r.source = source;
   r.out = out_dir;
   for (const auto& p : draft.parameters()) r.parameters += p.numel();
-  r.dtype = std::string(dtype_name(to_dtype(eo.dtype.value_or(draft.dtype()))));
+  r.dtype = std::string(dtype_name(to_dtype(*eo.dtype)));
   r.aux_layer_ids = draft.config().aux_layer_ids;
   return r;
 }

@@ -90,7 +90,8 @@ void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& st
 // "bf16", "float16", "fp16", "float32", "fp32").
 struct ExportCheckpointOptions {
   std::vector<std::int64_t> aux_layer_ids;
-  std::string dtype;
+  std::string dtype;  // "": the draft's serving dtype (the base's torch_dtype)
+  bool allow_unservable = false;  // write a modelopt_norm draft anyway
 };
 struct ExportReport {
   std::string source;  // the folder read
@@ -98,8 +99,15 @@ struct ExportReport {
   std::int64_t parameters = 0;
   std::string dtype;
   std::vector<std::int64_t> aux_layer_ids;
+  std::vector<std::string> warnings;  // for the user (a float32 export, ...)
   std::string to_json() const;
 };
+// The dtype a serving export is written in: `requested` if given, else the draft's serving
+// dtype; a name that is no float dtype ("auto") falls back to bfloat16. Appends to
+// `warnings` what a user should know: the fallback, and that SGLang's --dtype auto serves
+// a float32 config as float16.
+c10::ScalarType serving_export_dtype(const std::string& requested, const DraftConfig& config,
+                                     std::vector<std::string>& warnings);
 ExportReport export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                                const ExportCheckpointOptions& options = {});
 

@@ -348,8 +348,12 @@ BaseConfig parse_base_config(const std::string& json_text, const std::string& wh
   c.rope_scaling = rope.scaling;
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, false);
   c.torch_dtype = get_dtype_name(j, "bfloat16");
-  if (!field(j, "torch_dtype") && !field(j, "dtype"))
+  if (!field(j, "torch_dtype") && !field(j, "dtype")) {
     c.defaults_applied.push_back("torch_dtype is absent: the draft is exported as bfloat16");
+  } else if (c.torch_dtype != "bfloat16" && c.torch_dtype != "float16" && c.torch_dtype != "float32") {
+    c.defaults_applied.push_back("torch_dtype '" + c.torch_dtype + "' names no float type: the draft is exported as bfloat16");
+    c.torch_dtype = "bfloat16";
+  }
   const std::pair<const char*, std::int64_t> positive[] = {
       {"hidden_size", c.hidden_size},       {"intermediate_size", c.intermediate_size},
       {"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim},
@@ -472,7 +476,15 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
   d.num_aux_layers = get_int(j, "eaglekit_num_aux_layers", where,
                              d.aux_layer_ids.empty() ? 3 : static_cast<std::int64_t>(d.aux_layer_ids.size()));
   d.modelopt_norm = get_bool(j, "eaglekit_modelopt_norm", where, false);
-  d.torch_dtype = get_dtype_name(j, "bfloat16");
+  if (get_bool(j, "norm_before_residual", where, false)) {
+    throw UnsupportedError(where, std::nullopt, "norm_before_residual",
+                           "true (hidden_norm applied before the residual) is not the form eaglekit trains");
+  }
+  // Our checkpoints store float32 weights for a draft served in the base's dtype.
+  if (const auto serving = field(j, "eaglekit_serving_dtype"); serving && serving->is_string())
+    d.torch_dtype = serving->get<std::string>();
+  else
+    d.torch_dtype = get_dtype_name(j, "bfloat16");
   try {
     d.check();
   } catch (const UsageError& e) {
@@ -486,7 +498,7 @@ DraftConfig load_draft_config(const std::string& path) {
   return parse_draft_config(read_text(p), p);
 }
 
-std::string draft_config_json(const DraftConfig& c) {
+std::string draft_config_json(const DraftConfig& c, const std::string& weights_dtype) {
   c.check();
   if (c.aux_layer_ids.empty()) {
     throw UsageError(
@@ -517,12 +529,16 @@ std::string draft_config_json(const DraftConfig& c) {
   if (c.rope_scaling.type == RopeType::kLongrope)
     j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
   j["tie_word_embeddings"] = false;
-  j["torch_dtype"] = c.torch_dtype;
+  j["torch_dtype"] = weights_dtype.empty() ? c.torch_dtype : weights_dtype;
+  j["num_aux_hidden_states"] = c.num_aux_layers;
+  // vLLM's other form (hidden_norm before the residual) is not the one trained here.
+  j["norm_before_residual"] = false;
   j["eagle_aux_hidden_state_layer_ids"] = c.aux_layer_ids;
   j["eagle_config"] = {{"eagle_aux_hidden_state_layer_ids", sglang_ids},
                        {"use_aux_hidden_state", true}};
   j["eaglekit_num_aux_layers"] = c.num_aux_layers;
   j["eaglekit_modelopt_norm"] = c.modelopt_norm;
+  j["eaglekit_serving_dtype"] = c.torch_dtype;
   return j.dump(2) + "\n";
 }
 

@@ -65,7 +65,10 @@ struct DraftConfig {
   std::vector<std::int64_t> aux_layer_ids;
   // ModelOpt's form: input_layernorm is also applied to h before hidden_norm.
   bool modelopt_norm = false;
-  std::string torch_dtype = "bfloat16";  // written to config.json
+  // The dtype the draft is served in: the base's torch_dtype (bf16 when it names none).
+  // Kept apart from the dtype of stored weights (float32 in checkpoints): config.json
+  // carries it as eaglekit_serving_dtype beside torch_dtype.
+  std::string torch_dtype = "bfloat16";
 
   std::int64_t aux_width() const { return num_aux_layers * target_hidden_size; }
   // Throws UsageError naming the first inconsistency (heads * head_dim, GQA divisibility,
@@ -97,7 +100,11 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
 DraftConfig load_draft_config(const std::string& path);  // config.json or its folder
 
 // The config.json that `export` writes (SPEC.md section 9), pretty-printed. Aux layer ids
-// are written both ways; throws UsageError when they are unknown.
-std::string draft_config_json(const DraftConfig& config);
+// are written both ways, num_aux_hidden_states (the fc's k, read by newer vLLM and SGLang)
+// and norm_before_residual: false (vLLM's other first-layer form) too; throws UsageError
+// when the ids are unknown. `weights_dtype`: the dtype of the weights beside it, written as
+// torch_dtype ("" = the serving dtype config.torch_dtype, also written as
+// eaglekit_serving_dtype).
+std::string draft_config_json(const DraftConfig& config, const std::string& weights_dtype = "");
 
 }  // namespace eaglekit::trainer

@@ -18,12 +18,24 @@
 
 namespace eaglekit::trainer {
 
+void check_servable(const DraftConfig& config, bool allow_unservable, const std::string& what) {
+  if (!config.modelopt_norm || allow_unservable) return;
+  throw UsageError(what + ": the draft uses ModelOpt's norm form (input_layernorm applied to the hidden input "
+                   "before hidden_norm), which neither vLLM nor SGLang computes: served there it would run "
+                   "another function than the one trained, with low acceptance and no error. Pass "
+                   "--allow-unservable to write it anyway (for ModelOpt's own stack)");
+}
+
 void export_draft(const DraftModel& draft, const std::string& dir, const ExportOptions& options) {
   const c10::ScalarType dtype = options.dtype.value_or(draft.dtype());
   if (!at::isFloatingType(dtype)) throw UsageError("export dtype must be a floating-point type");
+  if (options.serving) check_servable(draft.config(), options.allow_unservable, "export");
+  const std::string weights_dtype(dtype_name(to_dtype(dtype)));
+  // A checkpoint keeps the serving dtype beside its float32 weights; a served folder is
+  // served in the dtype it holds.
   DraftConfig config = draft.config();
-  config.torch_dtype = std::string(dtype_name(to_dtype(dtype)));
-  const std::string config_text = draft_config_json(config);  // throws before anything is written
+  if (options.serving) config.torch_dtype = weights_dtype;
+  const std::string config_text = draft_config_json(config, weights_dtype);  // throws before anything is written
 
   std::vector<NamedTensor> tensors;
   for (const auto& [name, param] : draft.named_parameters())
@@ -38,7 +50,9 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   write_file_atomic(dir + "/config.json", config_text.data(), config_text.size());
 }
 
-void export_draft_folder(const DraftModel& draft, const std::string& dir, const ExportOptions& options) {
+void export_draft_folder(const DraftModel& draft, const std::string& dir, const ExportOptions& options_in) {
+  ExportOptions options = options_in;
+  options.serving = true;
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path target = fs::absolute(dir, ec).lexically_normal();

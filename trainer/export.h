@@ -36,7 +36,15 @@ struct ExportOptions {
   // Float dtype of the weights written (config.json torch_dtype follows); nullopt: the
   // draft's parameter dtype, so that a float32 export loads back bit-exactly.
   std::optional<c10::ScalarType> dtype;
+  // A folder for a server (export, final/), not a checkpoint: a draft no engine computes
+  // (modelopt_norm) is refused with the reason unless allow_unservable.
+  bool serving = false;
+  bool allow_unservable = false;
 };
+
+// UsageError naming why no serving engine runs `config` as trained (ModelOpt's norm form),
+// unless allowed. `what` names the action ("export", "train").
+void check_servable(const DraftConfig& config, bool allow_unservable, const std::string& what);
 
 // Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created). For
 // a folder being filled before it is renamed into place (a checkpoint's temp folder).

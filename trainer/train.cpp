@@ -110,6 +110,7 @@ std::vector<std::pair<const char*, FieldRef>> fields(TrainOptions& o) {
       {"d2t", &o.d2t},
       {"aux_layer_ids", &o.aux_layer_ids},
       {"modelopt_norm", &o.modelopt_norm},
+      {"allow_unservable", &o.allow_unservable},
       {"ttt_steps", &o.ttt_steps},
       {"loss_decay", &o.loss_decay},
       {"max_length", &o.max_length},
@@ -664,6 +665,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
                        std::to_string(c.target_hidden_size) + " aux features, the data has " +
                        std::to_string(aux_layers) + " x " + std::to_string(shape.hidden));
     }
+    // Before any step: final/ is for a server, and no server computes some drafts.
+    check_servable(c, opts.allow_unservable, "train");
     if (c.aux_layer_ids.empty()) {
       throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
                        " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
@@ -952,12 +955,11 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   if (main_rank) {
     result.final_dir = (fs::path(opts.out) / "final").string();
     ExportOptions eo;
-    const std::string dt = opts.export_dtype.empty() ? draft.config().torch_dtype : opts.export_dtype;
-    try {
-      eo.dtype = parse_float_dtype(dt);
-    } catch (const UsageError&) {
-      eo.dtype = at::kFloat;  // a base config with an unusual torch_dtype ("auto")
-    }
+    eo.serving = true;
+    eo.allow_unservable = opts.allow_unservable;
+    std::vector<std::string> warnings;
+    eo.dtype = serving_export_dtype(opts.export_dtype, draft.config(), warnings);
+    for (const auto& w : warnings) say("final/: " + w);
     // Into a temp folder first: final/ appears complete (config.json with model.safetensors)
     // or not at all, and a rerun replaces an older one in one step.
     const std::string tmp = (fs::path(opts.out) / (".final.tmp-" + std::to_string(::getpid()))).string();

@@ -125,6 +125,7 @@ struct TrainOptions {
   std::string d2t;                    // d2t.pt (eaglekit vocab); "" count over the train split
   std::vector<std::int64_t> aux_layer_ids;  // as dumped (HF hidden_states indices)
   bool modelopt_norm = false;
+  bool allow_unservable = false;  // train (and write final/ for) a draft no engine computes
   // TTT
   std::int64_t ttt_steps = 3;
   double loss_decay = 0.9;

@@ -283,3 +283,70 @@ TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype
   run_training(fresh);
   CHECK(test::max_rel_diff(test::read_weights(dir / "fresh/checkpoint-1/model.safetensors"), saved) > 1e-3);
 }
+
+TEST_CASE("checkpoint: final/, final/ after resume and export are in the base's dtype; float32 warns; "
+          "a draft no engine computes is refused for serving") {
+  auto job = test::make_synth_job(24);
+  test::TempDir dir("serving");
+  // The synthetic base is float32; declare it bf16, as real bases are.
+  auto base_cfg = nlohmann::json::parse(std::ifstream(job->base + "/config.json"));
+  base_cfg["torch_dtype"] = "bfloat16";
+  test::write_text(job->base + "/config.json", base_cfg.dump());
+  auto json_of = [](const std::string& path) { return nlohmann::json::parse(std::ifstream(path)); };
+  auto weights_dtype = [](const std::string& path) {
+    return std::string(dtype_name(SafetensorsFile::open(path)->get("fc.weight")->dtype));
+  };
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.max_steps = 2;
+  o.schedule = "constant";
+  run_training(o);
+  CHECK(json_of(dir / "out/final/config.json")["torch_dtype"] == "bfloat16");
+  CHECK(weights_dtype(dir / "out/final/model.safetensors") == "bfloat16");
+  // A checkpoint stores float32 weights and remembers the serving dtype beside them.
+  const auto ck = json_of(dir / "out/checkpoint-2/config.json");
+  CHECK(ck["torch_dtype"] == "float32");
+  CHECK(ck["eaglekit_serving_dtype"] == "bfloat16");
+  CHECK(weights_dtype(dir / "out/checkpoint-2/model.safetensors") == "float32");
+  // What the engines read besides: the fc's k, and the first-layer form trained here.
+  const auto served = json_of(dir / "out/final/config.json");
+  CHECK(served["num_aux_hidden_states"] == 3);
+  CHECK(served["norm_before_residual"] == false);
+
+  // Resumed: final/ is still in the base's dtype (it was float32, from the checkpoint).
+  TrainOptions more = o;
+  more.max_steps = 3;
+  more.resume = true;
+  run_training(more);
+  CHECK(json_of(dir / "out/final/config.json")["torch_dtype"] == "bfloat16");
+  CHECK(weights_dtype(dir / "out/final/model.safetensors") == "bfloat16");
+
+  // export: the serving dtype by default; float32 when asked, with the SGLang warning.
+  ExportReport r = export_checkpoint(dir / "out", dir / "served");
+  CHECK(r.dtype == "bfloat16");
+  CHECK(r.warnings.empty());
+  CHECK(weights_dtype(dir / "served/model.safetensors") == "bfloat16");
+  ExportCheckpointOptions fp32;
+  fp32.dtype = "fp32";
+  r = export_checkpoint(dir / "out", dir / "served32", fp32);
+  CHECK(r.dtype == "float32");
+  REQUIRE(r.warnings.size() == 1);
+  CHECK(r.warnings[0].find("SGLang's --dtype auto serves a float32 config as float16") != std::string::npos);
+  CHECK(json_of(dir / "served32/config.json")["torch_dtype"] == "float32");
+
+  // ModelOpt's norm form: refused before any step, and at export, unless allowed.
+  TrainOptions mo = test::small_options(*job, dir / "mo");
+  mo.max_steps = 1;
+  mo.modelopt_norm = true;
+  CHECK_THROWS_WITH_AS(run_training(mo), doctest::Contains("train: the draft uses ModelOpt's norm form"), UsageError);
+  CHECK_FALSE(fs::exists(dir / "mo/checkpoint-1"));
+  mo.allow_unservable = true;
+  run_training(mo);
+  CHECK(fs::exists(dir / "mo/final/config.json"));
+  CHECK_THROWS_WITH_AS(export_checkpoint(dir / "mo", dir / "mo-served"),
+                       doctest::Contains("neither vLLM nor SGLang computes"), UsageError);
+  CHECK_FALSE(fs::exists(dir / "mo-served"));
+  ExportCheckpointOptions allow;
+  allow.allow_unservable = true;
+  export_checkpoint(dir / "mo", dir / "mo-served", allow);
+  CHECK(json_of(dir / "mo-served/config.json")["eaglekit_modelopt_norm"] == true);
+}
