@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,17 @@ bool python_has(const std::string& module);  // e.g. "torch", "h5py"
 // Fails the calling test unless python_bin() imports `module` (answers cached per module):
 // the interop tests are part of the suite, and scripts/setup installs what they need.
 void require_python(const std::string& module);
+
+// The message of the E that f throws, or "(no exception)"; another exception type escapes.
+template <typename E>
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
 // Runs the built eaglekit binary with args (already shell-quoted as needed).
 RunResult eaglekit(const std::string& args);
 

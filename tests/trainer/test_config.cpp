@@ -10,6 +10,7 @@
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;
+using test::message_of;
 
 namespace {
 
@@ -22,16 +23,6 @@ const char* kLlama31 = R"({
   "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192, "rope_type": "llama3"},
   "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
-
-template <typename E>
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
 
 }  // namespace
 

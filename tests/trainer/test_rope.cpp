@@ -21,6 +21,7 @@
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;
+using test::message_of;
 using nlohmann::json;
 
 namespace {
@@ -155,16 +156,6 @@ void check_same(const RopeFrequencies& got, const json& want) {
     CHECK_MESSAGE(std::abs(got.inv_freq[i] - w) <= 1e-13 * w, "pair " << i << ": " << got.inv_freq[i] << " vs " << w);
   }
   CHECK(got.attention_factor == doctest::Approx(want["attention_factor"].get<double>()).epsilon(1e-14).scale(0));
-}
-
-template <typename E>
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "(no exception)";
 }
 
 }  // namespace
