@@ -127,6 +127,8 @@ int run_train(int argc, char** argv) {
       ("resume", "Continue from the newest complete checkpoint in DIR (default: --out)",
        cxxopts::value<std::string>()->implicit_value(""))
       ("export-dtype", "dtype of OUT/final (default: the base's torch_dtype)", cxxopts::value<std::string>())
+      ("tensorboard", "Folder of the TensorBoard event files (default: OUT/tensorboard)", cxxopts::value<std::string>())
+      ("no-tensorboard", "Write no TensorBoard event files")
       ("no-progress", "No progress line even on a terminal")
       ("json", "Print the result as JSON");
   std::vector<std::string> joined = join_resume(argc, argv);
@@ -185,6 +187,8 @@ int run_train(int argc, char** argv) {
   set("save-every", o.save_every);
   set("log-every", o.log_every);
   set("export-dtype", o.export_dtype);
+  set("tensorboard", o.tensorboard);
+  if (a.count("no-tensorboard")) o.no_tensorboard = true;
   if (a.count("resume")) {
     o.resume = true;
     o.resume_from = a["resume"].as<std::string>();

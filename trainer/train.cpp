@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <tbb/blocked_range.h>
 #include <tbb/combinable.h>
 #include <tbb/parallel_for.h>
@@ -36,6 +37,7 @@
 #include "trainer/draft_model.h"
 #include "trainer/evaluate.h"
 #include "trainer/export.h"
+#include "trainer/tensorboard.h"
 #include "trainer/vocab.h"
 
 namespace eaglekit::trainer {
@@ -47,6 +49,12 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr double kPi = 3.14159265358979323846;
+
+// This process's peak resident memory (the host side: CUDA memory is the allocator's).
+double peak_rss_mb() {
+  rusage u{};
+  return ::getrusage(RUSAGE_SELF, &u) == 0 ? static_cast<double>(u.ru_maxrss) / 1024.0 : 0.0;
+}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -136,6 +144,8 @@ std::vector<std::pair<const char*, FieldRef>> fields(TrainOptions& o) {
       {"resume", &o.resume},
       {"resume_from", &o.resume_from},
       {"export_dtype", &o.export_dtype},
+      {"tensorboard", &o.tensorboard},
+      {"no_tensorboard", &o.no_tensorboard},
       {"jobs", &o.jobs},
       {"threads", &o.threads},
       {"prefetch", &o.prefetch},
@@ -740,11 +750,29 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     metrics.open(metrics_path, resumed ? std::ios::app : std::ios::trunc);
     if (!metrics) throw IoError(metrics_path + ": cannot open for writing");
   }
+  // TensorBoard: every number of a metrics line as a scalar, train/KEY or eval/KEY, and
+  // per-TTT-step lists as KEY/stepS (docs/tensorboard.md). A resumed run adds a new file.
+  std::unique_ptr<EventFileWriter> events;
+  if (main_rank && !opts.no_tensorboard)
+    events = std::make_unique<EventFileWriter>(opts.tensorboard.empty() ? (fs::path(opts.out) / "tensorboard").string()
+                                                                      : opts.tensorboard);
   auto emit = [&](const json& j) {
     if (!main_rank) return;
     const std::string line = j.dump();
     metrics << line << "\n";
     metrics.flush();
+    if (events) {
+      const std::string prefix = j.value("split", "train") + "/";
+      std::vector<std::pair<std::string, double>> scalars;
+      for (const auto& [k, v] : j.items()) {
+        if (k == "step" || k == "split") continue;
+        if (v.is_number()) scalars.emplace_back(prefix + k, v.get<double>());
+        if (v.is_array())
+          for (std::size_t s = 0; s < v.size(); ++s)
+            if (v[s].is_number()) scalars.emplace_back(prefix + k + "/step" + std::to_string(s), v[s].get<double>());
+      }
+      events->add_scalars(j.value("step", std::int64_t{0}), scalars);
+    }
     if (hooks.on_metrics) hooks.on_metrics(line);
   };
 
@@ -817,6 +845,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     j["step_ms"] = 1000.0 * window_time / static_cast<double>(window_steps);
     j["cpu_ms"] = 1000.0 * window_cpu / static_cast<double>(window_steps);
     j["elapsed_s"] = seconds_since(loop_start);
+    j["peak_rss_mb"] = peak_rss_mb();
     emit(j);
     window = TttStats(steps_s);
     window_tokens = window_time = window_wait = window_cpu = 0;

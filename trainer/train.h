@@ -154,6 +154,8 @@ struct TrainOptions {
   bool resume = false;
   std::string resume_from;       // checkpoint folder or output folder; "" = out
   std::string export_dtype;      // OUT/final dtype: "" the base's torch_dtype
+  std::string tensorboard;       // TensorBoard event files: "" OUT/tensorboard
+  bool no_tensorboard = false;   // write none
   int jobs = 0;                  // loader threads; 0: all cores
   int threads = 0;               // LibTorch intra-op threads; 0: its default
   int prefetch = 4;
