@@ -19,5 +19,6 @@ int run_vocab(int argc, char** argv);
 int run_train(int argc, char** argv);
 int run_evaluate(int argc, char** argv);
 int run_export(int argc, char** argv);
+int run_report(int argc, char** argv);
 
 }  // namespace eaglekit::tools

@@ -43,6 +43,7 @@ const std::vector<Command>& commands() {
       {"train", "Train an EAGLE-3 draft with training-time test (checkpoints, resume, export)", TORCH_COMMAND(run_train)},
       {"evaluate", "Offline acceptance estimate of a draft: pooled loss, acc, cond_acc, est_ar", TORCH_COMMAND(run_evaluate)},
       {"export", "Write a checkpoint as the draft folder vLLM and SGLang load", TORCH_COMMAND(run_export)},
+      {"report", "One self-contained HTML page of training runs' curves, evaluation, options and data", run_report},
   };
   return kCommands;
 }

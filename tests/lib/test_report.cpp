@@ -1,0 +1,161 @@
+// lib/report.h: the page is self-contained, overlays every run, shows the last evaluation,
+// the options (differences marked) and the dataset section, escapes what it quotes, and
+// survives a torn last metrics line; bad input names the file.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "formats/error.h"
+#include "lib/index.h"
+#include "lib/report.h"
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A run folder as train writes it: metrics.jsonl (train lines, eval lines) and a
+// checkpoint's train_options.json.
+void write_run(const std::string& dir, double lr, bool torn_tail) {
+  fs::create_directories(dir + "/checkpoint-4");
+  std::string lines;
+  for (int step = 1; step <= 4; ++step) {
+    json j = {{"step", step}, {"epoch", 0}, {"lr", lr}, {"loss", 3.0 / step}, {"loss_per_step", {2.0 / step, 1.0 / step}},
+              {"acc", {0.1 * step, 0.05 * step}}, {"cond_acc", {0.1 * step, 0.2}}, {"est_ar", 1 + 0.1 * step},
+              {"est_ar_cond", 1 + 0.12 * step}, {"tokens", 100}, {"grad_norm", 1.5}, {"tokens_per_s", 900 + step},
+              {"data_wait_share", 0.01}, {"peak_rss_mb", 300}};
+    lines += j.dump() + "\n";
+    if (step % 2 == 0) {
+      json e = {{"split", "eval"}, {"step", step}, {"loss", 2.5 / step}, {"acc", {0.42, 0.17}},
+                {"cond_acc", {0.42, 0.3}}, {"est_ar", 1.5}, {"est_ar_cond", 1.55}, {"tokens", 77}};
+      lines += e.dump() + "\n";
+    }
+  }
+  if (torn_tail) lines += "{\"step\": 5, \"lo";
+  test::write_text(dir + "/metrics.jsonl", lines);
+  test::write_text(dir + "/checkpoint-4/train_options.json",
+                   json({{"lr", lr}, {"batch_size", 8}, {"base", "/models/<base>"}}).dump());
+}
+
+}  // namespace
+
+TEST_CASE("report: a self-contained page overlaying runs, with evaluation, options and dataset") {
+  test::TempDir d("report");
+  write_run(d / "a&b", 1e-3, true);
+  write_run(d / "other", 3e-4, false);
+  // A small index: three files of 10, 100 and 1000 tokens.
+  std::vector<IndexedFile> files;
+  for (int t : {10, 100, 1000}) {
+    IndexedFile f;
+    f.path = "/d/" + std::to_string(t) + ".pt";
+    f.size = 64 * static_cast<std::uint64_t>(t);
+    f.format = Format::kPt;
+    IndexedRecord r;
+    r.info.conversation_id = std::to_string(t);
+    r.info.tokens = t;
+    r.info.hidden_size = 8;
+    r.info.aux_width = 24;
+    r.info.hidden_dtype = DType::kBFloat16;
+    f.records.push_back(r);
+    files.push_back(f);
+  }
+  write_index(d / "i.ekidx", {"/d"}, files);
+
+  ReportOptions o;
+  o.runs = {d / "a&b", d / "other"};
+  o.index = d / "i.ekidx";
+  write_report(o, d / "r.html");
+  const std::string html = [&] {
+    const auto b = test::read_bytes(d / "r.html");
+    return std::string(b.begin(), b.end());
+  }();
+  auto has = [&](const std::string& s) { return html.find(s) != std::string::npos; };
+  auto count = [&](const std::string& s) {
+    std::size_t n = 0;
+    for (auto at = html.find(s); at != std::string::npos; at = html.find(s, at + 1)) ++n;
+    return n;
+  };
+  CHECK(html.rfind("<!doctype html>", 0) == 0);
+  // Nothing fetched: no links, scripts or external resources.
+  CHECK_FALSE(has("http"));
+  CHECK_FALSE(has("src="));
+  CHECK_FALSE(has("href="));
+  CHECK_FALSE(has("<script"));
+  CHECK(has("name=\"viewport\""));
+  CHECK(has("prefers-color-scheme: dark"));
+  for (const char* title : {"Loss", "Accuracy per TTT step (train)", "Conditional accuracy per TTT step (train)",
+                            "Estimated acceptance length", "Learning rate", "Tokens per second",
+                            "Data wait (share of step time)", "Peak host memory (MiB)", "Final evaluation", "Options",
+                            "Tokens per record"})
+    CHECK_MESSAGE(has(">" + std::string(title) + "<"), title);
+  // Both runs in every overlay, their names escaped.
+  CHECK(has("a&amp;b train"));
+  CHECK(has("other train"));
+  CHECK_FALSE(has("a&b"));
+  CHECK(has("a&amp;b step 1"));
+  // The torn last line of a killed run is left out: 4 train lines, 2 evaluations.
+  CHECK(has("a&amp;b (4 log lines, 2 evaluations)"));
+  // The last evaluation (step 4) of each run.
+  CHECK(count("<td>0.625</td>") == 2);  // eval loss 2.5 / 4
+  CHECK(count("<td>0.42</td>") == 4);   // acc 0 and cond 0, two runs
+  // Options: lr differs (marked), batch_size does not; quoted values escaped.
+  CHECK(has("<td>lr &#9679;</td><td>0.001</td><td>0.0003</td>"));
+  CHECK(has("<td>batch_size</td><td>8</td><td>8</td>"));
+  CHECK(has("/models/&lt;base&gt;"));
+  // Dataset: the three records and a bar per power-of-two bin, 8-15 up to 512-1023.
+  CHECK(has("<dt>records</dt><dd>3</dd>"));
+  CHECK(count("<rect ") == 7);
+
+  // One run, no index: no dataset section.
+  o.runs = {d / "other"};
+  o.index.clear();
+  const std::string one = render_report(o);
+  CHECK(one.find("Tokens per record") == std::string::npos);
+  CHECK(one.find("other train") == std::string::npos);  // one run: series named by what they are
+  CHECK(one.find(">train</li>") != std::string::npos);
+
+  // Bad input names the file.
+  o.runs = {d / "missing"};
+  CHECK_THROWS_WITH_AS(render_report(o), doctest::Contains((d / "missing/metrics.jsonl").c_str()), IoError);
+  fs::create_directories(d / "bad");
+  test::write_text(d / "bad/metrics.jsonl", "{\"step\": 1}\nnot json\n{\"step\": 2}\n");
+  o.runs = {d / "bad"};
+  CHECK_THROWS_WITH_AS(render_report(o), doctest::Contains((d / "bad/metrics.jsonl: line at byte 12").c_str()), FormatError);
+  o.runs.clear();
+  CHECK_THROWS_AS(render_report(o), UsageError);
+}
+
+TEST_CASE("report: renders in headless Chromium at phone and desktop widths (where Chromium is installed)") {
+  const char* chromium = "/usr/bin/chromium";
+  if (::access(chromium, X_OK) != 0) {
+    MESSAGE("skipped: no " << chromium << " (apt-get install chromium to render the report)");
+    return;
+  }
+  test::TempDir d("report-render");
+  write_run(d / "run", 1e-3, false);
+  ReportOptions o;
+  o.runs = {d / "run"};
+  write_report(o, d / "r.html");
+  for (const int width : {420, 1400}) {
+    CAPTURE(width);
+    const std::string png = d / ("r-" + std::to_string(width) + ".png");
+    const auto r = test::run(std::string("timeout 120 ") + chromium +
+                             " --headless=new --no-sandbox --disable-gpu --hide-scrollbars --window-size=" +
+                             std::to_string(width) + ",1600 --screenshot=" + test::quote(png) + " " +
+                             test::quote("file://" + d / "r.html"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto bytes = test::read_bytes(png);
+    REQUIRE(bytes.size() > 24);
+    CHECK(std::string(bytes.begin() + 1, bytes.begin() + 4) == "PNG");
+    // IHDR: big-endian width at byte 16.
+    const std::uint32_t w = (std::uint32_t{bytes[16]} << 24) | (std::uint32_t{bytes[17]} << 16) |
+                            (std::uint32_t{bytes[18]} << 8) | bytes[19];
+    CHECK(w == static_cast<std::uint32_t>(width));
+  }
+}
