@@ -195,6 +195,16 @@ TEST_CASE("launch cli: train with CP=2, DP=2 and DP=2 x CP=2 equals one process 
                                                test::quote(d + "/cp2"))})[0] == 0,
                   logs_of(d + "/logs-cp2-resume", 2));
   CHECK(read_text(d + "/logs-cp2-resume/rank_0.log").find("resuming from " + d + "/cp2/checkpoint-2") != std::string::npos);
+  // Another world size or cp cannot resume it (the sampler's deal and the shards differ):
+  // refused before anything is written, naming both.
+  {
+    const auto r = test::eaglekit("train" + f.common() + " --batch-size 4 --max-steps 6 --resume --out " +
+                                  test::quote(d + "/cp2"));
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("--resume: " + d + "/cp2/checkpoint-4 was saved by 2 ranks with cp 2; resume with the same "
+                     "world size and cp (now 1 ranks, cp 1)") != std::string::npos);
+    CHECK_FALSE(fs::exists(d + "/cp2/checkpoint-5"));
+  }
 
   const std::vector<double> want = losses(f.single);
   REQUIRE(want.size() == 4);
