@@ -473,8 +473,11 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
       for (auto& id : d.aux_layer_ids) id += 1;
     }
   }
-  d.num_aux_layers = get_int(j, "eaglekit_num_aux_layers", where,
-                             d.aux_layer_ids.empty() ? 3 : static_cast<std::int64_t>(d.aux_layer_ids.size()));
+  // k: ours, else the engines' num_aux_hidden_states, else the number of aux ids, else 3.
+  const std::int64_t k_default =
+      get_int(j, "num_aux_hidden_states", where,
+              d.aux_layer_ids.empty() ? 3 : static_cast<std::int64_t>(d.aux_layer_ids.size()));
+  d.num_aux_layers = get_int(j, "eaglekit_num_aux_layers", where, k_default);
   d.modelopt_norm = get_bool(j, "eaglekit_modelopt_norm", where, false);
   if (get_bool(j, "norm_before_residual", where, false)) {
     throw UnsupportedError(where, std::nullopt, "norm_before_residual",

@@ -143,6 +143,15 @@ TEST_CASE("config: draft config.json writes both aux-layer conventions and reads
   nested.erase("eagle_aux_hidden_state_layer_ids");
   nested.erase("eaglekit_num_aux_layers");
   CHECK(parse_draft_config(nested.dump(), "p").aux_layer_ids == std::vector<std::int64_t>{2, 16, 29});
+  // A draft of another trainer with k = 4 says so only in num_aux_hidden_states.
+  nlohmann::json four = j;
+  four.erase("eaglekit_num_aux_layers");
+  four.erase("eagle_aux_hidden_state_layer_ids");
+  four.erase("eagle_config");
+  four["num_aux_hidden_states"] = 4;
+  CHECK(parse_draft_config(four.dump(), "p").num_aux_layers == 4);
+  CHECK(j["num_aux_hidden_states"] == 3);
+  CHECK(j["norm_before_residual"] == false);
   nlohmann::json two_layers = j;
   two_layers["num_hidden_layers"] = 2;
   CHECK_THROWS_AS(parse_draft_config(two_layers.dump(), "p"), UnsupportedError);
