@@ -30,6 +30,7 @@
 #include "trainer/base_model.h"
 #include "trainer/config.h"
 #include "trainer/draft_model.h"
+#include "trainer/optim.h"
 #include "trainer/train.h"
 #include "trainer/ttt.h"
 

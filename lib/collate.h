@@ -26,15 +26,11 @@
 
 #include "formats/host_tensor.h"
 #include "formats/record.h"
+#include "lib/data_options.h"
 #include "lib/sampler.h"
 
 namespace eaglekit {
 
-enum class CollateMode {
-  kPad,      // the reference: every row padded to exactly max_length
-  kLongest,  // rows padded to the batch's longest sample, rounded up to pad_multiple
-  kPack,     // several samples per row of max_length, greedy, with document/position ids
-};
 std::string_view collate_mode_name(CollateMode m);  // "pad", "longest", "pack"
 std::optional<CollateMode> parse_collate_mode(std::string_view name);
 

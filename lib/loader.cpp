@@ -731,4 +731,23 @@ BenchReport bench_loader(Loader& loader, std::int64_t max_batches) {
   return report;
 }
 
+LoaderOptions loader_options(const BatchOptions& b, int dp_rank, int dp_size, int cp_rank, int cp_size) {
+  LoaderOptions lo;
+  lo.collate.mode = b.mode;
+  lo.collate.max_length = b.max_length;
+  lo.collate.pad_multiple = b.pad_multiple;
+  lo.collate.cp_rank = cp_rank;
+  lo.collate.cp_size = cp_size;
+  lo.sampler.batch_size = b.batch_size;
+  lo.sampler.rank = dp_rank;
+  lo.sampler.world_size = dp_size;
+  lo.sampler.shuffle = b.shuffle;
+  lo.sampler.seed = b.seed;
+  lo.sampler.drop_last = b.drop_last;
+  lo.sampler.epochs = 0;
+  lo.jobs = b.jobs;
+  lo.prefetch = b.prefetch;
+  return lo;
+}
+
 }  // namespace eaglekit

@@ -30,6 +30,7 @@
 
 #include "formats/format.h"
 #include "lib/collate.h"
+#include "lib/data_options.h"
 #include "lib/dataset.h"
 #include "lib/sampler.h"
 
@@ -49,6 +50,11 @@ struct LoaderOptions {
   // How record files are opened; default formats/format.h open_reader. For tests.
   std::function<std::unique_ptr<RecordReader>(const std::string& path)> open;
 };
+
+// The loader a command's batch options describe, for this rank of a dp x cp mesh; the
+// sampler runs without an epoch limit (set sampler.epochs after).
+LoaderOptions loader_options(const BatchOptions& batches, int dp_rank = 0, int dp_size = 1, int cp_rank = 0,
+                             int cp_size = 1);
 
 struct LoaderStats {
   std::uint64_t batches = 0;  // delivered to the consumer
@@ -106,14 +112,8 @@ class Loader {
 
 // ---- What the CLI commands call ------------------------------------------------------
 
-// --data / --index / --quarantine / --split / --eval-fraction.
-struct DataSelection {
-  std::string data;
-  std::string index;
-  std::string quarantine;        // "" = none
-  std::string split = "train";   // train | eval | all
-  double eval_fraction = 0.05;
-};
+// DataSelection (--data, --index, --quarantine, --split, --eval-fraction) is in
+// lib/data_options.h.
 
 struct SelectedData {
   Dataset dataset;

@@ -3,7 +3,14 @@
 #include <unistd.h>
 
 #include <cxxopts.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <iostream>
+#include <optional>
+#include <sstream>
+#include <variant>
 
 #include "formats/error.h"
 
@@ -29,6 +36,213 @@ std::unique_ptr<cxxopts::ParseResult> parse_args(cxxopts::Options& options, int 
   } catch (const cxxopts::exceptions::exception& e) {
     throw UsageError(std::string(e.what()) + " (see --help)");
   }
+}
+
+}  // namespace eaglekit::tools
+
+namespace eaglekit::tools {
+
+std::string own_executable() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw IoError::from_errno("/proc/self/exe", "readlink", errno);
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+std::chrono::milliseconds collective_timeout(double seconds) {
+  if (!(seconds > 0) || seconds > 7 * 24 * 3600.0)
+    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(seconds));
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000)));
+}
+
+opt::Groups LoaderJob::groups() {
+  using opt::field;
+  opt::Group loader{"Loader",
+                    {field("batches", "N", batches, "Stop after N batches, continuing into later epochs (-1: one epoch)"),
+                     field("rank", "N", rank, "Data-parallel rank"),
+                     field("world_size", "N", world_size, "Data-parallel size"),
+                     field("first_token", "N", first_token, "Token window of each row: first column"),
+                     field("last_token", "N", last_token, "Token window of each row: end column, exclusive (-1: row end)"),
+                     field("cp_rank", "N", cp_rank, "Context-parallel rank: holds its chunk of every row"),
+                     field("cp_size", "N", cp_size, "Context-parallel size"),
+                     field("resume", "STATE", resume, "Sampler state to continue from (JSON, or a file holding it)"),
+                     field("strict", "", strict, "Fail on the first bad record instead of skipping it")}};
+  return {data_options(*this), batch_options(*this), loader};
+}
+
+bool CommandLine::given(std::string_view key) const {
+  for (const auto& [o, v] : values)
+    if (o->key == key) return true;
+  return false;
+}
+
+void CommandLine::apply(const std::function<void(const std::string& path)>& on_config) const {
+  if (on_config) {
+    for (const auto& [o, v] : values)
+      if (o->key == "config") on_config(v);
+  }
+  for (const auto& [o, v] : values) o->set_text(v);
+}
+
+namespace {
+
+const opt::Option* find_flag(const opt::Groups& groups, std::string_view flag) {
+  for (const auto& g : groups)
+    for (const auto& o : g.options)
+      if (!o.flag.empty() && o.flag == flag) return &o;
+  return nullptr;
+}
+
+// An old spelling that now has another name: "--dtype is now --compute-dtype".
+const opt::Option* find_alias(const opt::Groups& groups, std::string_view flag) {
+  for (const auto& g : groups)
+    for (const auto& o : g.options) {
+      if (o.alias.empty() || o.flag.empty()) continue;
+      std::string a = o.alias;
+      std::replace(a.begin(), a.end(), '_', '-');
+      if (a == flag) return &o;
+    }
+  return nullptr;
+}
+
+bool takes_optional_value(const opt::Option& o) { return std::holds_alternative<opt::OptionalValueRef>(o.ref); }
+
+}  // namespace
+
+CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups, std::size_t max_positionals) {
+  CommandLine cl;
+  bool only_positionals = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (only_positionals || arg.size() < 2 || arg[0] != '-' || arg == "-") {
+      if (cl.positionals.size() >= max_positionals)
+        throw UsageError("unexpected argument '" + arg + "' (see --help)");
+      cl.positionals.push_back(arg);
+      continue;
+    }
+    if (arg == "--") {
+      only_positionals = true;
+      continue;
+    }
+    if (arg == "-h" || arg == "--help") {
+      cl.help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) throw UsageError("unknown option '" + arg + "' (see --help)");
+    std::string name = arg.substr(2);
+    std::optional<std::string> inline_value;
+    if (const auto eq = name.find('='); eq != std::string::npos) {
+      inline_value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    const opt::Option* o = find_flag(groups, name);
+    if (!o && name.rfind("no-", 0) == 0) {
+      const opt::Option* positive = find_flag(groups, name.substr(3));
+      if (positive && positive->is_bool()) {
+        if (inline_value) throw UsageError("--" + name + " takes no value (see --help)");
+        cl.values.emplace_back(positive, "false");
+        continue;
+      }
+    }
+    if (!o) {
+      if (const opt::Option* renamed = find_alias(groups, name))
+        throw UsageError("--" + name + " is now --" + renamed->flag + " (see --help)");
+      throw UsageError("unknown option '--" + name + "' (see --help)");
+    }
+    if (o->is_bool()) {
+      cl.values.emplace_back(o, inline_value ? *inline_value : "true");
+    } else if (takes_optional_value(*o)) {
+      if (inline_value) {
+        cl.values.emplace_back(o, *inline_value);
+      } else if (i + 1 < argc && argv[i + 1][0] != '-') {
+        cl.values.emplace_back(o, argv[++i]);
+      } else {
+        cl.values.emplace_back(o, "");
+      }
+    } else if (inline_value) {
+      cl.values.emplace_back(o, *inline_value);
+    } else {
+      if (i + 1 >= argc) throw UsageError("--" + name + " needs a value " + o->metavar + " (see --help)");
+      cl.values.emplace_back(o, argv[++i]);
+    }
+  }
+  return cl;
+}
+
+namespace {
+
+// Words of `text` filled into lines of at most `width` columns after `indent`.
+void wrap(std::ostringstream& os, const std::string& text, std::size_t indent, std::size_t width,
+          std::size_t first_column) {
+  std::istringstream words(text);
+  std::string w;
+  std::size_t col = first_column;
+  bool first = true;
+  while (words >> w) {
+    if (!first && col + 1 + w.size() > width) {
+      os << "\n" << std::string(indent, ' ');
+      col = indent;
+    } else if (!first) {
+      os << ' ';
+      ++col;
+    }
+    os << w;
+    col += w.size();
+    first = false;
+  }
+}
+
+}  // namespace
+
+std::string help_text(const std::string& usage, const std::string& description, const opt::Groups& groups) {
+  constexpr std::size_t kIndent = 28, kWidth = 100;
+  std::ostringstream os;
+  os << "Usage: " << usage << "\n\n";
+  wrap(os, description, 0, kWidth, 0);
+  os << "\n";
+  for (const auto& g : groups) {
+    bool any = false;
+    for (const auto& o : g.options) any = any || !o.flag.empty();
+    if (!any) continue;
+    os << "\n" << g.title << ":\n";
+    for (const auto& o : g.options) {
+      if (o.flag.empty()) continue;
+      std::string left = "  --";
+      // A boolean that is on by default shows both forms; one that is off shows the flag.
+      const bool on_by_default = o.is_bool() && o.text() == "on";
+      if (on_by_default && o.key.rfind("no_", 0) != 0) left += "[no-]";
+      left += o.flag;
+      if (const auto* c = std::get_if<opt::ChoiceRef>(&o.ref)) {
+        left += " ";
+        for (std::size_t i = 0; i < c->names.size(); ++i) left += (i ? "|" : "") + c->names[i];
+      } else if (!o.metavar.empty()) {
+        left += " " + o.metavar;
+      }
+      std::string help = o.help;
+      std::string dflt = o.default_note;
+      if (dflt.empty()) {
+        const std::string t = o.text();
+        if (o.is_bool()) {
+          if (on_by_default) dflt = t;
+        } else if (!t.empty() && o.in_json) {
+          dflt = t;
+        }
+        if (takes_optional_value(o)) dflt.clear();
+      }
+      if (!dflt.empty()) help += " (default: " + dflt + ")";
+      os << left;
+      std::size_t col = left.size();
+      if (col + 2 > kIndent) {
+        os << "\n" << std::string(kIndent, ' ');
+      } else {
+        os << std::string(kIndent - col, ' ');
+      }
+      wrap(os, help, kIndent, kWidth, kIndent);
+      os << "\n";
+    }
+  }
+  os << "\n  -h, --help" << std::string(kIndent - 12, ' ') << "Show this help\n";
+  return os.str();
 }
 
 }  // namespace eaglekit::tools

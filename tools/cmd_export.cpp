@@ -1,7 +1,5 @@
 // eaglekit export: a checkpoint (or output folder) -> the Hugging Face draft folder vLLM and
-// SGLang load (SPEC.md section 9), with the dump's aux layer ids and the serving dtype.
-#include <cxxopts.hpp>
-
+// SGLang load (docs/export.md), with the dump's aux layer ids and the serving dtype.
 #include <iostream>
 #include <string>
 #include <vector>
@@ -13,37 +11,37 @@
 
 namespace eaglekit::tools {
 
-std::vector<std::int64_t> parse_layer_ids(const std::string& text, const char* flag);  // cmd_train.cpp
-
 int run_export(int argc, char** argv) {
-  cxxopts::Options options(argv[0],
-                           "Export a checkpoint as a draft folder (config.json + model.safetensors) for vLLM "
-                           "and SGLang. CHECKPOINT: a checkpoint-STEP folder, any exported draft, or a "
-                           "training output folder (its newest complete checkpoint)");
-  options.positional_help("CHECKPOINT");
-  options.add_options()
-      ("checkpoint", "Checkpoint folder", cxxopts::value<std::string>())
-      ("out", "Folder to write", cxxopts::value<std::string>())
-      ("aux-layer-ids", "Aux layers of the dump, HF hidden_states ids (e.g. 2,16,29); default: the checkpoint's",
-       cxxopts::value<std::string>())
-      ("dtype", "bf16, fp16 or fp32 (default: the dtype the draft is served in, the base's torch_dtype)",
-       cxxopts::value<std::string>()->default_value(""))
-      ("allow-unservable", "Write a draft vLLM and SGLang do not compute (--modelopt-norm) anyway")
-      ("json", "Print {\"source\", \"out\", \"parameters\", \"dtype\", \"aux_layer_ids\"}");
-  options.parse_positional({"checkpoint"});
-  auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  const auto& a = *args;
-  if (!a.count("checkpoint")) throw UsageError("give the CHECKPOINT folder to export");
-  if (!a.count("out")) throw UsageError("--out is required");
   trainer::ExportCheckpointOptions o;
-  if (a.count("aux-layer-ids")) o.aux_layer_ids = parse_layer_ids(a["aux-layer-ids"].as<std::string>(), "--aux-layer-ids");
-  o.dtype = a["dtype"].as<std::string>();
-  o.allow_unservable = a.count("allow-unservable") > 0;
+  std::string out;
+  bool json = false;
+  const opt::Groups groups{opt::Group{
+      "Export",
+      {opt::field("out", "DIR", out, "Folder to write (put in place whole; an earlier export there is replaced)"),
+       opt::note(opt::field("aux_layer_ids", "IDS", o.aux_layer_ids,
+                            "Aux layers of the dump, as HF hidden_states indices (e.g. 2,16,29)"),
+                 "the checkpoint's"),
+       opt::note(opt::field("dtype", "DTYPE", o.dtype, "Weights' dtype: bf16, fp16 or fp32"),
+                 "the dtype the draft is served in, the base's torch_dtype"),
+       opt::field("allow_unservable", "", o.allow_unservable,
+                  "Write a draft vLLM and SGLang do not compute (--modelopt-norm) anyway"),
+       opt::field("json", "", json, "Print {\"source\", \"out\", \"parameters\", \"dtype\", \"aux_layer_ids\"}")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups, 1);
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " CHECKPOINT --out DIR [OPTIONS]",
+                           "Export a checkpoint as a draft folder (config.json + model.safetensors) for vLLM and "
+                           "SGLang. CHECKPOINT: a checkpoint-STEP folder, any exported draft, or a training output "
+                           "folder (its newest complete checkpoint).",
+                           groups);
+    return 0;
+  }
+  cl.apply();
+  if (cl.positionals.empty()) throw UsageError("give the CHECKPOINT folder to export");
+  if (out.empty()) throw UsageError("--out is required");
   const trainer::ExportReport r =
-      trainer::export_checkpoint(a["checkpoint"].as<std::string>(), a["out"].as<std::string>(), o);
+      trainer::export_checkpoint(cl.positionals[0], out, o);
   for (const auto& w : r.warnings) std::cerr << "eaglekit export: warning: " << w << "\n";
-  if (a.count("json")) {
+  if (json) {
     std::cout << r.to_json() << "\n";
   } else {
     std::cout << "exported " << r.source << " -> " << r.out << " (" << r.parameters << " parameters, " << r.dtype

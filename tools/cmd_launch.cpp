@@ -15,17 +15,6 @@
 
 namespace eaglekit::tools {
 
-namespace {
-
-std::string self_path() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw IoError::from_errno("/proc/self/exe", "readlink", errno);
-  return std::string(buf, static_cast<std::size_t>(n));
-}
-
-}  // namespace
-
 int run_launch(int argc, char** argv) {
   // Everything after "--" is the command; cxxopts only sees what comes before.
   int split = argc;
@@ -70,7 +59,7 @@ int run_launch(int argc, char** argv) {
   const std::string& first = o.argv.front();
   for (const auto& c : commands()) {
     if (first == c.name) {
-      o.argv.insert(o.argv.begin(), self_path());
+      o.argv.insert(o.argv.begin(), own_executable());
       break;
     }
   }

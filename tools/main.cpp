@@ -53,9 +53,11 @@ namespace {
 // Replaces this process with eaglekit-torch, from this binary's folder, given the arguments
 // this one got. Returns only on failure, with the exit code.
 int exec_torch_binary(char** argv) {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  std::string path = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+  std::string path;
+  try {
+    path = own_executable();
+  } catch (const Error&) {
+  }
   const auto slash = path.rfind('/');
   path = (slash == std::string::npos ? std::string(".") : path.substr(0, slash)) + "/eaglekit-torch";
   ::execv(path.c_str(), argv);

@@ -22,6 +22,7 @@
 #include "trainer/distributed.h"
 #include "trainer/export.h"
 #include "trainer/ring_attention.h"
+#include "trainer/run_setup.h"
 
 namespace eaglekit::trainer {
 
@@ -46,69 +47,6 @@ nlohmann::ordered_json numbers(const std::vector<double>& xs) {
 }
 
 }  // namespace
-
-c10::Device parse_device(const std::string& name) {
-  if (name == "cpu") return c10::Device(c10::kCPU);
-  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
-    if (!at::hasCUDA()) {
-      throw UsageError("--device " + name +
-                       ": this LibTorch has no usable CUDA device (build against a CUDA LibTorch, "
-                       "or use --device cpu)");
-    }
-    if (name == "cuda") return c10::Device(c10::kCUDA, 0);
-    const std::string idx = name.substr(5);
-    if (idx.empty() || idx.find_first_not_of("0123456789") != std::string::npos || idx.size() > 3)
-      throw UsageError("--device '" + name + "': expected cuda:N");
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(idx)));
-  }
-  throw UsageError("--device must be cpu, cuda or cuda:N, not '" + name + "'");
-}
-
-std::optional<c10::ScalarType> parse_autocast_dtype(const std::string& name) {
-  if (name == "float32" || name == "fp32" || name == "float") return std::nullopt;
-  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
-  throw UsageError("--dtype must be float32 or bfloat16, not '" + name + "'");
-}
-
-TttBatch to_ttt_batch(const Batch& batch) {
-  TttBatch t;
-  t.input_ids = batch.input_ids;
-  t.attention_mask = batch.attention_mask;
-  t.loss_mask = batch.loss_mask;
-  t.hidden_states = batch.hidden_states;
-  t.aux_hidden_states = batch.aux_hidden_states;
-  t.document_ids = batch.document_ids;
-  t.position_ids = batch.position_ids;
-  return t;
-}
-
-at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {
-  at::Tensor out = at::zeros({steps}, at::kDouble);
-  if (batch.rows() == 0 || batch.input_ids.size(1) == 0) return out;
-  const std::int64_t n = batch.input_ids.size(1);
-  // The unroll weighs position t by loss_mask[t + 1] when t >= s (and t + 1 is in t's
-  // document). Summed over the whole row that is: loss_mask[u] at every u whose position
-  // is >= s + 1 (a document's first token has position 0, so the document condition is
-  // implied). Counting at u rather than t keeps each context-parallel chunk's share local.
-  const at::Tensor positions =
-      batch.position_ids.defined()
-          ? batch.position_ids.to(at::kCPU, at::kLong)
-          : at::arange(batch.first_token, batch.first_token + n, at::kLong).unsqueeze(0);
-  const at::Tensor mask = batch.loss_mask.to(at::kCPU, at::kDouble);
-  auto acc = out.accessor<double, 1>();
-  for (std::int64_t s = 0; s < steps; ++s)
-    acc[s] = (mask * (positions >= s + 1).to(at::kDouble)).sum().item<double>();
-  return out;
-}
-
-std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh) {
-  if (mesh.cp_size() == 1) return nullptr;
-  return std::make_unique<RingContext>(mesh.cp(), mesh.cp());
-}
-
-void prepare_context(SequenceContext* context, const Batch& batch) {
-  if (auto* ring = dynamic_cast<RingContext*>(context)) ring->set_global_length(batch.length);
-}
 
 TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
                          const std::function<void(const TttStats&)>& on_batch) {
@@ -174,24 +112,45 @@ std::string EvaluateReport::to_text() const {
   return os.str();
 }
 
+opt::Groups EvaluateOptions::groups() {
+  opt::Group own{"Evaluate",
+                 {opt::field("draft", "DIR", draft,
+                             "Draft folder: an export, a checkpoint, or a run folder (its newest checkpoint)"),
+                  opt::note(opt::field("max_batches", "N", max_batches, "Stop after N batches"), "the whole split")}};
+  return {own,
+          data_options(*this),
+          batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay"}),
+          run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
+}
+
+void EvaluateOptions::check() const {
+  if (base.empty()) throw UsageError("--base is required (the base model folder)");
+  if (draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
+  if (data.empty()) throw UsageError("--data is required");
+  if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
+  if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  if (max_length < 2) throw UsageError("--max-length must be at least 2");
+  if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
+  if (cp_size < 1) throw UsageError("--cp must be at least 1");
+  if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
+  if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
+  if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
+  if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
+    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
+}
+
 EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   const auto t0 = Clock::now();
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
-  if (o.base.empty()) throw UsageError("--base is required (the base model folder)");
-  if (o.draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
-  if (o.data.empty()) throw UsageError("--data is required");
-  if (o.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
-  if (o.ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
-  if (o.batch_size < 1) throw UsageError("--batch-size must be at least 1");
+  o.check();
   if (o.cp_size != m.cp_size())
     throw UsageError("--cp " + std::to_string(o.cp_size) + " does not match the mesh (cp " +
                      std::to_string(m.cp_size()) + ")");
   c10::Device device = parse_device(o.device);
   if (device.is_cuda() && m.world_size() > 1) device = c10::Device(c10::kCUDA, m.local_rank());
-  const std::optional<c10::ScalarType> autocast = parse_autocast_dtype(o.dtype);
-  const auto mode = parse_collate_mode(o.mode);
-  if (!mode) throw UsageError("--mode must be pad, longest or pack, not '" + o.mode + "'");
+  const std::optional<c10::ScalarType> autocast = autocast_type(o.compute_dtype);
   if (o.threads > 0) at::set_num_threads(o.threads);
 
   // A folder with checkpoints but no config.json: its newest checkpoint.
@@ -200,13 +159,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
     if (auto latest = find_latest_checkpoint(draft_dir)) draft_dir = *latest;
   }
 
-  DataSelection sel;
-  sel.data = o.data;
-  sel.index = o.index;
-  sel.quarantine = o.quarantine;
-  sel.split = o.split;
-  sel.eval_fraction = o.eval_fraction;
-  SelectedData data = select_data(sel);
+  SelectedData data = select_data(o);
   if (data.samples.empty())
     throw UsageError("the " + o.split + " split is empty (" + data.summary + "); try --split all");
 
@@ -222,16 +175,8 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
                      std::to_string(base.config.vocab_size) + ")");
   }
 
-  LoaderOptions lo;
-  lo.collate.mode = *mode;
-  lo.collate.max_length = o.max_length;
-  lo.collate.cp_rank = m.cp_rank();
-  lo.collate.cp_size = m.cp_size();
-  lo.sampler.batch_size = o.batch_size;
-  lo.sampler.rank = m.dp_rank();
-  lo.sampler.world_size = m.dp_size();
+  LoaderOptions lo = loader_options(o, m.dp_rank(), m.dp_size(), m.cp_rank(), m.cp_size());
   lo.sampler.epochs = 1;
-  lo.jobs = o.jobs;
   Loader loader(data.dataset, data.samples, lo);
   const RecordShape shape = loader.shape();
   if (shape.aux_width != dc.aux_width() || shape.hidden != dc.target_hidden_size) {

@@ -3,12 +3,25 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <tbb/blocked_range.h>
+#include <tbb/combinable.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <numeric>
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/format.h"
 #include "formats/pt_format.h"
+#include "lib/dataset.h"
+#include "lib/loader.h"
+#include "trainer/config.h"
 
 namespace eaglekit::trainer {
 
@@ -93,6 +106,102 @@ at::Tensor load_d2t(const std::string& path) {
   auto* p = out.data_ptr<std::int64_t>();
   for (std::int64_t i = 0; i < t->numel(); ++i) p[i] = static_cast<std::int64_t>(t->get(i));
   return out;
+}
+
+// --- counting over a dataset, and `eaglekit vocab` -------------------------------------
+
+namespace {
+using json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+std::vector<std::int64_t> count_tokens(const Dataset& dataset, const std::vector<SampleRef>& samples,
+                                       std::int64_t vocab_size, int jobs) {
+  if (vocab_size <= 0) throw UsageError("vocabulary size must be positive");
+  std::map<std::uint32_t, std::vector<const SampleRef*>> by_file;
+  for (const auto& s : samples) by_file[s.file].push_back(&s);
+  std::vector<std::pair<std::uint32_t, std::vector<const SampleRef*>>> groups(by_file.begin(), by_file.end());
+  tbb::combinable<TokenCounts> partial([&] { return TokenCounts(vocab_size); });
+  tbb::task_arena arena(jobs > 0 ? jobs : tbb::task_arena::automatic);
+  arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, groups.size(), 1),
+                      [&](const tbb::blocked_range<std::size_t>& range) {
+                        TokenCounts& counts = partial.local();
+                        for (std::size_t g = range.begin(); g != range.end(); ++g) {
+                          const std::string& path = dataset.files.at(groups[g].first);
+                          const auto reader = open_reader(path);
+                          for (const SampleRef* s : groups[g].second) {
+                            // Views into the mapping for .pt/safetensors: only the ids' pages are touched.
+                            const Record r = reader->read(s->record);
+                            counts.add(r.input_ids, path + "#" + s->conversation_id);
+                          }
+                        }
+                      });
+  });
+  TokenCounts total(vocab_size);
+  partial.combine_each([&](const TokenCounts& c) { total.merge(c); });
+  return total.counts();
+}
+
+std::string VocabReport::to_json() const {
+  json j;
+  j["vocab_size"] = vocab_size;
+  j["draft_vocab_size"] = draft_vocab_size;
+  j["samples"] = samples;
+  j["tokens"] = tokens;
+  j["distinct"] = distinct;
+  j["coverage"] = coverage;
+  j["seconds"] = seconds;
+  return j.dump();
+}
+
+opt::Groups VocabOptions::groups() {
+  opt::Group own{"Vocabulary",
+                 {opt::field("base", "DIR", base, "Base model folder (its config.json gives vocab_size)"),
+                  opt::note(opt::field("vocab_size", "N", vocab_size, "Target vocabulary size, instead of --base"),
+                            "the base's"),
+                  opt::field("draft_vocab_size", "N", draft_vocab_size, "Draft vocabulary size Vd"),
+                  opt::field("out", "FILE", out, "d2t file to write (e.g. d2t.pt)"),
+                  opt::field("jobs", "N", jobs, "Threads (0: all cores)")}};
+  return {data_options(*this), own};
+}
+
+VocabReport build_vocab(const VocabOptions& o) {
+  const auto t0 = Clock::now();
+  if (o.data.empty()) throw UsageError("--data is required");
+  if (o.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
+  if (o.out.empty()) throw UsageError("--out is required (the d2t.pt to write)");
+  if (o.draft_vocab_size <= 0) throw UsageError("--draft-vocab-size is required and must be positive");
+  std::int64_t v = o.vocab_size;
+  if (v <= 0) {
+    if (o.base.empty()) throw UsageError("give --base (its config.json has vocab_size) or --vocab-size");
+    v = load_base_config(o.base).vocab_size;
+  }
+  if (o.draft_vocab_size > v) {
+    throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) +
+                     " exceeds the vocabulary size " + std::to_string(v));
+  }
+  const SelectedData data = select_data(o);
+  const auto counts = count_tokens(data.dataset, data.samples, v, o.jobs);
+  const at::Tensor d2t = d2t_from_counts(counts, o.draft_vocab_size);
+  save_d2t(o.out, d2t);
+
+  VocabReport r;
+  r.vocab_size = v;
+  r.draft_vocab_size = o.draft_vocab_size;
+  r.samples = static_cast<std::int64_t>(data.samples.size());
+  for (std::int64_t c : counts) {
+    r.tokens += c;
+    r.distinct += c > 0;
+  }
+  const auto ids = (d2t + at::arange(o.draft_vocab_size, at::kLong)).contiguous();
+  const std::int64_t* p = ids.data_ptr<std::int64_t>();
+  std::int64_t covered = 0;
+  for (std::int64_t i = 0; i < o.draft_vocab_size; ++i) covered += counts[static_cast<std::size_t>(p[i])];
+  r.coverage = r.tokens > 0 ? static_cast<double>(covered) / static_cast<double>(r.tokens) : 0.0;
+  r.summary = data.summary;
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
 }
 
 }  // namespace eaglekit::trainer

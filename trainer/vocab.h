@@ -15,6 +15,12 @@
 #include <vector>
 
 #include "formats/host_tensor.h"
+#include "lib/data_options.h"
+
+namespace eaglekit {
+struct Dataset;
+struct SampleRef;
+}  // namespace eaglekit
 
 namespace eaglekit::trainer {
 
@@ -44,5 +50,36 @@ void save_d2t(const std::string& path, const at::Tensor& d2t);
 // Reads a torch.save file holding the tensor bare or under the key "d2t". Throws
 // FormatError when there is no 1-D integer tensor.
 at::Tensor load_d2t(const std::string& path);
+
+// --- vocabulary ------------------------------------------------------------------------
+
+// Token frequencies over the input_ids of `samples` (full records, not truncated), read on
+// `jobs` threads (0: all cores), one file open per file; hidden states are never copied
+// (views into mapped files for .pt/safetensors). Throws FormatError for an id outside
+// [0, vocab_size) naming the record.
+std::vector<std::int64_t> count_tokens(const Dataset& dataset, const std::vector<SampleRef>& samples,
+                                       std::int64_t vocab_size, int jobs = 0);
+
+struct VocabOptions : DataSelection {
+  std::string base;                 // config.json gives the vocabulary size...
+  std::int64_t vocab_size = 0;      // ... unless given here
+  std::int64_t draft_vocab_size = 0;
+  std::string out;                  // d2t.pt
+  int jobs = 0;
+  opt::Groups groups();
+};
+struct VocabReport {
+  std::int64_t vocab_size = 0;
+  std::int64_t draft_vocab_size = 0;
+  std::int64_t samples = 0;
+  std::int64_t tokens = 0;
+  std::int64_t distinct = 0;  // tokens seen at least once
+  double coverage = 0;        // share of token occurrences inside the draft vocabulary
+  double seconds = 0;
+  std::string summary;
+  std::string to_json() const;
+};
+// `eaglekit vocab`: counts, d2t_from_counts, save_d2t to options.out.
+VocabReport build_vocab(const VocabOptions& options);
 
 }  // namespace eaglekit::trainer

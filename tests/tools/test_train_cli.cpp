@@ -179,3 +179,82 @@ TEST_CASE("train cli: --resume continues exactly; SIGTERM saves a checkpoint and
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(fs::exists(out + "/final/model.safetensors"));
 }
+
+TEST_CASE("train cli: --dry-run plans the run without training, and the run then does what it planned") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string opts = job->data_args() + " --out " + test::quote(d + "/out") +
+                           " --max-length 24 --batch-size 4 --grad-accum 2 --epochs 2 --draft-vocab-size 32"
+                           " --eval-fraction 0.2 --jobs 2 --eval-every -1";
+  auto r = test::eaglekit("train" + opts + " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(!fs::exists(d + "/out"));  // nothing written
+  const auto plan = nlohmann::json::parse(r.out);
+  CHECK(plan["train_samples"] == 32);  // 40 conversations, the last 20% evaluate
+  CHECK(plan["eval_samples"] == 8);
+  CHECK(plan["aux_layers"] == 3);
+  CHECK(plan["draft_vocab_size"] == 32);
+  CHECK(plan["draft_config"]["draft_vocab_size"] == 32);
+  CHECK(plan["rows_per_step"] == 8);
+  CHECK(plan["steps_per_epoch"] == 4);  // 32 samples / 4 rows = 8 micro-batches, 2 per step
+  CHECK(plan["total_steps"] == 8);
+  CHECK(plan["memory_estimate_bytes"]["total"].get<double>() > 0);
+  CHECK(plan["aux_layer_ids"].size() == 3);
+  // The text form names the same figures.
+  r = test::eaglekit("train" + opts + " --dry-run");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("8 optimizer steps (4 per epoch) of 8 rows") != std::string::npos);
+  CHECK(r.out.find("memory/rank: about ") != std::string::npos);
+
+  r = test::eaglekit("train" + opts + " --threads 2 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["steps"] == plan["total_steps"]);
+  const auto cfg = nlohmann::json::parse(std::ifstream(d + "/out/final/config.json"));
+  CHECK(cfg["eagle_aux_hidden_state_layer_ids"] == plan["aux_layer_ids"]);
+  CHECK(cfg["draft_vocab_size"] == plan["draft_config"]["draft_vocab_size"]);
+
+  // A dry run refuses what train would refuse, with train's message and exit code.
+  r = test::eaglekit("train" + job->data_args() + " --dry-run");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--out is required") != std::string::npos);
+}
+
+TEST_CASE("train cli: help comes from the option tables and tells the truth") {
+  auto r = test::eaglekit("train --help");
+  REQUIRE(r.exit_code == 0);
+  const std::string& h = r.out;
+  CHECK(h.find("--eval-fraction X") != std::string::npos);
+  CHECK(h.find("(default: 0.05)") != std::string::npos);
+  CHECK(h.find("--resume [DIR]") != std::string::npos);
+  CHECK(h.find("[=arg") == std::string::npos);
+  CHECK(h.find("--[no-]shuffle") != std::string::npos);  // on by default in train
+  CHECK(test::eaglekit("collate --help").out.find("--[no-]shuffle") == std::string::npos);  // off there
+  CHECK(h.find("--compute-dtype fp32|bf16") != std::string::npos);
+  CHECK(h.find("--mode pad|longest|pack") != std::string::npos);
+  CHECK(h.find("--dry-run") != std::string::npos);
+  // No option says its default twice.
+  std::size_t pos = 0;
+  while ((pos = h.find('\n', pos + 1)) != std::string::npos) {
+    const auto next = h.find('\n', pos + 1);
+    const std::string line = h.substr(pos + 1, next == std::string::npos ? std::string::npos : next - pos - 1);
+    const auto first = line.find("default");
+    CHECK_MESSAGE((first == std::string::npos || line.find("default", first + 1) == std::string::npos), line);
+  }
+  // Old spellings get the new name; a bad value names the flag and what it takes.
+  r = test::eaglekit("train --dtype bf16");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--dtype is now --compute-dtype") != std::string::npos);
+  r = test::eaglekit("train --lr fast");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--lr takes a number, not 'fast'") != std::string::npos);
+  r = test::eaglekit("evaluate --mode zigzag");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--mode must be pad, longest or pack, not 'zigzag'") != std::string::npos);
+  // The shared groups read the same in every command that takes them.
+  for (const char* cmd : {"evaluate", "vocab", "collate", "loader-bench"}) {
+    r = test::eaglekit(std::string(cmd) + " --help");
+    CHECK(r.exit_code == 0);
+    CHECK_MESSAGE(r.out.find("--eval-fraction X") != std::string::npos, cmd);
+    CHECK_MESSAGE(r.out.find("(default: 0.05)") != std::string::npos, cmd);
+  }
+}

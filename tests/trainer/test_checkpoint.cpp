@@ -50,7 +50,7 @@ TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32
     o.batch_size = 2;
     o.grad_accum = 2;
     o.warmup_steps = 2;
-    o.schedule = "cosine";
+    o.schedule = Schedule::kCosine;
     o.weight_decay = 0.05;
     o.shuffle = true;
     o.save_every = 3;
@@ -241,7 +241,7 @@ TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype
   test::TempDir dir("export");
   TrainOptions o = test::small_options(*job, dir / "out");
   o.max_steps = 3;
-  o.schedule = "constant";
+  o.schedule = Schedule::kConstant;
   run_training(o);
 
   const ExportReport r = export_checkpoint(dir / "out", dir / "served", {{3, 17, 29}, "bf16"});
@@ -298,7 +298,7 @@ TEST_CASE("checkpoint: final/, final/ after resume and export are in the base's 
   };
   TrainOptions o = test::small_options(*job, dir / "out");
   o.max_steps = 2;
-  o.schedule = "constant";
+  o.schedule = Schedule::kConstant;
   run_training(o);
   CHECK(json_of(dir / "out/final/config.json")["torch_dtype"] == "bfloat16");
   CHECK(weights_dtype(dir / "out/final/model.safetensors") == "bfloat16");

@@ -75,7 +75,7 @@ TEST_CASE("evaluate: pooled metrics do not depend on the batch size or the colla
   o.batch_size = 64;  // the whole split in one batch: the plain SPEC formulas
   const EvaluateReport all = run_evaluate(o);
   o.batch_size = 5;
-  o.mode = "longest";
+  o.mode = CollateMode::kLongest;
   const EvaluateReport longest = run_evaluate(o);
   check_same(one.stats, all.stats);
   check_same(seven.stats, all.stats);
@@ -139,9 +139,8 @@ TEST_CASE("evaluate: the train split, max_batches and refusals") {
   o = t.options();
   o.device = "tpu";
   CHECK_THROWS_WITH_AS(run_evaluate(o), "--device must be cpu, cuda or cuda:N, not 'tpu'", UsageError);
-  CHECK_THROWS_WITH_AS(parse_autocast_dtype("fp8"), "--dtype must be float32 or bfloat16, not 'fp8'", UsageError);
-  CHECK((parse_autocast_dtype("bf16") == at::kBFloat16));
-  CHECK(!parse_autocast_dtype("float32"));
+  CHECK((autocast_type(ComputeDType::kBFloat16) == at::kBFloat16));
+  CHECK(!autocast_type(ComputeDType::kFloat32));
   CHECK(parse_device("cpu").is_cpu());
 
   // A draft whose fc reads another aux width than the data's.
@@ -171,7 +170,7 @@ TEST_CASE("evaluate: bf16 autocast stays close to fp32") {
   const Trained& t = trained();
   EvaluateOptions o = t.options();
   const EvaluateReport fp32 = run_evaluate(o);
-  o.dtype = "bfloat16";
+  o.compute_dtype = ComputeDType::kBFloat16;
   const EvaluateReport bf16 = run_evaluate(o);
   CHECK(bf16.stats.loss(0.9) == doctest::Approx(fp32.stats.loss(0.9)).epsilon(0.05));
   CHECK(std::abs(bf16.stats.acc()[0] - fp32.stats.acc()[0]) < 0.05);

@@ -101,7 +101,7 @@ TEST_CASE("tensorboard: train logs every metrics number at its step; resume adds
   test::TempDir dir("tbtrain");
   TrainOptions o = test::small_options(*job, dir / "out");
   o.max_steps = 3;
-  o.schedule = "constant";
+  o.schedule = Schedule::kConstant;
   o.eval_every = 2;
   run_training(o);
   const auto files = event_files(dir / "out/tensorboard");

@@ -22,6 +22,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/evaluate.h"
 #include "trainer/export.h"
+#include "trainer/optim.h"
 #include "trainer/train.h"
 #include "trainer/vocab.h"
 
@@ -200,7 +201,7 @@ TEST_CASE("train: gradient accumulation equals one big batch") {
     o.save_every = 1;  // every step's moments, for the bound
     o.shuffle = false;
     o.weight_decay = 0.01;
-    o.schedule = "linear";
+    o.schedule = Schedule::kLinear;
     o.warmup_steps = 1;
     run_training(o);
     return out + "/checkpoint-3/model.safetensors";
@@ -329,11 +330,34 @@ TEST_CASE("train: options from JSON (either key style), refusals name the key") 
   bad.index = "i";
   bad.base = "b";
   bad.out = "o";
-  bad.schedule = "step";
-  CHECK_THROWS_WITH_AS(bad.check(), "--schedule must be cosine, linear or constant, not 'step'", UsageError);
-  bad.schedule = "cosine";
-  bad.dtype = "int8";
-  CHECK_THROWS_WITH_AS(bad.check(), "--dtype must be float32 or bfloat16, not 'int8'", UsageError);
+  bad.timeout = 0;
+  CHECK_THROWS_WITH_AS(bad.check(), "--timeout takes a positive number of seconds (at most a week), not 0.000000",
+                       UsageError);
+  // Enum options are parsed once, by the table, from a flag's text or a JSON string.
+  const opt::Groups groups = bad.groups();
+  const opt::Option* schedule = nullptr;
+  const opt::Option* dtype = nullptr;
+  for (const auto& g : groups) {
+    if (!schedule) schedule = g.find("schedule");
+    if (!dtype) dtype = g.find("compute_dtype");
+  }
+  REQUIRE(schedule);
+  REQUIRE(dtype);
+  CHECK_THROWS_WITH_AS(schedule->set_text("step"), "--schedule must be cosine, linear or constant, not 'step'",
+                       UsageError);
+  CHECK_THROWS_WITH_AS(dtype->set_text("int8"), "--compute-dtype must be fp32 or bf16, not 'int8'", UsageError);
+  dtype->set_text("bfloat16");  // the long spelling is accepted too
+  CHECK(bad.compute_dtype == ComputeDType::kBFloat16);
+  schedule->set_text("constant");
+  CHECK(bad.schedule == Schedule::kConstant);
+  CHECK_THROWS_WITH_AS(bad.apply_json(R"({"schedule": "step"})", "cfg.json"),
+                       "cfg.json: option 'schedule' must be cosine, linear or constant, not \"step\"", UsageError);
+  // A checkpoint written before --compute-dtype named it "dtype": still read.
+  TrainOptions old;
+  old.apply_json(R"({"dtype": "bfloat16", "cp_size": 2})", "train_options.json");
+  CHECK(old.compute_dtype == ComputeDType::kBFloat16);
+  CHECK(old.cp_size == 2);
+  CHECK(old.to_json().find("\"compute_dtype\": \"bf16\"") != std::string::npos);
 }
 
 TEST_CASE("train: refuses an output folder that holds checkpoints unless resuming; vocab writes d2t") {

@@ -1,0 +1,36 @@
+#include "lib/data_options.h"
+
+namespace eaglekit {
+
+opt::Group data_options(DataSelection& d) {
+  using opt::field;
+  return {"Data",
+          {
+              field("data", "PATH", d.data, "Conversations: a .jsonl file, a folder of them, or a JSON array file"),
+              field("index", "FILE", d.index, "Dataset index (eaglekit index)"),
+              field("quarantine", "FILE", d.quarantine, "File of conversation ids to leave out (eaglekit validate --quarantine)"),
+              field("split", "NAME", d.split, "train, eval or all"),
+              field("eval_fraction", "X", d.eval_fraction,
+                    "Share of the matched samples, at the end, that form the eval split"),
+          }};
+}
+
+opt::Group batch_options(BatchOptions& b) {
+  using opt::field;
+  return {"Batches",
+          {
+              field("batch_size", "N", b.batch_size, "Rows per batch, per data-parallel rank"),
+              field("max_length", "N", b.max_length, "Tokens per sample (and the row length in pad and pack mode)"),
+              opt::choice("mode", b.mode,
+                          {{CollateMode::kPad, "pad"}, {CollateMode::kLongest, "longest"}, {CollateMode::kPack, "pack"}},
+                          "Collation: pad (the reference), longest or pack (docs/data.md)"),
+              field("pad_multiple", "N", b.pad_multiple, "longest: round the batch length up to this"),
+              field("shuffle", "", b.shuffle, "A seeded permutation of the samples per epoch (off: reference order)"),
+              field("seed", "N", b.seed, "Seed of the shuffle (train: and of the draft's initialisation)"),
+              field("drop_last", "", b.drop_last, "Drop the last, partial global batch of an epoch"),
+              field("jobs", "N", b.jobs, "Loader threads (0: all cores)"),
+              field("prefetch", "N", b.prefetch, "Batches in flight and ready ahead of the consumer"),
+          }};
+}
+
+}  // namespace eaglekit

@@ -1,0 +1,52 @@
+// The option groups every data-reading command shares, as tables (lib/options.h): which
+// samples (DataSelection: --data, --index, --quarantine, --split, --eval-fraction) and how
+// they become batches (BatchOptions: --batch-size, --max-length, --mode, --shuffle, ...).
+// LibTorch-free, so the `eaglekit` front end can print and check them too.
+//
+// Thread safety: plain structs; a Group points into one of them. Errors: UsageError from
+// the tables when a value does not parse.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "lib/options.h"
+
+namespace eaglekit {
+
+enum class CollateMode {
+  kPad,      // the reference: every row padded to exactly max_length
+  kLongest,  // rows padded to the batch's longest sample, rounded up to pad_multiple
+  kPack,     // several samples per row of max_length, greedy, with document/position ids
+};
+
+// Which samples: the conversations, the index whose records they match, ids to leave out,
+// and the reference split (docs/data.md).
+struct DataSelection {
+  std::string data;
+  std::string index;
+  std::string quarantine;        // "" = none
+  std::string split = "train";   // train | eval | all
+  double eval_fraction = 0.05;
+};
+
+// How samples become batches.
+struct BatchOptions {
+  std::int64_t batch_size = 8;     // rows per batch, per data-parallel rank
+  std::int64_t max_length = 2048;  // tokens per sample, and the row length in pad and pack mode
+  CollateMode mode = CollateMode::kPad;
+  std::int64_t pad_multiple = 8;   // longest: batch length rounded up to this
+  bool shuffle = true;             // a seeded permutation per epoch (off: reference order)
+  std::uint64_t seed = 0;          // the shuffle's (train: and the draft's initialisation)
+  bool drop_last = false;          // drop the last, partial global batch of an epoch
+  int jobs = 0;                    // loader threads; 0: all cores
+  int prefetch = 4;                // batches in flight and ready ahead of the consumer
+};
+
+// "Data": data, index, quarantine, split, eval_fraction.
+opt::Group data_options(DataSelection& d);
+// "Batches": batch_size, max_length, mode, pad_multiple, shuffle, seed, drop_last, jobs,
+// prefetch.
+opt::Group batch_options(BatchOptions& b);
+
+}  // namespace eaglekit

@@ -1,0 +1,164 @@
+#include "trainer/draft_setup.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include "formats/error.h"
+#include "lib/loader.h"
+#include "trainer/base_model.h"
+#include "trainer/config.h"
+#include "trainer/distributed.h"
+#include "trainer/draft_model.h"
+#include "trainer/export.h"
+#include "trainer/train.h"
+#include "trainer/vocab.h"
+
+namespace eaglekit::trainer {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The draft's d2t for a fresh run: --d2t, else counted over the train split when the
+// draft vocabulary is smaller, else the identity.
+at::Tensor fresh_d2t(const TrainOptions& o, const BaseConfig& base, const SelectedData& data,
+                     const std::function<void(const std::string&)>& say) {
+  if (!o.d2t.empty()) {
+    at::Tensor d2t = load_d2t(o.d2t);
+    if (o.draft_vocab_size > 0 && d2t.size(0) != o.draft_vocab_size) {
+      throw UsageError("--d2t " + o.d2t + " holds " + std::to_string(d2t.size(0)) +
+                       " entries but --draft-vocab-size is " + std::to_string(o.draft_vocab_size));
+    }
+    return d2t;
+  }
+  const std::int64_t vd = o.draft_vocab_size > 0 ? o.draft_vocab_size : base.vocab_size;
+  if (vd > base.vocab_size) {
+    throw UsageError("--draft-vocab-size " + std::to_string(vd) + " exceeds the base vocabulary (" +
+                     std::to_string(base.vocab_size) + ")");
+  }
+  if (vd == base.vocab_size) return identity_d2t(base.vocab_size);
+  const auto t0 = Clock::now();
+  const auto counts = count_tokens(data.dataset, data.samples, base.vocab_size, o.jobs);
+  say("draft vocabulary: the " + std::to_string(vd) + " most frequent of " + std::to_string(base.vocab_size) +
+      " tokens, counted over the train split in " + std::to_string(seconds_since(t0)).substr(0, 4) + " s");
+  return d2t_from_counts(counts, vd);
+}
+
+// A copy of `draft` whose config differs only in `config` (aux ids, norm form).
+DraftModel with_config(const DraftModel& draft, const DraftConfig& config) {
+  DraftModel out(config, draft.d2t().to(at::kCPU), at::Tensor());
+  for (const auto& [name, value] : draft.named_parameters()) out.load_parameter(name, value);
+  return out;
+}
+
+}  // namespace
+
+std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::Mesh& mesh) {
+  std::optional<LoadedCheckpoint> resumed;
+  const int world = mesh.world_size();
+  if (o.resume) {
+    resumed.emplace(load_checkpoint(resolve_resume(o.resume_from.empty() ? o.out : o.resume_from)));
+    const TrainerState& st = resumed->checkpoint.state;
+    if (st.world_size != world || st.cp_size != mesh.cp_size()) {
+      throw UsageError("--resume: " + resumed->dir + " was saved by " + std::to_string(st.world_size) +
+                       " ranks with cp " + std::to_string(st.cp_size) + "; resume with the same world size and cp (now " +
+                       std::to_string(world) + " ranks, cp " + std::to_string(mesh.cp_size()) + ")");
+    }
+  } else if (mesh.is_main()) {
+    if (auto existing = find_latest_checkpoint(o.out)) {
+      throw UsageError("--out " + o.out + " already holds " + fs::path(*existing).filename().string() +
+                       "; pass --resume to continue that run, or choose another --out");
+    }
+  }
+  return resumed;
+}
+
+DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const RecordShape& shape,
+                       const SelectedData& train_data, const LoadedCheckpoint* resumed, const Say& say) {
+  const BaseConfig& bc = base.config;
+  const std::string& base_dir = o.base;
+  if (shape.hidden != bc.hidden_size) {
+    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
+                     base_dir + " has hidden_size " + std::to_string(bc.hidden_size));
+  }
+  if (shape.aux_width % shape.hidden != 0) {
+    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
+                     std::to_string(shape.hidden));
+  }
+  const std::int64_t aux_layers = shape.aux_width / shape.hidden;
+
+  std::optional<DraftModel> draft_holder;
+  if (resumed) {
+    draft_holder.emplace(resumed->draft);
+  } else if (!o.init_draft.empty()) {
+    DraftModel init = load_draft(o.init_draft);
+    DraftConfig c = init.config();
+    bool changed = false;
+    if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
+      c.aux_layer_ids = o.aux_layer_ids;
+      changed = true;
+    }
+    if (o.modelopt_norm && !c.modelopt_norm) {
+      c.modelopt_norm = true;
+      changed = true;
+    }
+    if (o.draft_vocab_size > 0 && o.draft_vocab_size != c.draft_vocab_size) {
+      throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from --init-draft's (" +
+                       std::to_string(c.draft_vocab_size) + ")");
+    }
+    if (!o.d2t.empty() && !at::equal(load_d2t(o.d2t).to(at::kLong), init.d2t().to(at::kCPU))) {
+      throw UsageError("--d2t " + o.d2t + " differs from the d2t of --init-draft " + o.init_draft +
+                       " (its lm_head rows belong to its own d2t)");
+    }
+    c.check();
+    draft_holder.emplace(changed ? with_config(init, c) : init);
+    say("starting from the draft in " + o.init_draft);
+  } else {
+    DraftOptions dopts;
+    const at::Tensor d2t = fresh_d2t(o, bc, train_data, say);
+    dopts.draft_vocab_size = d2t.size(0);
+    dopts.num_aux_layers = aux_layers;
+    dopts.aux_layer_ids = o.aux_layer_ids;
+    dopts.modelopt_norm = o.modelopt_norm;
+    const DraftConfig c = draft_config_from_base(bc, dopts);
+    if (o.aux_layer_ids.empty() && !c.aux_layer_ids.empty()) {
+      std::string ids;
+      for (auto id : c.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+      say("aux layer ids " + ids + ": EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+          "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used others");
+    }
+    draft_holder.emplace(c, d2t, base.lm_head.to(at::kCPU), o.seed);
+  }
+  DraftModel draft = *draft_holder;
+  {
+    const DraftConfig& c = draft.config();
+    if (c.hidden_size != bc.hidden_size || c.vocab_size != bc.vocab_size) {
+      throw UsageError("the draft (hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+                       ") does not fit the base (hidden " + std::to_string(bc.hidden_size) + ", vocab " +
+                       std::to_string(bc.vocab_size) + ")");
+    }
+    if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden) {
+      throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
+                       std::to_string(c.target_hidden_size) + " aux features, the data has " +
+                       std::to_string(aux_layers) + " x " + std::to_string(shape.hidden));
+    }
+    // Before any step: final/ is for a server, and no server computes some drafts.
+    check_servable(c, o.allow_unservable, "train");
+    if (c.aux_layer_ids.empty()) {
+      throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
+                       " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
+                       "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
+    }
+  }
+  return draft;
+}
+
+}  // namespace eaglekit::trainer

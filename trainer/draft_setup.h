@@ -1,0 +1,45 @@
+// Which draft a training run trains, decided before its first step: the one of the
+// checkpoint it resumes, an exported draft it starts from (--init-draft), or a fresh one
+// built from the base's config (docs/draft.md) with the dump's aux layers and a draft
+// vocabulary (--d2t, counted over the train split, or the base's whole vocabulary). Each is
+// checked against the base and the data before anything is trained.
+//
+// Thread safety: free functions. Errors: UsageError naming the option that does not fit
+// (and what would), FormatError/IoError from reading checkpoints and drafts.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "trainer/checkpoint.h"
+
+namespace eaglekit {
+struct RecordShape;
+struct SelectedData;
+namespace dist {
+class Mesh;
+}  // namespace dist
+}  // namespace eaglekit
+
+namespace eaglekit::trainer {
+
+struct BaseModel;
+class DraftModel;
+struct TrainOptions;
+
+using Say = std::function<void(const std::string&)>;
+
+// With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
+// was saved by another world size or cp. Without: nullopt, after checking (on the main
+// rank) that --out holds no checkpoint a fresh run would silently mix with.
+std::optional<LoadedCheckpoint> open_resume(const TrainOptions& options, const dist::Mesh& mesh);
+
+// The draft to train, on the CPU in float32: from `resumed` when given, else --init-draft
+// (--aux-layer-ids and --modelopt-norm applied; a different --draft-vocab-size or --d2t
+// refused), else fresh. Checked against the base (hidden, vocab), the data (aux width),
+// servability (check_servable) and that its aux layer ids are known.
+DraftModel setup_draft(const TrainOptions& options, const BaseModel& base, const RecordShape& shape,
+                       const SelectedData& train, const LoadedCheckpoint* resumed, const Say& say);
+
+}  // namespace eaglekit::trainer

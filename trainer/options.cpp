@@ -1,0 +1,101 @@
+#include "trainer/options.h"
+
+namespace eaglekit::trainer {
+
+std::string_view schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kCosine: return "cosine";
+    case Schedule::kLinear: return "linear";
+    case Schedule::kConstant: return "constant";
+  }
+  return "?";
+}
+
+std::optional<Schedule> parse_schedule(std::string_view name) {
+  if (name == "cosine") return Schedule::kCosine;
+  if (name == "linear") return Schedule::kLinear;
+  if (name == "constant") return Schedule::kConstant;
+  return std::nullopt;
+}
+
+opt::Group model_options(ModelOptions& m) {
+  using opt::field;
+  using opt::note;
+  return {"Model",
+          {
+              field("base", "DIR", m.base,
+                    "Base model folder: config.json and the weights (model.safetensors, or the shards of "
+                    "model.safetensors.index.json)"),
+              field("init_draft", "DIR", m.init_draft, "Start from an exported draft folder (its config wins)"),
+              note(field("draft_vocab_size", "N", m.draft_vocab_size, "Draft vocabulary size Vd"),
+                   "the d2t's size, else the base's vocab_size"),
+              note(field("d2t", "FILE", m.d2t, "d2t.pt from eaglekit vocab"),
+                   "counted over the train split when Vd < V"),
+              note(field("aux_layer_ids", "IDS", m.aux_layer_ids,
+                         "Aux layers of the dump, as HF hidden_states indices (e.g. 2,16,29)"),
+                   "the data's, else 2,N/2,N-3 for 3 layers"),
+              field("modelopt_norm", "", m.modelopt_norm,
+                    "ModelOpt's form: input_layernorm also applied to the hidden input (no serving engine "
+                    "computes it)"),
+              field("allow_unservable", "", m.allow_unservable,
+                    "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
+              field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
+              field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
+          }};
+}
+
+opt::Group optim_options(OptimOptions& o) {
+  using opt::field;
+  return {"Optimization",
+          {
+              field("grad_accum", "N", o.grad_accum, "Micro-batches per optimizer step"),
+              field("lr", "X", o.lr, "Peak learning rate"),
+              field("warmup_steps", "N", o.warmup_steps, "Linear warmup steps"),
+              opt::choice("schedule", o.schedule,
+                          {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}},
+                          "Learning-rate decay after warmup"),
+              field("weight_decay", "X", o.weight_decay, "AdamW weight decay on matrices"),
+              field("grad_clip", "X", o.grad_clip, "Clip the global gradient norm to X (0: off)"),
+              field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"),
+              field("adam_beta2", "X", o.adam_beta2, "AdamW beta2"),
+              field("adam_eps", "X", o.adam_eps, "AdamW eps"),
+              opt::note(field("epochs", "N", o.epochs, "Epochs"), "1, or no limit when only --max-steps is given"),
+              opt::note(field("max_steps", "N", o.max_steps, "Stop after this many optimizer steps"), "no limit"),
+          }};
+}
+
+opt::Group run_options(RunOptions& r) {
+  using opt::field;
+  using opt::note;
+  return {"Run",
+          {
+              field("out", "DIR", r.out, "Output folder"),
+              field("device", "NAME", r.device, "cpu, cuda or cuda:N"),
+              opt::alias(opt::choice("compute_dtype", r.compute_dtype,
+                                     {{ComputeDType::kFloat32, "fp32"},
+                                      {ComputeDType::kBFloat16, "bf16"},
+                                      {ComputeDType::kFloat32, "float32"},
+                                      {ComputeDType::kBFloat16, "bfloat16"}},
+                                     "Compute dtype: fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
+                         "dtype"),
+              note(field("threads", "N", r.threads, "LibTorch threads"), "LibTorch's own choice"),
+              opt::flag_named(field("cp_size", "N", r.cp_size, "Context-parallel size (world / cp = data-parallel size)"),
+                              "cp"),
+              field("timeout", "SECONDS", r.timeout,
+                    "How long a rendezvous or collective may wait for the other ranks before the job fails"),
+              field("eval_every", "N", r.eval_every, "Evaluate every N steps (0: at the end only; -1: never)"),
+              note(field("save_every", "N", r.save_every, "Checkpoint every N steps (one is always saved at the end)"),
+                   "at the end only"),
+              field("log_every", "N", r.log_every, "A metrics line every N steps"),
+              opt::optional_value("resume", "[DIR]", r.resume, r.resume_from,
+                                  "Continue from the newest complete checkpoint in DIR (default: --out)"),
+              opt::json_only(field("resume_from", "DIR", r.resume_from, "")),
+              note(field("export_dtype", "DTYPE", r.export_dtype, "dtype of OUT/final: bf16, fp16 or fp32"),
+                   "the base's torch_dtype"),
+              note(field("tensorboard", "DIR", r.tensorboard, "Folder of the TensorBoard event files"), "OUT/tensorboard"),
+              field("no_tensorboard", "", r.no_tensorboard, "Write no TensorBoard event files"),
+              field("progress", "", r.progress, "A progress line on stderr when it is a terminal"),
+          }};
+}
+
+}  // namespace eaglekit::trainer

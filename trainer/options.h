@@ -1,0 +1,75 @@
+// The option groups of the torch commands (train, evaluate, export), as tables
+// (lib/options.h): the model ("Model"), the optimisation ("Optimization") and the run
+// ("Run"). With lib/data_options.h's "Data" and "Batches" they make TrainOptions (one
+// struct per group; every field has its one default here). LibTorch-free.
+//
+// Thread safety: plain structs. Errors: UsageError from the tables.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lib/options.h"
+
+namespace eaglekit::trainer {
+
+enum class Schedule { kCosine, kLinear, kConstant };
+std::string_view schedule_name(Schedule s);  // "cosine", "linear", "constant"
+std::optional<Schedule> parse_schedule(std::string_view name);
+
+// The compute dtype of the draft's forward and backward: float32, or bfloat16 autocast
+// (weights and optimizer state stay float32).
+enum class ComputeDType { kFloat32, kBFloat16 };
+
+struct ModelOptions {
+  std::string base;                          // Hugging Face base model folder
+  std::string init_draft;                    // start from an exported draft folder ("" fresh)
+  std::int64_t draft_vocab_size = 0;         // 0: the base vocabulary
+  std::string d2t;                           // d2t.pt (eaglekit vocab); "" count over the train split
+  std::vector<std::int64_t> aux_layer_ids;   // as dumped (HF hidden_states indices)
+  bool modelopt_norm = false;
+  bool allow_unservable = false;             // train (and write final/ for) a draft no engine computes
+  std::int64_t ttt_steps = 3;
+  double loss_decay = 0.9;
+};
+
+struct OptimOptions {
+  std::int64_t grad_accum = 1;
+  double lr = 1e-4;
+  std::int64_t warmup_steps = 0;
+  Schedule schedule = Schedule::kCosine;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;  // <= 0: off
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  std::int64_t epochs = 0;     // 0: 1, unless max_steps is set (then unbounded)
+  std::int64_t max_steps = 0;  // optimizer steps; 0: no limit
+};
+
+struct RunOptions {
+  std::string out;
+  std::string device = "cpu";  // cpu, cuda, cuda:N
+  ComputeDType compute_dtype = ComputeDType::kFloat32;
+  int threads = 0;             // LibTorch intra-op threads; 0: its default
+  int cp_size = 1;             // context-parallel size (world / cp = data-parallel size)
+  double timeout = 300;        // seconds a rendezvous or collective may wait
+  std::int64_t eval_every = 0;  // > 0: every N steps and at the end; 0: at the end; < 0: never
+  std::int64_t save_every = 0;  // > 0: every N steps; a checkpoint is always saved at the end
+  std::int64_t log_every = 10;
+  bool resume = false;
+  std::string resume_from;      // checkpoint folder or output folder; "" = out
+  std::string export_dtype;     // OUT/final dtype: "" the base's torch_dtype
+  std::string tensorboard;      // TensorBoard event files: "" OUT/tensorboard
+  bool no_tensorboard = false;  // write none
+  bool progress = true;         // a progress line with ETA when stderr is a terminal
+};
+
+opt::Group model_options(ModelOptions& m);
+opt::Group optim_options(OptimOptions& o);
+opt::Group run_options(RunOptions& r);
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,208 @@
+#include "trainer/plan.h"
+
+#include <ATen/ATen.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+
+#include "formats/error.h"
+#include "lib/loader.h"
+#include "trainer/checkpoint.h"
+#include "trainer/config.h"
+#include "trainer/export.h"
+#include "trainer/train.h"
+#include "trainer/vocab.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+std::string ids_text(const std::vector<std::int64_t>& ids) {
+  std::string s;
+  for (auto id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+std::string gib(double bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(bytes < 1e9 ? 3 : 1) << bytes / (1024.0 * 1024.0 * 1024.0) << " GiB";
+  return os.str();
+}
+
+// Trainable parameters of the draft (trainer/draft_model.h): fc, the decoder layer on
+// 2H-wide q/k/v inputs, its norms, the final norm and lm_head over Vd.
+std::int64_t draft_parameters(const DraftConfig& c) {
+  const std::int64_t h = c.hidden_size, qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
+  return c.aux_width() * h + 2 * h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 4 * h +
+         c.draft_vocab_size * h;
+}
+
+// Activations one micro-batch keeps for backward, float32, per TTT step: the row's
+// embeddings, inputs and norms (about 8H per token), q/k/v and the attention output,
+// the MLP's gate, up and product (3I), the draft logits and their softmax (2Vd), and per
+// head the masked scores and probabilities over the L keys of block 0 (2L); plus once the
+// target distribution over Vd and the transient target logits over V.
+double activation_bytes(const DraftConfig& c, std::int64_t rows, std::int64_t length, std::int64_t steps) {
+  const double tokens = static_cast<double>(rows) * static_cast<double>(length);
+  const double qkv = static_cast<double>((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim);
+  const double per_token_step = 8.0 * c.hidden_size + qkv + c.num_attention_heads * c.head_dim +
+                                3.0 * c.intermediate_size + 2.0 * c.draft_vocab_size +
+                                2.0 * c.num_attention_heads * static_cast<double>(length);
+  const double once = static_cast<double>(c.draft_vocab_size + c.vocab_size);
+  return 4.0 * tokens * (per_token_step * static_cast<double>(steps) + once);
+}
+
+}  // namespace
+
+TrainPlan plan_training(const TrainOptions& o, int world_size) {
+  o.check();
+  TrainPlan p;
+  p.cp_size = o.cp_size;
+  p.world_size = std::max(world_size, o.cp_size);
+  if (p.world_size % p.cp_size != 0)
+    throw UsageError("--cp " + std::to_string(o.cp_size) + " does not divide the world size " +
+                     std::to_string(p.world_size));
+  p.dp_size = p.world_size / p.cp_size;
+
+  BaseConfig bc = load_base_config(o.base);
+  p.notes = bc.defaults_applied;
+  for (auto& n : p.notes) n = o.base + "/config.json: " + n;
+  p.vocab_size = bc.vocab_size;
+
+  DataSelection sel = o;
+  sel.split = "train";
+  const SelectedData train = select_data(sel);
+  if (train.samples.empty()) throw UsageError("the train split is empty (" + train.summary + ")");
+  sel.split = "eval";
+  p.eval_samples = static_cast<std::int64_t>(select_data(sel).samples.size());
+  p.summary = train.summary;
+  p.train_samples = static_cast<std::int64_t>(train.samples.size());
+  for (const auto& s : train.samples) p.tokens_per_epoch += std::min(s.tokens, o.max_length);
+
+  LoaderOptions lo = loader_options(o, 0, p.dp_size, 0, p.cp_size);
+  lo.sampler.epochs = 1;
+  lo.prefetch = 1;
+  lo.jobs = 1;
+  Loader loader(train.dataset, train.samples, lo);
+  const RecordShape shape = loader.shape();
+  p.hidden = shape.hidden;
+  if (shape.hidden != bc.hidden_size)
+    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
+                     o.base + " has hidden_size " + std::to_string(bc.hidden_size));
+  if (shape.hidden <= 0 || shape.aux_width % shape.hidden != 0)
+    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
+                     std::to_string(shape.hidden));
+  p.aux_layers = shape.aux_width / shape.hidden;
+
+  DraftConfig c;
+  if (o.resume || !o.init_draft.empty()) {
+    const std::string dir =
+        o.resume ? resolve_resume(o.resume_from.empty() ? o.out : o.resume_from) : o.init_draft;
+    c = load_draft_config(dir);
+    p.draft_source = (o.resume ? "resume " : "--init-draft ") + dir;
+    if (!o.aux_layer_ids.empty() && !o.resume) c.aux_layer_ids = o.aux_layer_ids;
+    p.aux_layer_ids_source = !o.aux_layer_ids.empty() && !o.resume ? "--aux-layer-ids" : "the draft";
+  } else {
+    DraftOptions d;
+    d.num_aux_layers = p.aux_layers;
+    d.aux_layer_ids = o.aux_layer_ids;
+    d.modelopt_norm = o.modelopt_norm;
+    d.draft_vocab_size = o.draft_vocab_size;
+    if (!o.d2t.empty()) d.draft_vocab_size = load_d2t(o.d2t).size(0);
+    c = draft_config_from_base(bc, d);
+    p.draft_source = "fresh from the base";
+    p.aux_layer_ids_source = !o.aux_layer_ids.empty() ? "--aux-layer-ids"
+                                                      : "EAGLE-3's default for a " +
+                                                            std::to_string(bc.num_hidden_layers) +
+                                                            "-layer base (2, N/2, N-3)";
+  }
+  if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden)
+    throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
+                     std::to_string(c.target_hidden_size) + " aux features, the data has " +
+                     std::to_string(p.aux_layers) + " x " + std::to_string(shape.hidden));
+  check_servable(c, o.allow_unservable, "train");
+  if (c.aux_layer_ids.empty())
+    throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(p.aux_layers) +
+                     " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
+                     "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
+  p.aux_layer_ids = c.aux_layer_ids;
+  p.draft_vocab_size = c.draft_vocab_size;
+  p.draft_config_json = draft_config_json(c);
+  {
+    const json j = json::parse(p.draft_config_json);
+    std::ostringstream r;
+    r << "theta " << j.value("rope_theta", 0.0);
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) r << ", rope_scaling " << j["rope_scaling"].dump();
+    p.rope = r.str();
+  }
+  p.parameters = draft_parameters(c);
+
+  p.rows_per_step = o.batch_size * o.grad_accum * p.dp_size;
+  p.steps_per_epoch = (loader.steps_in_epoch() + o.grad_accum - 1) / o.grad_accum;
+  const std::int64_t epochs = o.epochs > 0 ? o.epochs : (o.max_steps > 0 ? 0 : 1);
+  p.total_steps = epochs > 0 ? p.steps_per_epoch * epochs : o.max_steps;
+  if (o.max_steps > 0) p.total_steps = std::min(p.total_steps, o.max_steps);
+
+  p.state_bytes = 16.0 * static_cast<double>(p.parameters);
+  p.base_bytes = 4.0 * static_cast<double>(bc.vocab_size * bc.hidden_size) * (bc.tie_word_embeddings ? 1 : 2);
+  const std::int64_t length = (o.max_length + p.cp_size - 1) / p.cp_size;
+  p.activation_bytes = activation_bytes(c, o.batch_size, length, o.ttt_steps);
+  return p;
+}
+
+std::string TrainPlan::to_text() const {
+  std::ostringstream os;
+  for (const auto& n : notes) os << "note: " << n << "\n";
+  os << "data:        " << summary << "\n";
+  os << "split:       " << train_samples << " train, " << eval_samples << " eval samples; " << tokens_per_epoch
+     << " train tokens per epoch\n";
+  os << "dump:        hidden " << hidden << ", " << aux_layers << " aux layers\n";
+  os << "draft:       " << draft_source << "; " << parameters << " trainable parameters, draft vocab "
+     << draft_vocab_size << " of " << vocab_size << "\n";
+  os << "aux ids:     " << ids_text(aux_layer_ids) << " (" << aux_layer_ids_source << ")\n";
+  os << "rope:        " << rope << "\n";
+  os << "mesh:        " << world_size << " rank(s): dp " << dp_size << " x cp " << cp_size << "\n";
+  os << "steps:       " << total_steps << " optimizer steps (" << steps_per_epoch << " per epoch) of " << rows_per_step
+     << " rows\n";
+  os << "memory/rank: about " << gib(total_bytes()) << " (estimate: draft state " << gib(state_bytes) << ", base "
+     << gib(base_bytes) << ", activations of one micro-batch " << gib(activation_bytes) << ")\n";
+  os << "config.json of final/:\n" << draft_config_json;
+  return os.str();
+}
+
+std::string TrainPlan::to_json() const {
+  json j;
+  j["summary"] = summary;
+  j["train_samples"] = train_samples;
+  j["eval_samples"] = eval_samples;
+  j["tokens_per_epoch"] = tokens_per_epoch;
+  j["hidden"] = hidden;
+  j["aux_layers"] = aux_layers;
+  j["draft_source"] = draft_source;
+  j["aux_layer_ids"] = aux_layer_ids;
+  j["aux_layer_ids_source"] = aux_layer_ids_source;
+  j["rope"] = rope;
+  j["draft_vocab_size"] = draft_vocab_size;
+  j["vocab_size"] = vocab_size;
+  j["parameters"] = parameters;
+  j["world_size"] = world_size;
+  j["dp_size"] = dp_size;
+  j["cp_size"] = cp_size;
+  j["rows_per_step"] = rows_per_step;
+  j["steps_per_epoch"] = steps_per_epoch;
+  j["total_steps"] = total_steps;
+  j["memory_estimate_bytes"] = {{"draft_state", state_bytes},
+                                {"base", base_bytes},
+                                {"activations", activation_bytes},
+                                {"total", total_bytes()}};
+  j["draft_config"] = json::parse(draft_config_json);
+  j["notes"] = notes;
+  return j.dump();
+}
+
+}  // namespace eaglekit::trainer

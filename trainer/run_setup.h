@@ -1,0 +1,56 @@
+// What a run of the TTT unroll needs around it, shared by training and evaluation: the
+// device and compute dtype named on the command line, the loader's Batch as the unroll's
+// TttBatch, the loss normalizer of a batch known before its forward, the sequence context
+// of a mesh (context parallelism), and small sums over a process group.
+//
+// Thread safety: free functions without state. Errors: UsageError for a device or dtype
+// that cannot be used; c10::Error from LibTorch; dist errors from the group.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "lib/loader.h"
+#include "trainer/options.h"
+#include "trainer/ttt.h"
+
+namespace eaglekit::dist {
+class Group;
+class Mesh;
+}  // namespace eaglekit::dist
+
+namespace eaglekit::trainer {
+
+// "cpu", "cuda", "cuda:N". Throws UsageError for anything else, and when CUDA is asked for
+// but this LibTorch has no usable CUDA device.
+c10::Device parse_device(const std::string& name);
+// kFloat32 -> nullopt (no autocast); kBFloat16 -> kBFloat16 (autocast).
+std::optional<c10::ScalarType> autocast_type(ComputeDType dtype);
+
+// The loader's batch as the unroll takes it (tensors shared, not copied).
+TttBatch to_ttt_batch(const Batch& batch);
+
+// The sum over the batch, per TTT step s < steps, of the loss weights the unroll uses
+// (the loss mask of the next token, from position s on; inside a document when packed):
+// equal to TttResult::mask_sum, computed without running the model and without
+// communication (a context-parallel chunk's share from its global positions), so that a
+// step's loss normalizer is known before its first forward. float64 [steps] on the CPU.
+at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps);
+
+// The sequence layout of a mesh: nullptr when the mesh is single-rank (the unroll's own
+// SingleRankContext), else a RingContext over the mesh's cp group whose normalizer group is
+// the cp group as well (callers pass the global normalizer to ttt_loss themselves).
+std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh);
+// Hands the coming batch's global row length to a context that needs it (RingContext).
+void prepare_context(SequenceContext* context, const Batch& batch);
+
+// A small float64 CPU tensor summed over `group` (moved to `device` first for NCCL).
+at::Tensor reduce_sum(const dist::Group& group, const at::Tensor& cpu, c10::Device device);
+
+}  // namespace eaglekit::trainer
