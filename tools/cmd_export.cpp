@@ -1,5 +1,5 @@
 // eaglekit export: a checkpoint (or output folder) -> the Hugging Face draft folder vLLM and
-// SGLang load (SPEC.md section 9), with the dump's aux layer ids and the serving dtype.
+// SGLang load (docs/export.md), with the dump's aux layer ids and the serving dtype.
 #include <cxxopts.hpp>
 
 #include <iostream>
