@@ -75,7 +75,7 @@ struct PtWriteOptions {
 void write_pt(const std::string& path, const std::vector<PtEntry>& entries,
               const PtWriteOptions& opts = {});
 
-// ---- Records (SPEC.md section 3) ----------------------------------------------------
+// ---- Records (docs/data.md, records) -------------------------------------------------
 
 // One record per file. Accepts a dict, or a list/tuple holding one dict, with keys
 // input_ids; hidden_states | hidden_state; aux_hidden_states | aux_hidden_state |

@@ -1,5 +1,5 @@
 // The normalized hidden-state record every format reads into and writes from
-// (SPEC.md section 3), and the metadata an index keeps about one.
+// (docs/data.md, records), and the metadata an index keeps about one.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Collation: records (already read and truncated) -> one Batch of LibTorch tensors, with
-// the reference semantics (SPEC.md section 5, DataCollatorForOffline) in pad mode and two
+// the reference semantics (docs/data.md, DataCollatorForOffline) in pad mode and two
 // faster modes, `longest` and `pack`. Records are copied straight into preallocated batch
 // tensors (one copy from the file mapping to the batch); padding is written as zeros.
 //
@@ -40,7 +40,7 @@ struct CollateOptions {
   std::int64_t pad_multiple = 8;  // longest: batch length rounded up to this (capped at max_length)
   // Token window held of every row: columns [first_token, last_token) of the row's full
   // length L (last_token < 0: L; both clamped to L). For context parallelism, cp_size > 1
-  // instead gives rank cp_rank the chunk [r*L/c, (r+1)*L/c) (SPEC.md section 8).
+  // instead gives rank cp_rank the chunk [r*L/c, (r+1)*L/c) (docs/context-parallel.md).
   std::int64_t first_token = 0;
   std::int64_t last_token = -1;
   int cp_rank = 0;

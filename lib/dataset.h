@@ -1,6 +1,6 @@
 // The contract between the dataset index (lib/index.h) and the loader (lib/loader.h):
-// conversations read from JSONL (SPEC.md section 2), the records matched to them by
-// conversation id, and the reference train/eval split (SPEC.md section 4).
+// conversations read from JSONL, the records matched to them by conversation id, and the
+// reference train/eval split (docs/data.md).
 //
 // Duplicates are never resolved by picking one: an id that appears more than once in the
 // conversations or in the index is left out of the dataset and listed in

@@ -1,5 +1,5 @@
-// `eaglekit validate`: checks an index's records against the conversations (SPEC.md
-// section 2) and against each other before training starts, so that a bad dump is found in
+// `eaglekit validate`: checks an index's records against the conversations
+// (docs/data.md) and against each other before training starts, so that a bad dump is found in
 // seconds rather than hours into a run.
 //
 // What is a warning and what is fatal follows one rule: a problem the loader skips by

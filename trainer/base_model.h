@@ -1,4 +1,4 @@
-// The frozen parts of the base model the draft needs (SPEC.md section 6): its config,
+// The frozen parts of the base model the draft needs (docs/draft.md): its config,
 // `embed_tokens` [V, H] and `lm_head` [V, H], read from a Hugging Face folder
 // (config.json + model.safetensors or a sharded model.safetensors.index.json). Only those
 // two tensors are read, never the rest of the model.

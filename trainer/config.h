@@ -1,5 +1,5 @@
 // Architecture of the base model (read from a Hugging Face config.json) and of the EAGLE-3
-// draft (SPEC.md sections 6 and 9): what the draft is built from and what `export` writes
+// draft (docs/draft.md, docs/export.md): what the draft is built from and what `export` writes
 // back. Plain values; no LibTorch here.
 //
 // Errors: a missing or mistyped field throws FormatError naming the file and the field; a
@@ -89,7 +89,7 @@ struct DraftOptions {
 // (Llama-3.1-8B, N = 32: {2, 16, 29}; SGLang's form {1, 15, 28}).
 std::vector<std::int64_t> default_aux_layer_ids(std::int64_t num_hidden_layers);
 
-// The draft a base implies (SPEC.md section 6 defaults: the base's heads, head_dim,
+// The draft a base implies (docs/draft.md defaults: the base's heads, head_dim,
 // intermediate size, eps and RoPE). Validated with check().
 DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& options);
 
@@ -99,7 +99,7 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
 DraftConfig parse_draft_config(const std::string& json_text, const std::string& where);
 DraftConfig load_draft_config(const std::string& path);  // config.json or its folder
 
-// The config.json that `export` writes (SPEC.md section 9), pretty-printed. Aux layer ids
+// The config.json that `export` writes (docs/export.md), pretty-printed. Aux layer ids
 // are written both ways, num_aux_hidden_states (the fc's k, read by newer vLLM and SGLang)
 // and norm_before_residual: false (vLLM's other first-layer form) too; throws UsageError
 // when the ids are unknown. `weights_dtype`: the dtype of the weights beside it, written as

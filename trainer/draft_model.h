@@ -1,10 +1,10 @@
-// The EAGLE-3 draft (SPEC.md section 6) as a LibTorch module behind a small interface:
+// The EAGLE-3 draft (docs/draft.md) as a LibTorch module behind a small interface:
 // fc, one decoder layer ("midlayer") whose q/k/v read cat(input_layernorm(emb), hidden_norm(h)),
 // GQA with RoPE, SwiGLU MLP, final norm and an lm_head over the draft vocabulary, plus the
 // d2t map. The forward pass is exposed in pieces so that the TTT unroll (trainer/ttt.h)
 // owns the attention and can swap in a context-parallel one.
 //
-// Parameter names are the export names of SPEC.md section 9 ("fc.weight",
+// Parameter names are the export names of docs/export.md ("fc.weight",
 // "midlayer.self_attn.q_proj.weight", ...). d2t/t2d are not module buffers: Module::to()
 // would cast them to the float dtype.
 //
@@ -59,7 +59,7 @@ class DraftModel {
  public:
   // A fresh draft. Linear weights ~ N(0, 0.02) drawn on the CPU from `seed` (so equal on
   // every device), norms 1. lm_head starts as the rows i + d2t[i] of `base_lm_head`
-  // [V, H] when that is defined, else random. d2t: [Vd] int64 (SPEC.md section 6). The
+  // [V, H] when that is defined, else random. d2t: [Vd] int64 (docs/draft.md). The
   // model lives on the CPU in float32 until to().
   DraftModel(const DraftConfig& config, const at::Tensor& d2t, const at::Tensor& base_lm_head,
              std::uint64_t seed = 0);

@@ -1,4 +1,4 @@
-// The draft on disk as vLLM and SGLang load it (SPEC.md section 9), and back: a Hugging
+// The draft on disk as vLLM and SGLang load it (docs/export.md), and back: a Hugging
 // Face style folder with config.json and model.safetensors.
 //
 //   model.safetensors ({"format": "pt"} metadata; no "model." prefix; Linear weights [out, in]):

@@ -1,9 +1,9 @@
-// Context parallelism for the TTT unroll (SPEC.md section 8): a SequenceContext whose
+// Context parallelism for the TTT unroll (docs/context-parallel.md): a SequenceContext whose
 // sequence dimension is split into contiguous chunks over the ranks of a cp group, with
 // ring attention over c10d send/recv for the TTT mask, one-row boundary exchanges for the
 // rolls, and the loss normalizer summed over every rank that shares it.
 //
-// Layout (SPEC.md section 8, and the loader's token window): with C ranks and a global
+// Layout (docs/context-parallel.md, and the loader's token window): with C ranks and a global
 // length L >= C, cp rank r holds rows [r*L/C, (r+1)*L/C) (integer division) of every
 // per-token tensor. Lengths that are not a multiple of C are not padded: chunk sizes differ
 // by at most one row, and the ring sends each chunk at its own size.

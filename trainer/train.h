@@ -1,4 +1,4 @@
-// The training loop of `eaglekit train` (SPEC.md sections 6 and 7): data -> TTT unroll ->
+// The training loop of `eaglekit train` (docs/draft.md, docs/ttt.md): data -> TTT unroll ->
 // AdamW with warmup and a cosine/linear/constant schedule, gradient clipping and gradient
 // accumulation; metrics to OUT/metrics.jsonl, periodic evaluation, atomic checkpoints
 // OUT/checkpoint-STEP/ with exact resume, and the final export OUT/final/.

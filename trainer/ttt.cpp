@@ -16,7 +16,7 @@ namespace eaglekit::trainer {
 
 namespace {
 
-constexpr double kLossEps = 1e-5;  // SPEC.md section 7: loss_s = ce / (sum(m) + 1e-5)
+constexpr double kLossEps = 1e-5;  // docs/ttt.md, loss per step: ce_s / (N_s + 1e-5)
 const double kNegInf = -std::numeric_limits<double>::infinity();
 
 // Enables autocast for one device type for the guard's lifetime and restores the previous
@@ -528,7 +528,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     scope.begin("ttt.lm_head_loss");
     const at::Tensor logits = draft.logits(out).to(at::kFloat);
     const at::Tensor logp = at::log_softmax(logits, -1);
-    // Draft position t predicts the target at t + 1, from step s on (SPEC: [:, s:L-1]).
+    // Draft position t predicts the target at t + 1, from step s on (docs/ttt.md: logp[:, s:L-1]).
     const at::Tensor weight = loss_weight * (positions >= s).to(at::kFloat);
     ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
     mask_sums.push_back(weight.sum());

@@ -1,4 +1,4 @@
-// Training-time test (SPEC.md section 7): the TTT attention mask, the S-step unroll of the
+// Training-time test (docs/ttt.md): the TTT attention mask, the S-step unroll of the
 // draft with its rolls and kept keys/values, the soft cross-entropy against the base
 // distribution mapped to the draft vocabulary, and the accuracy metrics.
 //
@@ -30,7 +30,7 @@ namespace eaglekit::trainer {
 
 // --- the mask --------------------------------------------------------------------------
 
-// SPEC.md section 7: may query q (a position 0..L-1) at step s attend key j (a flattened
+// docs/ttt.md, the mask: may query q (a position 0..L-1) at step s attend key j (a flattened
 // index block * L + position over the s+1 kept blocks)?
 //   j <= q - s (block 0), or j == i*L + q - (s - i) and j >= i*L for some i in 1..s.
 bool ttt_allowed(std::int64_t length, std::int64_t step, std::int64_t q, std::int64_t j);
@@ -68,7 +68,7 @@ AttentionPartial attend(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // The exact softmax attention over the union of the two key sets.
 AttentionPartial merge_partials(const AttentionPartial& a, const AttentionPartial& b);
 
-// TTT attention of step s written directly from the SPEC mask: the s+1 blocks are
+// TTT attention of step s written directly from the mask of docs/ttt.md: the s+1 blocks are
 // concatenated and ttt_mask() applied, plus key_valid [B, L] (bool, per position, the same
 // for every block) and, for packed rows, document_ids [B, L] (a query sees only keys of its
 // own document; undefined: one document per row). O(L^2 (s+1)); the reference the fast
@@ -188,7 +188,7 @@ struct TttResult {
   TttStats stats;       // detached copies of this rank's sums (no cross-rank reduction)
 };
 
-// loss = sum_s decay^s ce_sum[s] / (normalizer[s] + 1e-5): SPEC.md's per-batch loss when
+// loss = sum_s decay^s ce_sum[s] / (normalizer[s] + 1e-5): the per-batch loss of docs/ttt.md when
 // normalizer is the batch's mask sum. For gradient accumulation or data parallelism pass the
 // mask sum of the whole global batch, and sum (not average) the gradients.
 at::Tensor ttt_loss(const at::Tensor& ce_sum, const at::Tensor& normalizer, double decay);

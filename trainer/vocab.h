@@ -1,4 +1,4 @@
-// The draft vocabulary (SPEC.md section 6): token frequencies counted over a dataset's
+// The draft vocabulary (docs/draft.md, d2t and t2d): token frequencies counted over a dataset's
 // input_ids, and d2t as ModelOpt calibrates it: draft id i is the i-th most frequent target
 // token (ties by smaller id) and d2t[i] = that id - i, so target id = i + d2t[i].
 //

@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """Independent reference for eaglekit's EAGLE-3 draft with training-time test.
 
-Written from SPEC.md sections 6, 7 and 9 only, in the most literal form: torch.roll for the
-rolls, the TTT mask built entry by entry from the SPEC formula, the loss sliced exactly as
-SPEC writes it. It reads what eaglekit wrote (an exported draft folder, a base model folder,
+Written from docs/draft.md, docs/ttt.md and docs/export.md only, in the most literal form:
+torch.roll for the rolls, the TTT mask built entry by entry from the rule of docs/ttt.md (the
+mask), the loss sliced as docs/ttt.md (loss per step) writes it. It reads what eaglekit wrote (an exported draft folder, a base model folder,
 a batch, eaglekit's gradients and metrics), recomputes everything in float64 and prints one
 JSON object per case with the largest relative differences.
 
@@ -77,7 +77,7 @@ def rope(x, cos, sin):
 
 
 def allowed(L, s, q, j):
-    """SPEC.md section 7, verbatim."""
+    """The rule of docs/ttt.md (the mask), term by term."""
     if j <= q - s:
         return True
     return any(j == i * L + q - (s - i) and j >= i * L for i in range(1, s + 1))

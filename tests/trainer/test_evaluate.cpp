@@ -72,7 +72,7 @@ TEST_CASE("evaluate: pooled metrics do not depend on the batch size or the colla
   const EvaluateReport one = run_evaluate(o);
   o.batch_size = 7;
   const EvaluateReport seven = run_evaluate(o);
-  o.batch_size = 64;  // the whole split in one batch: the plain SPEC formulas
+  o.batch_size = 64;  // the whole split in one batch: the plain formulas of docs/ttt.md
   const EvaluateReport all = run_evaluate(o);
   o.batch_size = 5;
   o.mode = CollateMode::kLongest;

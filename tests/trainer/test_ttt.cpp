@@ -54,7 +54,7 @@ nlohmann::json metrics_json(const TttResult& r) {
 
 }  // namespace
 
-TEST_CASE("ttt: the mask matches SPEC.md's worked examples") {
+TEST_CASE("ttt: the mask matches the worked examples of docs/ttt.md") {
   using Rows = std::vector<std::set<std::int64_t>>;
   // L=4, s=1: q0->{4}; q1->{0,5}; q2->{0,1,6}; q3->{0,1,2,7}.
   CHECK((mask_rows(ttt_mask(4, 1)) == Rows{{4}, {0, 5}, {0, 1, 6}, {0, 1, 2, 7}}));
@@ -75,7 +75,7 @@ TEST_CASE("ttt: the mask matches SPEC.md's worked examples") {
   }
 }
 
-TEST_CASE("ttt: fast attention equals the dense SPEC-mask attention, values and gradients") {
+TEST_CASE("ttt: fast attention equals dense attention under the docs/ttt.md mask, values and gradients") {
   at::manual_seed(11);
   const std::int64_t b = 2, heads = 4, kv = 2, l = 9, d = 8;
   const at::Tensor key_valid = at::ones({b, l}, at::kBool);
@@ -152,7 +152,7 @@ TEST_CASE("ttt: partial attention merged by log-sum-exp equals attention over al
   for (std::size_t i = 0; i < 3; ++i) CHECK(max_rel(g[i], g_full[i]) < 1e-5);
 }
 
-TEST_CASE("ttt: statistics pool by summing and give the SPEC metrics") {
+TEST_CASE("ttt: statistics pool by summing and give the metrics of docs/ttt.md") {
   TttStats s(3);
   s.ce_sum = {10, 8, 6};
   s.mask_sum = {10, 9, 8};
