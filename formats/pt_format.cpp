@@ -428,12 +428,14 @@ Record normalize(const Archive& a, const std::string& id_path) {
   r.aux_hidden_states =
       *tensor({"aux_hidden_states", "aux_hidden_state", "hidden_state_features"}, true, 3);
   r.loss_mask = tensor({"loss_mask"}, false, 2);
+  // ModelOpt and SpecForge name it conversation_id; TensorRT-LLM's raw dumps keep "id".
   const Value* id = root->get("conversation_id");
+  if (id == nullptr || id->kind == Kind::kNone) id = root->get("id");
   if (id == nullptr || id->kind == Kind::kNone) r.conversation_id = conversation_id_from_path(id_path);
   else if (id->kind == Kind::kStr) r.conversation_id = id->s;
   else if (id->kind == Kind::kInt) r.conversation_id = std::to_string(id->i);
   else
-    throw FormatError(path, id->offset, "conversation_id",
+    throw FormatError(path, id->offset, root->get("conversation_id") ? "conversation_id" : "id",
                       "is a " + std::string(pickle::kind_name(id->kind)) + ", expected str or int");
   r.check(path);
   return r;

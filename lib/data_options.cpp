@@ -6,8 +6,13 @@ opt::Group data_options(DataSelection& d) {
   using opt::field;
   return {"Data",
           {
-              field("data", "PATH", d.data, "Conversations: a .jsonl file, a folder of them, or a JSON array file"),
+              opt::note(field("data", "PATH", d.data,
+                              "Conversations: a .jsonl file, a folder of them, or a JSON array file"),
+                        "none: every usable record of the index, in index order"),
               field("index", "FILE", d.index, "Dataset index (eaglekit index)"),
+              opt::choice("match_by", d.match_by, {{MatchBy::kAuto, "auto"}, {MatchBy::kId, "id"}, {MatchBy::kRow, "row"}},
+                          "How records find conversations: by id, or by row for dumps named data_{i} / hs_{i} "
+                          "(auto: id, else row when every record is row-named)"),
               field("quarantine", "FILE", d.quarantine, "File of conversation ids to leave out (eaglekit validate --quarantine)"),
               field("split", "NAME", d.split, "train, eval or all"),
               field("eval_fraction", "X", d.eval_fraction,

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "lib/dataset.h"
 #include "lib/options.h"
 
 namespace eaglekit {
@@ -21,13 +22,15 @@ enum class CollateMode {
 };
 
 // Which samples: the conversations, the index whose records they match, ids to leave out,
-// and the reference split (docs/data.md).
+// and the reference split (docs/data.md). Without conversations (data empty) every usable
+// record of the index is a sample, in index order (row order for data_{i} / hs_{i}).
 struct DataSelection {
   std::string data;
   std::string index;
   std::string quarantine;        // "" = none
   std::string split = "train";   // train | eval | all
   double eval_fraction = 0.05;
+  MatchBy match_by = MatchBy::kAuto;  // how records find conversations (lib/dataset.h)
 };
 
 // How samples become batches.
@@ -43,7 +46,7 @@ struct BatchOptions {
   int prefetch = 4;                // batches in flight and ready ahead of the consumer
 };
 
-// "Data": data, index, quarantine, split, eval_fraction.
+// "Data": data, index, match_by, quarantine, split, eval_fraction.
 opt::Group data_options(DataSelection& d);
 // "Batches": batch_size, max_length, mode, pad_multiple, shuffle, seed, drop_last, jobs,
 // prefetch.

@@ -316,22 +316,35 @@ std::vector<Conversation> load_conversations(const std::string& path) {
 
 // ---------------------------------------------------------------------------------------
 
-Dataset match_records(const std::vector<Conversation>& conversations, const DatasetIndex& index,
-                      const std::set<std::string>& quarantine) {
+std::optional<std::int64_t> row_of(std::string_view id) {
+  const auto us = id.rfind('_');
+  if (us == std::string_view::npos || us + 1 >= id.size() || id.size() - us - 1 > 12) return std::nullopt;
+  const std::string_view digits = id.substr(us + 1);
+  if (digits.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+  if (digits.size() > 1 && digits[0] == '0') return std::nullopt;
+  std::int64_t v = 0;
+  for (char c : digits) v = v * 10 + (c - '0');
+  return v;
+}
+
+namespace {
+
+// The matching loop over keys: conversation c matches the entry whose key equals c's key.
+// Ids stay the conversations' (quarantine and the loader name samples by them).
+Dataset match_keys(const std::vector<Conversation>& conversations, const std::vector<std::string>& conversation_keys,
+                   const DatasetIndex& index, const std::vector<std::string>& entry_keys,
+                   const std::set<std::string>& quarantine) {
   Dataset d;
   d.conversations = conversations.size();
-
-  // One pass over the entries; find() per conversation would cost a binary search each.
   struct Hit {
     std::uint32_t entry;
     std::uint32_t count;
   };
-  std::unordered_map<std::string_view, Hit> by_id;
-  by_id.reserve(index.size());
-  for (std::size_t i = 0; i < index.size(); ++i) {
-    const std::string_view id = index.conversation_id(i);
-    if (id.empty()) continue;
-    auto [it, inserted] = by_id.try_emplace(id, Hit{static_cast<std::uint32_t>(i), 0});
+  std::unordered_map<std::string_view, Hit> by_key;
+  by_key.reserve(entry_keys.size());
+  for (std::size_t i = 0; i < entry_keys.size(); ++i) {
+    if (entry_keys[i].empty()) continue;
+    auto [it, inserted] = by_key.try_emplace(entry_keys[i], Hit{static_cast<std::uint32_t>(i), 0});
     ++it->second.count;
   }
   std::unordered_map<std::string_view, std::uint32_t> conv_count;
@@ -340,9 +353,10 @@ Dataset match_records(const std::vector<Conversation>& conversations, const Data
 
   std::unordered_map<std::uint32_t, std::uint32_t> file_slot;  // index file -> Dataset::files
   std::set<std::string> duplicates;
-  for (const auto& c : conversations) {
-    const auto it = by_id.find(c.id);
-    if (it == by_id.end()) {
+  for (std::size_t ci = 0; ci < conversations.size(); ++ci) {
+    const Conversation& c = conversations[ci];
+    const auto it = by_key.find(conversation_keys[ci]);
+    if (it == by_key.end()) {
       ++d.missing;
       continue;
     }
@@ -372,9 +386,81 @@ Dataset match_records(const std::vector<Conversation>& conversations, const Data
   return d;
 }
 
+std::vector<std::string> entry_ids(const DatasetIndex& index) {
+  std::vector<std::string> keys(index.size());
+  for (std::size_t i = 0; i < index.size(); ++i) keys[i] = std::string(index.conversation_id(i));
+  return keys;
+}
+
+// Rows of the entries as keys; false when some entry's id is not row-form.
+bool entry_rows(const DatasetIndex& index, std::vector<std::string>& keys) {
+  keys.assign(index.size(), std::string());
+  bool all = index.size() > 0;
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    const auto row = row_of(index.conversation_id(i));
+    if (row) keys[i] = std::to_string(*row);
+    else all = false;
+  }
+  return all;
+}
+
+}  // namespace
+
+Dataset match_records(const std::vector<Conversation>& conversations, const DatasetIndex& index,
+                      const std::set<std::string>& quarantine, MatchBy by) {
+  std::vector<std::string> conversation_ids;
+  conversation_ids.reserve(conversations.size());
+  for (const auto& c : conversations) conversation_ids.push_back(c.id);
+  if (by != MatchBy::kRow) {
+    Dataset d = match_keys(conversations, conversation_ids, index, entry_ids(index), quarantine);
+    if (by == MatchBy::kId || d.missing < conversations.size()) return d;
+  }
+  std::vector<std::string> rows;
+  const bool all_rows = entry_rows(index, rows);
+  if (by == MatchBy::kAuto && !all_rows)
+    return match_keys(conversations, conversation_ids, index, entry_ids(index), quarantine);
+  std::vector<std::string> positions(conversations.size());
+  for (std::size_t i = 0; i < conversations.size(); ++i) positions[i] = std::to_string(i);
+  Dataset d = match_keys(conversations, positions, index, rows, quarantine);
+  d.matched_by = "row";
+  return d;
+}
+
+Dataset index_dataset(const DatasetIndex& index, const std::set<std::string>& quarantine) {
+  std::vector<std::size_t> order(index.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<std::string> rows;
+  if (entry_rows(index, rows)) {
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return *row_of(index.conversation_id(a)) <
+                                                                *row_of(index.conversation_id(b)); });
+  }
+  // Each record as its own conversation, its id as the id: the matching rules then apply
+  // unchanged (a duplicate id is left out, not resolved).
+  std::vector<Conversation> records;
+  std::vector<std::string> keys;
+  records.reserve(order.size());
+  for (std::size_t i : order) {
+    const std::string id(index.conversation_id(i));
+    if (id.empty()) continue;
+    records.push_back({id, std::string(index.file_path(i))});
+    keys.push_back(id);
+  }
+  Dataset d = match_keys(records, keys, index, entry_ids(index), quarantine);
+  d.matched_by = "index";
+  if (d.samples.empty()) {
+    if (index.size() == 0) throw Error("no records to train on: the index " + index.path() + " holds none");
+    throw Error("none of the " + std::to_string(index.size()) + " records of the index " + index.path() +
+                " is usable: " + std::to_string(d.quarantined) + " quarantined, " + std::to_string(d.duplicates) +
+                " with duplicate ids, " + std::to_string(d.unreadable) + " unreadable, " +
+                std::to_string(d.too_short) + " with fewer than 2 tokens");
+  }
+  return d;
+}
+
 Dataset match_dataset(const std::vector<Conversation>& conversations, const DatasetIndex& index,
-                      const std::set<std::string>& quarantine) {
-  Dataset d = match_records(conversations, index, quarantine);
+                      const std::set<std::string>& quarantine, MatchBy by) {
+  Dataset d = match_records(conversations, index, quarantine, by);
   if (!d.samples.empty()) return d;
   std::string roots;
   for (const auto& r : index.roots()) roots += (roots.empty() ? "" : ", ") + r;
@@ -396,6 +482,8 @@ Dataset match_dataset(const std::vector<Conversation>& conversations, const Data
            "their id from \"conversation_id\", else \"uuid\", else \"id\". For example, the first "
            "conversation's id is \"" + conversations.front().id + "\" (" +
            conversations.front().source + ")";
+    std::vector<std::string> rows;
+    const bool row_named = entry_rows(index, rows);
     for (std::size_t i = 0; i < index.size(); ++i) {
       if (!index.conversation_id(i).empty()) {
         msg += " and the first record's id is \"" + std::string(index.conversation_id(i)) +
@@ -404,6 +492,9 @@ Dataset match_dataset(const std::vector<Conversation>& conversations, const Data
       }
     }
     msg += ".";
+    if (row_named && by == MatchBy::kId)
+      msg += " The records are named by row (data_{i}, hs_{i}): pass --match-by row, or leave out --data to train on "
+             "every record of the index.";
   } else {
     msg += "Run `eaglekit validate` for the details.";
   }

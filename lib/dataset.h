@@ -11,8 +11,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -55,17 +57,40 @@ struct Dataset {
   std::size_t unreadable = 0;       // its record is marked bad in the index
   std::size_t too_short = 0;        // its record has fewer than 2 tokens (nothing to predict)
   std::vector<std::string> duplicate_ids;  // sorted; ids left out for not being unique
+  // How samples were found: "id", "row" (auto-detected or asked for), or "index" (no
+  // conversations: every record).
+  std::string matched_by = "id";
 };
 
-// Records matched to conversations by id, in conversation order; bad index entries
-// and quarantined ids are left out. Throws Error when nothing matched, saying what was
+// How records find their conversation (docs/data.md, matching):
+// - kId: the record's id (the conversation_id or id it stores, else its file name) equals
+//   the conversation's id;
+// - kRow: producers that name records by row (SpecForge data_{i}.ckpt, vLLM/speculators
+//   hs_{i}.safetensors) hold no id: record row i is the i-th conversation (0-based, in
+//   --data order);
+// - kAuto: by id when any record matches by id, else by row when every record's id has the
+//   row form, else by id (and the error says so).
+enum class MatchBy { kAuto, kId, kRow };
+
+// The row of a row-named record id: "data_12" -> 12, "hs_3" -> 3 (any prefix ending in '_'
+// followed by decimal digits only, without leading zeros); nullopt otherwise.
+std::optional<std::int64_t> row_of(std::string_view record_id);
+
+// Records matched to conversations, in conversation order; bad index entries and
+// quarantined ids are left out. Throws Error when nothing matched, saying what was
 // expected.
 Dataset match_dataset(const std::vector<Conversation>& conversations, const DatasetIndex& index,
-                      const std::set<std::string>& quarantine = {});
+                      const std::set<std::string>& quarantine = {}, MatchBy by = MatchBy::kAuto);
 
 // match_dataset without the throw: an empty Dataset::samples when nothing matched.
 Dataset match_records(const std::vector<Conversation>& conversations, const DatasetIndex& index,
-                      const std::set<std::string>& quarantine = {});
+                      const std::set<std::string>& quarantine = {}, MatchBy by = MatchBy::kId);
+
+// Without conversations: every usable record of the index is a sample, in index order, or
+// in row order when every record's id has the row form (data_2 before data_10). The same
+// exclusions as matching (quarantined, duplicate ids, unreadable, fewer than 2 tokens);
+// Dataset::conversations counts the records considered. Throws Error when none is usable.
+Dataset index_dataset(const DatasetIndex& index, const std::set<std::string>& quarantine = {});
 
 // Reads a quarantine file (one conversation id per line, '#' comments allowed).
 // A line whose first non-blank character is '#' is a comment; ids are trimmed of

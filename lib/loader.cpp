@@ -580,25 +580,47 @@ std::string LoaderStats::to_json() const {
 
 // ---------------------------------------------------------------------------------------
 
+namespace {
+
+bool all_row_named(const DatasetIndex& index) {
+  for (std::size_t i = 0; i < index.size(); ++i)
+    if (!row_of(index.conversation_id(i))) return false;
+  return index.size() > 0;
+}
+
+}  // namespace
+
 SelectedData select_data(const DataSelection& sel) {
   if (sel.split != "train" && sel.split != "eval" && sel.split != "all")
     throw UsageError("--split must be train, eval or all, not '" + sel.split + "'");
-  if (sel.data.empty()) throw UsageError("--data is required");
   if (sel.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
-  const auto conversations = load_conversations(sel.data);
   const DatasetIndex index = DatasetIndex::load(sel.index);
   const std::set<std::string> quarantine =
       sel.quarantine.empty() ? std::set<std::string>{} : load_quarantine(sel.quarantine);
   SelectedData out;
-  out.dataset = match_dataset(conversations, index, quarantine);
+  if (sel.data.empty()) {
+    if (sel.match_by == MatchBy::kRow) throw UsageError("--match-by row needs --data (row i is conversation i)");
+    out.dataset = index_dataset(index, quarantine);
+  } else {
+    out.dataset = match_dataset(load_conversations(sel.data), index, quarantine, sel.match_by);
+  }
   const Split split = split_dataset(out.dataset.samples, sel.eval_fraction);
   if (sel.split == "train") out.samples = split.train;
   else if (sel.split == "eval") out.samples = split.eval;
   else out.samples = out.dataset.samples;
   const Dataset& d = out.dataset;
-  out.summary = std::to_string(d.samples.size()) + " of " + std::to_string(d.conversations) +
-                " conversations matched a record";
+  if (d.matched_by == "index") {
+    out.summary = std::to_string(d.samples.size()) + " of " + std::to_string(d.conversations) +
+                  " records of the index (no --data: every usable record, in " + (all_row_named(index) ? "row" : "index") +
+                  " order)";
+  } else {
+    out.summary = std::to_string(d.samples.size()) + " of " + std::to_string(d.conversations) +
+                  " conversations matched a record" + (d.matched_by == "row" ? " by row (record data_{i} / hs_{i} is conversation i)" : "");
+  }
   if (d.missing) out.summary += ", " + std::to_string(d.missing) + " have none";
+  if (d.matched_by == "row" && sel.match_by == MatchBy::kAuto)
+    out.summary += " (matched by row: no record id equals a conversation id and every record is row-named; "
+                   "--match-by id to refuse)";
   if (d.quarantined) out.summary += ", " + std::to_string(d.quarantined) + " quarantined";
   if (d.duplicates) out.summary += ", " + std::to_string(d.duplicates) + " duplicate ids left out";
   if (d.unreadable) out.summary += ", " + std::to_string(d.unreadable) + " unreadable";

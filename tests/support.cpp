@@ -88,11 +88,12 @@ void require_python(const std::string& module) {
                                     << (stdlib ? "python3" : "python3-" + module) << " (scripts/setup does)");
 }
 
-RunResult eaglekit(const std::string& args) {
+std::string eaglekit_path() {
   const char* bin = std::getenv("EAGLEKIT_BIN");
-  const std::string exe = bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
-  return run(quote(exe) + " " + args);
+  return bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
 }
+
+RunResult eaglekit(const std::string& args) { return run(quote(eaglekit_path()) + " " + args); }
 
 std::string source_dir() { return EAGLEKIT_SOURCE_DIR; }
 

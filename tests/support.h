@@ -51,6 +51,7 @@ std::string message_of(const std::function<void()>& f) {
 }
 // Runs the built eaglekit binary with args (already shell-quoted as needed).
 RunResult eaglekit(const std::string& args);
+std::string eaglekit_path();  // that binary ($EAGLEKIT_BIN, else the build's bin/eaglekit)
 
 std::string source_dir();  // repository root
 std::string shared_testdata(const std::string& rel);  // ../shared/testdata/REL (or tests/data)

@@ -14,7 +14,6 @@
 namespace eaglekit::tools {
 
 std::unique_ptr<Loader> open_loader(const LoaderJob& job, std::string& summary) {
-  if (job.data.empty()) throw UsageError("--data is required");
   if (job.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (job.pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
   LoaderOptions o = loader_options(job, job.rank, job.world_size, job.cp_rank, job.cp_size);

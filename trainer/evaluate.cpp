@@ -127,7 +127,6 @@ opt::Groups EvaluateOptions::groups() {
 void EvaluateOptions::check() const {
   if (base.empty()) throw UsageError("--base is required (the base model folder)");
   if (draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
-  if (data.empty()) throw UsageError("--data is required");
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
   if (max_length < 2) throw UsageError("--max-length must be at least 2");

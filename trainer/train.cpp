@@ -108,7 +108,6 @@ void TrainOptions::apply_json(const std::string& json_text, const std::string& w
 }
 
 void TrainOptions::check() const {
-  if (data.empty()) throw UsageError("--data is required (the conversations)");
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (base.empty()) throw UsageError("--base is required (the base model folder)");
   if (out.empty()) throw UsageError("--out is required (the output folder)");

@@ -168,7 +168,6 @@ opt::Groups VocabOptions::groups() {
 
 VocabReport build_vocab(const VocabOptions& o) {
   const auto t0 = Clock::now();
-  if (o.data.empty()) throw UsageError("--data is required");
   if (o.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (o.out.empty()) throw UsageError("--out is required (the d2t.pt to write)");
   if (o.draft_vocab_size <= 0) throw UsageError("--draft-vocab-size is required and must be positive");

@@ -296,3 +296,58 @@ TEST_CASE("dataset: quarantine files round trip") {
   CHECK(msg == path + ": conversation id \"#7\" cannot be written to a quarantine file (empty, "
                       "surrounded by blanks, starting with '#' or holding a newline)");
 }
+
+TEST_CASE("dataset: row-named records (data_{i}, hs_{i}) match by row; without conversations, row order") {
+  CHECK(row_of("data_12") == 12);
+  CHECK(row_of("hs_0") == 0);
+  CHECK(row_of("rows_0-2000_data_7") == 7);
+  CHECK(!row_of("data_"));
+  CHECK(!row_of("data_012"));  // not a row number as producers write them
+  CHECK(!row_of("conv-3"));
+  CHECK(!row_of("12"));
+
+  test::TempDir dir("ds");
+  const std::string index_path = dir / "i.ekidx";
+  // Index order is path order: data_10 comes before data_2.
+  write_index(index_path, {"/sf"},
+              {file("/sf/data_0.ckpt", {rec("data_0", 10)}), file("/sf/data_1.ckpt", {rec("data_1", 11)}),
+               file("/sf/data_10.ckpt", {rec("data_10", 20)}), file("/sf/data_2.ckpt", {rec("data_2", 12)}),
+               file("/sf/data_3.ckpt", {rec("data_3", 1)})});
+  const DatasetIndex index = DatasetIndex::load(index_path);
+  const auto cs = convs({"c0", "c1", "c2", "c3", "c4"});
+  // auto: no record id is a conversation id, every record is row-named -> by row.
+  const Dataset d = match_dataset(cs, index);
+  CHECK(d.matched_by == "row");
+  REQUIRE(d.samples.size() == 3);  // c3's record is too short, c4 has no row 4
+  CHECK(d.samples[0].conversation_id == "c0");
+  CHECK(d.samples[0].tokens == 10);
+  CHECK(d.samples[2].conversation_id == "c2");
+  CHECK(d.samples[2].tokens == 12);
+  CHECK(d.missing == 1);
+  CHECK(d.too_short == 1);
+  // Quarantine names conversations.
+  CHECK(match_dataset(cs, index, {"c1"}).samples.size() == 2);
+  // By id, nothing matches, and the error says how these records are named.
+  const std::string msg = error_of<Error>([&] { match_dataset(cs, index, {}, MatchBy::kId); });
+  CHECK(msg.find("The records are named by row (data_{i}, hs_{i}): pass --match-by row") != std::string::npos);
+
+  // Without conversations: every usable record, in row order.
+  const Dataset all = index_dataset(index);
+  CHECK(all.matched_by == "index");
+  CHECK(all.conversations == 5);
+  REQUIRE(all.samples.size() == 4);
+  CHECK(all.samples[0].conversation_id == "data_0");
+  CHECK(all.samples[1].conversation_id == "data_1");
+  CHECK(all.samples[2].conversation_id == "data_2");
+  CHECK(all.samples[3].conversation_id == "data_10");
+  CHECK(all.too_short == 1);
+  CHECK(index_dataset(index, {"data_2"}).samples.size() == 3);
+
+  // Ids that are not all row-named keep index order, and match by id under auto.
+  write_index(index_path, {"/m"}, {file("/m/b.pt", {rec("b", 10)}), file("/m/a_1.pt", {rec("a_1", 10)})});
+  const DatasetIndex mixed = DatasetIndex::load(index_path);
+  const Dataset m = index_dataset(mixed);
+  REQUIRE(m.samples.size() == 2);
+  CHECK(m.samples[0].conversation_id == "b");
+  CHECK(match_dataset(convs({"a_1", "b"}), mixed).matched_by == "id");
+}

@@ -325,7 +325,7 @@ TEST_CASE("train: options from JSON (either key style), refusals name the key") 
                        "cfg.json: option 'max_steps' must be an integer, not \"ten\"", UsageError);
   CHECK_THROWS_WITH_AS(o.apply_json("[1]", "cfg.json"), "cfg.json: expected a JSON object of options", UsageError);
   TrainOptions bad;
-  CHECK_THROWS_WITH_AS(bad.check(), "--data is required (the conversations)", UsageError);
+  CHECK_THROWS_WITH_AS(bad.check(), "--index is required (build one with eaglekit index)", UsageError);
   bad.data = "d";
   bad.index = "i";
   bad.base = "b";

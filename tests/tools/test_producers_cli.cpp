@@ -1,0 +1,137 @@
+// Dumps as other producers write them, made here with Python (torch.save, and the
+// safetensors byte layout by hand), then indexed and trained on as a user would: SpecForge
+// (rows_A-B/data_{i}.ckpt, named by row, padded to the batch's longest sample with
+// loss_mask 0), TensorRT-LLM (dp_{rank}_{iter}.pt: a list of one dict that keeps the
+// conversation id under "id") and vLLM/speculators (hs_{i}.safetensors, named by row).
+// docs/data.md, matching.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/support.h"
+
+using namespace eaglekit;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kConversations = 12;
+
+
+struct Dumps {
+  test::TempDir dir{"producers"};
+  std::string conversations = dir / "conversations.jsonl";
+  std::string base = dir / "base";
+};
+
+std::unique_ptr<Dumps> make_dumps() {
+  test::require_python("torch");
+  auto d = std::make_unique<Dumps>();
+  const auto py = test::run("/usr/bin/env " + test::quote(test::python_bin()) + " " +
+                            test::quote(test::source_dir() + "/tests/tools/make_producer_dumps.py") + " " +
+                            test::quote(d->dir.path()));
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  // A base of the same widths (synth writes one; its records are not used).
+  const auto r = test::eaglekit("synth --out " + test::quote(d->dir / "unused") +
+                                " --conversations 2 --hidden 32 --vocab 48 --base-out " + test::quote(d->base));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  for (const char* p : {"specforge", "trtllm", "speculators"}) {
+    const auto ix = test::eaglekit("index " + test::quote(d->dir / p) + " --out " +
+                                   test::quote(d->dir / (std::string(p) + ".eki")));
+    REQUIRE_MESSAGE(ix.exit_code == 0, ix.err);
+  }
+  return d;
+}
+
+// The conversation ids of the batches collate wrote, in order.
+std::vector<std::string> collated_ids(const std::string& dir) {
+  std::vector<std::string> ids;
+  std::ifstream f(dir + "/batches.jsonl");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    for (const auto& id : nlohmann::json::parse(line)["conversation_ids"]) ids.push_back(id.get<std::string>());
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched, ordered and trained on") {
+  auto d = make_dumps();
+  const std::string train_flags = " --base " + test::quote(d->base) +
+                                  " --max-steps 2 --batch-size 4 --max-length 32 --jobs 2 --threads 2 --eval-every -1";
+  std::vector<std::string> reference;  // conv-0 .. conv-11 in --data order
+  for (int i = 0; i < kConversations; ++i) reference.push_back("conv-" + std::to_string(i));
+
+  SUBCASE("SpecForge: row-named records match conversations by row, said on stderr; train two steps") {
+    const std::string index = d->dir / "specforge.eki";
+    auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                            " --split all --batch-size 3 --max-length 32 --out " + test::quote(d->dir / "c1"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.err.find("matched a record by row") != std::string::npos);
+    CHECK(collated_ids(d->dir / "c1") == reference);
+    r = test::eaglekit("train --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                       " --out " + test::quote(d->dir / "run-sf") + train_flags + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+    CHECK(fs::exists(d->dir / "run-sf/final/model.safetensors"));
+    // Asked to match by id, it refuses and says what to pass.
+    r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                       " --match-by id --split all --out " + test::quote(d->dir / "c2"));
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("--match-by row") != std::string::npos);
+  }
+  SUBCASE("SpecForge without --data: every record, in row order (data_2 before data_10)") {
+    const std::string index = d->dir / "specforge.eki";
+    auto r = test::eaglekit("collate --index " + test::quote(index) + " --split all --batch-size 5 --max-length 32"
+                            " --out " + test::quote(d->dir / "c3"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.err.find("no --data: every usable record, in row order") != std::string::npos);
+    std::vector<std::string> rows;
+    for (int i = 0; i < kConversations; ++i) rows.push_back("data_" + std::to_string(i));
+    CHECK(collated_ids(d->dir / "c3") == rows);
+    r = test::eaglekit("train --index " + test::quote(index) + " --out " + test::quote(d->dir / "run-sf2") + train_flags);
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+  }
+  SUBCASE("TensorRT-LLM: the id kept inside the record matches, whatever the file names") {
+    const std::string index = d->dir / "trtllm.eki";
+    auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                            " --split all --max-length 32 --out " + test::quote(d->dir / "c4"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.err.find("12 of 12 conversations matched a record;") != std::string::npos);
+    CHECK(collated_ids(d->dir / "c4") == reference);
+    r = test::eaglekit("train --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                       " --out " + test::quote(d->dir / "run-trt") + train_flags);
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+  }
+  SUBCASE("speculators: hs_{i} by row, asked for explicitly; the same batches as TensorRT-LLM's") {
+    auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " +
+                            test::quote(d->dir / "speculators.eki") +
+                            " --match-by row --split all --batch-size 12 --max-length 32 --out " +
+                            test::quote(d->dir / "c5"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(collated_ids(d->dir / "c5") == reference);
+    r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " +
+                       test::quote(d->dir / "trtllm.eki") + " --split all --batch-size 12 --max-length 32 --out " +
+                       test::quote(d->dir / "c6"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    // Same values in both layouts (float32 both): the batch files are equal tensor by tensor.
+    const auto py = test::python(R"PY(
+import sys, torch
+a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])
+assert a.keys() == b.keys(), (a.keys(), b.keys())
+for k in a:
+    if k == "loss_mask":
+        continue  # speculators dumps carry no loss mask: all ones there
+    assert torch.equal(a[k], b[k]), k
+print("ok")
+)PY",
+                                 {d->dir / "c5/batch_00000.pt", d->dir / "c6/batch_00000.pt"});
+    CHECK_MESSAGE(py.exit_code == 0, py.err);
+  }
+}
