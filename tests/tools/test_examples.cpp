@@ -50,7 +50,7 @@ TEST_CASE("examples: every shell example parses") {
     const std::string p = e.path().string();
     if (e.path().extension() != ".sh" && e.path().extension() != ".sbatch") continue;
     const auto r = test::run("bash -n " + test::quote(p));
-    CHECK_MESSAGE(r.exit_code == 0, p + ": " + r.err);
+    CHECK_MESSAGE(r.exit_code == 0, std::string(p + ": " + r.err));
   }
 }
 
@@ -110,7 +110,7 @@ TEST_CASE("examples: specforge-convert-pack.sh indexes, packs, verifies and plan
                 " CONVERSATIONS=" + test::quote(dir / "conversations.jsonl") + " BASE=" + test::quote(dir / "base") +
                 " OUT=" + test::quote(dir / "out") + " JOBS=2 MAX_LENGTH=32 bash " +
                 test::quote(example("specforge-convert-pack.sh")) + " --aux-layer-ids 1,2,3");
-  REQUIRE_MESSAGE(r.exit_code == 0, r.out + r.err);
+  REQUIRE_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
   CHECK(r.out.find("12 of 12 conversations matched a record by row") != std::string::npos);
   CHECK(fs::exists(dir / "out/shards/pack-manifest.json"));
 }
