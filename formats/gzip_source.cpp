@@ -13,6 +13,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/pt_format.h"
 

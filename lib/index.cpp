@@ -50,6 +50,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/file_walk.h"
 #include "lib/progress.h"
@@ -118,13 +119,6 @@ std::optional<DType> dtype_from_code(std::uint8_t c) {
                                  DType::kFloat64};
   if (c < sizeof kTypes / sizeof kTypes[0]) return kTypes[c];
   return std::nullopt;
-}
-
-void store_le32(std::uint8_t* p, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
-}
-void store_le64(std::uint8_t* p, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
 }
 
 std::uint64_t align8(std::uint64_t v) { return (v + 7) & ~std::uint64_t{7}; }

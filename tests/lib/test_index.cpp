@@ -10,6 +10,7 @@
 #include <xxhash.h>
 
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/format.h"
 #include "formats/record.h"
