@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -190,20 +192,33 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
                       "file is " + std::to_string(size) + " bytes, shorter than the " +
                           std::to_string(kHeaderSize + 8) + " of an empty index (truncated)");
   const std::uint8_t* h = src->data();
-  const std::uint32_t version = load_le32(h + 8);
+  ByteCursor c(*src, 8, kHeaderSize, "index header");
+  const std::uint32_t version = c.u32("version");
+  const std::uint32_t header_size = c.u32("header size");
+  const std::uint32_t entry_size = c.u32("entry size");
+  const std::uint32_t file_entry_size = c.u32("file entry size");
+  impl->entry_count = c.u64("entry count");
+  impl->file_count = c.u64("file count");
+  impl->root_count = c.u64("root count");
+  impl->roots_off = c.u64("roots offset");
+  impl->files_off = c.u64("files offset");
+  impl->entries_off = c.u64("entries offset");
+  impl->sorted_off = c.u64("sorted-ids offset");
+  impl->strings_off = c.u64("strings offset");
+  impl->strings_size = c.u64("strings size");
+  const std::uint64_t total = c.u64("total size");
+  impl->bad_count = c.u64("bad count");
   if (version != kVersion)
     throw UnsupportedError(path, 8, "version",
                            "index version " + std::to_string(version) + "; this build reads " +
                                std::to_string(kVersion) + ": rebuild it with `eaglekit index`");
-  if (load_le32(h + 12) != kHeaderSize || load_le32(h + 16) != kEntrySize ||
-      load_le32(h + 20) != kFileEntrySize)
+  if (header_size != kHeaderSize || entry_size != kEntrySize || file_entry_size != kFileEntrySize)
     throw FormatError(path, 12, "header",
-                      "record sizes " + std::to_string(load_le32(h + 12)) + "/" +
-                          std::to_string(load_le32(h + 16)) + "/" +
-                          std::to_string(load_le32(h + 20)) + " differ from version 1's " +
+                      "record sizes " + std::to_string(header_size) + "/" +
+                          std::to_string(entry_size) + "/" + std::to_string(file_entry_size) +
+                          " differ from version 1's " +
                           std::to_string(kHeaderSize) + "/" + std::to_string(kEntrySize) + "/" +
                           std::to_string(kFileEntrySize));
-  const std::uint64_t total = load_le64(h + 96);
   if (total != size)
     throw FormatError(path, 96, "total size",
                       "header says " + std::to_string(total) + " bytes but the file has " +
@@ -217,16 +232,6 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
     throw ChecksumError(path, size - 8, "checksum",
                         std::string(buf) + ": the index is corrupt; rebuild it with `eaglekit index`");
   }
-  impl->entry_count = load_le64(h + 24);
-  impl->file_count = load_le64(h + 32);
-  impl->root_count = load_le64(h + 40);
-  impl->roots_off = load_le64(h + 48);
-  impl->files_off = load_le64(h + 56);
-  impl->entries_off = load_le64(h + 64);
-  impl->sorted_off = load_le64(h + 72);
-  impl->strings_off = load_le64(h + 80);
-  impl->strings_size = load_le64(h + 88);
-  impl->bad_count = load_le64(h + 104);
   const std::uint64_t body_end = size - 8;
   constexpr std::uint64_t kMaxCount = std::numeric_limits<std::uint32_t>::max();
   struct Section {
@@ -270,39 +275,48 @@ IndexEntry DatasetIndex::entry(std::size_t i) const {
     throw std::out_of_range("index entry " + std::to_string(i) + " of " +
                             std::to_string(m.entry_count));
   const std::uint64_t at = m.entries_off + i * kEntrySize;
-  const std::uint8_t* p = m.base + at;
+  ByteCursor c(*m.src, at, at + kEntrySize, "index entry");
+  const std::uint64_t id_ref = c.u64("entry conversation_id");
+  const std::uint64_t key_ref = c.u64("entry key");
+  const std::uint64_t codec_ref = c.u64("entry codec");
+  const std::uint64_t error_ref = c.u64("entry error");
   IndexEntry e;
-  e.conversation_id = m.str(load_le64(p), at, "entry conversation_id");
-  e.key = m.str(load_le64(p + 8), at + 8, "entry key");
-  e.codec = m.str(load_le64(p + 16), at + 16, "entry codec");
-  e.error = m.str(load_le64(p + 24), at + 24, "entry error");
-  e.tokens = static_cast<std::int64_t>(load_le64(p + 32));
-  e.byte_offset = load_le64(p + 40);
-  e.byte_size = load_le64(p + 48);
-  e.file = load_le32(p + 56);
-  e.record = load_le32(p + 60);
-  e.hidden_size = load_le32(p + 64);
-  e.aux_width = load_le32(p + 68);
+  e.conversation_id = m.str(id_ref, at, "entry conversation_id");
+  e.key = m.str(key_ref, at + 8, "entry key");
+  e.codec = m.str(codec_ref, at + 16, "entry codec");
+  e.error = m.str(error_ref, at + 24, "entry error");
+  e.tokens = c.i64("entry tokens");
+  e.byte_offset = c.u64("entry byte offset");
+  e.byte_size = c.u64("entry byte size");
+  e.file = c.u32("entry file");
+  e.record = c.u32("entry record");
+  e.hidden_size = c.u32("entry hidden size");
+  e.aux_width = c.u32("entry aux width");
   if (e.file >= m.file_count)
     throw FormatError(m.path, at + 56, "entry file",
                       "file number " + std::to_string(e.file) + " >= file count " +
                           std::to_string(m.file_count));
-  const auto f = format_from_code(p[72]);
-  const auto ids = dtype_from_code(p[73]);
-  const auto hid = dtype_from_code(p[74]);
+  const std::uint8_t format = c.u8("entry format");
+  const std::uint8_t ids_dtype = c.u8("entry ids dtype");
+  const std::uint8_t hidden_dtype = c.u8("entry hidden dtype");
+  const std::uint8_t flags = c.u8("entry flags");
+  const std::uint8_t kind = c.u8("entry error kind");
+  const auto f = format_from_code(format);
+  const auto ids = dtype_from_code(ids_dtype);
+  const auto hid = dtype_from_code(hidden_dtype);
   if (!f || !ids || !hid)
     throw FormatError(m.path, at + 72, "entry codes",
-                      "unknown format or dtype code " + std::to_string(p[72]) + "/" +
-                          std::to_string(p[73]) + "/" + std::to_string(p[74]));
+                      "unknown format or dtype code " + std::to_string(format) + "/" +
+                          std::to_string(ids_dtype) + "/" + std::to_string(hidden_dtype));
   e.format = *f;
   e.ids_dtype = *ids;
   e.hidden_dtype = *hid;
-  e.ok = (p[75] & kFlagBad) == 0;
-  e.has_loss_mask = (p[75] & kFlagLossMask) != 0;
-  e.id_from_file_name = (p[75] & kFlagIdFromFileName) != 0;
-  if (p[76] > static_cast<std::uint8_t>(EntryError::kOther))
-    throw FormatError(m.path, at + 76, "entry error kind", "unknown code " + std::to_string(p[76]));
-  e.error_kind = static_cast<EntryError>(p[76]);
+  e.ok = (flags & kFlagBad) == 0;
+  e.has_loss_mask = (flags & kFlagLossMask) != 0;
+  e.id_from_file_name = (flags & kFlagIdFromFileName) != 0;
+  if (kind > static_cast<std::uint8_t>(EntryError::kOther))
+    throw FormatError(m.path, at + 76, "entry error kind", "unknown code " + std::to_string(kind));
+  e.error_kind = static_cast<EntryError>(kind);
   if (e.ok != (e.error_kind == EntryError::kNone))
     throw FormatError(m.path, at + 75, "entry flags", "status and error kind disagree");
   return e;
@@ -314,17 +328,20 @@ IndexFile DatasetIndex::file(std::size_t i) const {
     throw std::out_of_range("index file " + std::to_string(i) + " of " +
                             std::to_string(m.file_count));
   const std::uint64_t at = m.files_off + i * kFileEntrySize;
-  const std::uint8_t* p = m.base + at;
+  ByteCursor c(*m.src, at, at + kFileEntrySize, "index file entry");
+  const std::uint64_t path_ref = c.u64("file path");
+  const std::uint64_t error_ref = c.u64("file error");
   IndexFile f;
-  f.path = m.str(load_le64(p), at, "file path");
-  f.error = m.str(load_le64(p + 8), at + 8, "file error");
-  f.size = load_le64(p + 16);
-  f.mtime_ns = static_cast<std::int64_t>(load_le64(p + 24));
-  f.first_entry = load_le32(p + 32);
-  f.entry_count = load_le32(p + 36);
-  const auto fmt = format_from_code(p[40]);
+  f.path = m.str(path_ref, at, "file path");
+  f.error = m.str(error_ref, at + 8, "file error");
+  f.size = c.u64("file size");
+  f.mtime_ns = c.i64("file mtime");
+  f.first_entry = c.u32("file first entry");
+  f.entry_count = c.u32("file entry count");
+  const std::uint8_t format = c.u8("file format");
+  const auto fmt = format_from_code(format);
   if (!fmt)
-    throw FormatError(m.path, at + 40, "file format", "unknown format code " + std::to_string(p[40]));
+    throw FormatError(m.path, at + 40, "file format", "unknown format code " + std::to_string(format));
   f.format = *fmt;
   if (f.first_entry > m.entry_count || f.entry_count > m.entry_count - f.first_entry)
     throw FormatError(m.path, at + 32, "file entries",
@@ -335,10 +352,12 @@ IndexFile DatasetIndex::file(std::size_t i) const {
 }
 
 std::vector<std::string> DatasetIndex::roots() const {
+  const Impl& m = *impl_;
+  ByteCursor c(*m.src, m.roots_off, m.roots_off + m.root_count * 8, "index roots");
   std::vector<std::string> out;
-  for (std::uint64_t i = 0; i < impl_->root_count; ++i) {
-    const std::uint64_t at = impl_->roots_off + i * 8;
-    out.emplace_back(impl_->str(load_le64(impl_->base + at), at, "root"));
+  for (std::uint64_t i = 0; i < m.root_count; ++i) {
+    const std::uint64_t at = c.pos();
+    out.emplace_back(m.str(c.u64("root"), at, "root"));
   }
   return out;
 }
@@ -407,66 +426,53 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
                      std::to_string(n_entries) + " entries in " + std::to_string(files.size()) +
                      " files)");
 
+  // The sections are built apart (the strings section fills while the others are), then
+  // written out behind the header in layout order.
   StringTable strings;
-  const std::uint64_t roots_off = kHeaderSize;
-  const std::uint64_t files_off = align8(roots_off + roots.size() * 8);
-  const std::uint64_t entries_off = align8(files_off + files.size() * kFileEntrySize);
-  const std::uint64_t sorted_off = align8(entries_off + n_entries * kEntrySize);
-  const std::uint64_t strings_off = align8(sorted_off + n_entries * 4);
-
-  std::vector<std::uint8_t> buf(strings_off, 0);
-  std::memcpy(buf.data(), kMagic, 8);
-  for (std::size_t i = 0; i < roots.size(); ++i)
-    store_le64(buf.data() + roots_off + i * 8, strings.intern(roots[i], "root path"));
+  ByteWriter roots_w, files_w, entries_w, sorted_w;
+  for (const auto& root : roots) roots_w.u64(strings.intern(root, "root path"));
 
   std::vector<std::string_view> ids;  // per entry, for sorting
   ids.reserve(static_cast<std::size_t>(n_entries));
+  entries_w.reserve(static_cast<std::size_t>(n_entries * kEntrySize));
   std::uint64_t bad = 0;
   std::uint32_t e = 0;
   for (std::size_t fi = 0; fi < files.size(); ++fi) {
     const IndexedFile& f = files[fi];
-    std::uint8_t* fp = buf.data() + files_off + fi * kFileEntrySize;
-    store_le64(fp, strings.add(f.path, "file path"));
-    store_le64(fp + 8, strings.add(clip_error(f.error), "file error"));
-    store_le64(fp + 16, f.size);
-    store_le64(fp + 24, static_cast<std::uint64_t>(f.mtime_ns));
-    store_le32(fp + 32, e);
-    store_le32(fp + 36, static_cast<std::uint32_t>(f.records.size()));
-    fp[40] = format_code(f.format);
+    const std::uint64_t path_ref = strings.add(f.path, "file path");
+    const std::uint64_t file_error_ref = strings.add(clip_error(f.error), "file error");
+    files_w.u64(path_ref).u64(file_error_ref).u64(f.size).i64(f.mtime_ns);
+    files_w.u32(e).u32(static_cast<std::uint32_t>(f.records.size()));
+    files_w.u8(format_code(f.format)).fill(7);
     for (const IndexedRecord& r : f.records) {
-      std::uint8_t* p = buf.data() + entries_off + std::uint64_t{e} * kEntrySize;
       const RecordInfo& info = r.info;
       const std::uint64_t id_ref = strings.add(info.conversation_id, "conversation id");
-      store_le64(p, id_ref);
       // Shards key their records by conversation id: one copy serves both.
-      store_le64(p + 8, info.key == info.conversation_id ? id_ref : strings.add(info.key, "record key"));
-      store_le64(p + 16, strings.intern(info.codec, "codec"));
-      store_le64(p + 24, strings.add(clip_error(r.error), "error"));
-      store_le64(p + 32, static_cast<std::uint64_t>(info.tokens));
-      store_le64(p + 40, info.byte_offset);
-      store_le64(p + 48, info.byte_size);
-      store_le32(p + 56, static_cast<std::uint32_t>(fi));
-      store_le32(p + 60, r.record);
+      const std::uint64_t key_ref =
+          info.key == info.conversation_id ? id_ref : strings.add(info.key, "record key");
+      const std::uint64_t codec_ref = strings.intern(info.codec, "codec");
+      const std::uint64_t error_ref = strings.add(clip_error(r.error), "error");
       auto narrow = [&](std::int64_t v, const char* what) {
         if (v < 0 || static_cast<std::uint64_t>(v) > kMaxCount)
           throw UsageError(f.path + ": " + what + " " + std::to_string(v) +
                            " does not fit the index (0 .. 2^32 - 1)");
         return static_cast<std::uint32_t>(v);
       };
-      store_le32(p + 64, narrow(info.hidden_size, "hidden size"));
-      store_le32(p + 68, narrow(info.aux_width, "aux width"));
-      p[72] = format_code(f.format);
-      p[73] = dtype_code(info.ids_dtype);
-      p[74] = dtype_code(info.hidden_dtype);
+      const std::uint32_t hidden_size = narrow(info.hidden_size, "hidden size");
+      const std::uint32_t aux_width = narrow(info.aux_width, "aux width");
       std::uint8_t flags = 0;
       if (!r.error.empty()) flags |= kFlagBad;
       if (info.has_loss_mask) flags |= kFlagLossMask;
       if (r.id_from_file_name) flags |= kFlagIdFromFileName;
-      p[75] = flags;
       EntryError kind = r.error_kind;
       if (r.error.empty()) kind = EntryError::kNone;
       else if (kind == EntryError::kNone) kind = EntryError::kOther;
-      p[76] = static_cast<std::uint8_t>(kind);
+      entries_w.u64(id_ref).u64(key_ref).u64(codec_ref).u64(error_ref);
+      entries_w.i64(info.tokens).u64(info.byte_offset).u64(info.byte_size);
+      entries_w.u32(static_cast<std::uint32_t>(fi)).u32(r.record).u32(hidden_size).u32(aux_width);
+      entries_w.u8(format_code(f.format)).u8(dtype_code(info.ids_dtype));
+      entries_w.u8(dtype_code(info.hidden_dtype)).u8(flags).u8(static_cast<std::uint8_t>(kind));
+      entries_w.fill(3);
       if (!r.error.empty()) ++bad;
       ids.push_back(info.conversation_id);
       ++e;
@@ -477,35 +483,51 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   for (std::uint32_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](std::uint32_t a, std::uint32_t b) { return ids[a] < ids[b]; });
-  for (std::size_t i = 0; i < order.size(); ++i)
-    store_le32(buf.data() + sorted_off + i * 4, order[i]);
+  for (const std::uint32_t i : order) sorted_w.u32(i);
 
   const auto& sbytes = strings.bytes();
-  buf.insert(buf.end(), sbytes.begin(), sbytes.end());
-  buf.resize(align8(buf.size()), 0);
-  const std::uint64_t total = buf.size() + 8;
+  const std::uint64_t roots_off = kHeaderSize;
+  const std::uint64_t files_off = align8(roots_off + roots_w.size());
+  const std::uint64_t entries_off = align8(files_off + files_w.size());
+  const std::uint64_t sorted_off = align8(entries_off + entries_w.size());
+  const std::uint64_t strings_off = align8(sorted_off + sorted_w.size());
+  const std::uint64_t total = align8(strings_off + sbytes.size()) + 8;
 
-  std::uint8_t* h = buf.data();
-  store_le32(h + 8, DatasetIndex::kVersion);
-  store_le32(h + 12, kHeaderSize);
-  store_le32(h + 16, kEntrySize);
-  store_le32(h + 20, kFileEntrySize);
-  store_le64(h + 24, n_entries);
-  store_le64(h + 32, files.size());
-  store_le64(h + 40, roots.size());
-  store_le64(h + 48, roots_off);
-  store_le64(h + 56, files_off);
-  store_le64(h + 64, entries_off);
-  store_le64(h + 72, sorted_off);
-  store_le64(h + 80, strings_off);
-  store_le64(h + 88, sbytes.size());
-  store_le64(h + 96, total);
-  store_le64(h + 104, bad);
-  std::uint8_t sum[8];
-  store_le64(sum, XXH3_64bits(buf.data(), buf.size()));
+  ByteWriter h;
+  h.bytes(kMagic, 8).u32(DatasetIndex::kVersion);
+  h.u32(kHeaderSize).u32(kEntrySize).u32(kFileEntrySize);
+  h.u64(n_entries).u64(files.size()).u64(roots.size());
+  h.u64(roots_off).u64(files_off).u64(entries_off).u64(sorted_off);
+  h.u64(strings_off).u64(sbytes.size()).u64(total).u64(bad);
+  h.fill(kHeaderSize - h.size());
 
+  // Each piece goes to the file and into the checksum; sections start 8-aligned.
   AtomicFile out(path);
-  out.write(buf.data(), buf.size());
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) throw std::bad_alloc();
+  const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> owner(state, XXH3_freeState);
+  XXH3_64bits_reset(state);
+  std::uint64_t at = 0;
+  auto emit = [&](const void* p, std::size_t n) {
+    if (n == 0) return;
+    XXH3_64bits_update(state, p, n);
+    out.write(p, n);
+    at += n;
+  };
+  auto section = [&](const void* p, std::size_t n) {
+    static constexpr std::uint8_t kZeros[8] = {};
+    emit(kZeros, static_cast<std::size_t>(align8(at) - at));
+    emit(p, n);
+  };
+  emit(h.data(), h.size());
+  section(roots_w.data(), roots_w.size());
+  section(files_w.data(), files_w.size());
+  section(entries_w.data(), entries_w.size());
+  section(sorted_w.data(), sorted_w.size());
+  section(sbytes.data(), sbytes.size());
+  section(nullptr, 0);
+  std::uint8_t sum[8];
+  store_le64(sum, XXH3_64bits_digest(state));
   out.write(sum, 8);
   out.commit();
 }
