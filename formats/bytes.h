@@ -54,16 +54,8 @@ class ByteWriter {
   ByteWriter& u32(std::uint32_t v) { return put(v, 4); }
   ByteWriter& u64(std::uint64_t v) { return put(v, 8); }
   ByteWriter& i64(std::int64_t v) { return put(static_cast<std::uint64_t>(v), 8); }
-  ByteWriter& f32(float v) {
-    std::uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    return u32(bits);
-  }
-  ByteWriter& f64(double v) {
-    std::uint64_t bits;
-    std::memcpy(&bits, &v, 8);
-    return u64(bits);
-  }
+  ByteWriter& f32(float v) { return u32(bits_of<std::uint32_t>(v)); }
+  ByteWriter& f64(double v) { return u64(bits_of<std::uint64_t>(v)); }
   ByteWriter& bytes(const void* p, std::size_t n) {
     const auto* b = static_cast<const std::uint8_t*>(p);
     buf_.insert(buf_.end(), b, b + n);
@@ -92,6 +84,13 @@ class ByteWriter {
   std::vector<std::uint8_t> release() { return std::move(buf_); }
 
  private:
+  template <class Bits, class Float>
+  static Bits bits_of(Float v) {
+    static_assert(sizeof(Bits) == sizeof(Float), "same width");
+    Bits b;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+  }
   ByteWriter& put(std::uint64_t v, int n) {
     for (int i = 0; i < n; ++i) buf_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
     return *this;

@@ -149,6 +149,12 @@ struct DatasetIndex::Impl {
     return {reinterpret_cast<const char*>(base + strings_off + off), static_cast<std::size_t>(len)};
   }
 
+  // The string whose ref is the cursor's next u64.
+  std::string_view next_str(ByteCursor& c, const char* field) const {
+    const std::uint64_t at = c.pos();
+    return str(c.u64(field), at, field);
+  }
+
   std::string_view entry_id(std::size_t i) const {
     const std::uint64_t at = entries_off + i * kEntrySize;
     return str(load_le64(base + at), at, "entry conversation_id");
@@ -276,15 +282,11 @@ IndexEntry DatasetIndex::entry(std::size_t i) const {
                             std::to_string(m.entry_count));
   const std::uint64_t at = m.entries_off + i * kEntrySize;
   ByteCursor c(*m.src, at, at + kEntrySize, "index entry");
-  const std::uint64_t id_ref = c.u64("entry conversation_id");
-  const std::uint64_t key_ref = c.u64("entry key");
-  const std::uint64_t codec_ref = c.u64("entry codec");
-  const std::uint64_t error_ref = c.u64("entry error");
   IndexEntry e;
-  e.conversation_id = m.str(id_ref, at, "entry conversation_id");
-  e.key = m.str(key_ref, at + 8, "entry key");
-  e.codec = m.str(codec_ref, at + 16, "entry codec");
-  e.error = m.str(error_ref, at + 24, "entry error");
+  e.conversation_id = m.next_str(c, "entry conversation_id");
+  e.key = m.next_str(c, "entry key");
+  e.codec = m.next_str(c, "entry codec");
+  e.error = m.next_str(c, "entry error");
   e.tokens = c.i64("entry tokens");
   e.byte_offset = c.u64("entry byte offset");
   e.byte_size = c.u64("entry byte size");
@@ -329,11 +331,9 @@ IndexFile DatasetIndex::file(std::size_t i) const {
                             std::to_string(m.file_count));
   const std::uint64_t at = m.files_off + i * kFileEntrySize;
   ByteCursor c(*m.src, at, at + kFileEntrySize, "index file entry");
-  const std::uint64_t path_ref = c.u64("file path");
-  const std::uint64_t error_ref = c.u64("file error");
   IndexFile f;
-  f.path = m.str(path_ref, at, "file path");
-  f.error = m.str(error_ref, at + 8, "file error");
+  f.path = m.next_str(c, "file path");
+  f.error = m.next_str(c, "file error");
   f.size = c.u64("file size");
   f.mtime_ns = c.i64("file mtime");
   f.first_entry = c.u32("file first entry");
@@ -355,10 +355,7 @@ std::vector<std::string> DatasetIndex::roots() const {
   const Impl& m = *impl_;
   ByteCursor c(*m.src, m.roots_off, m.roots_off + m.root_count * 8, "index roots");
   std::vector<std::string> out;
-  for (std::uint64_t i = 0; i < m.root_count; ++i) {
-    const std::uint64_t at = c.pos();
-    out.emplace_back(m.str(c.u64("root"), at, "root"));
-  }
+  for (std::uint64_t i = 0; i < m.root_count; ++i) out.emplace_back(m.next_str(c, "root"));
   return out;
 }
 
