@@ -55,17 +55,4 @@ class ByteSource {
 // Reads at most max_bytes from the start of a file (format detection without mmap).
 std::vector<std::uint8_t> read_file_head(const std::string& path, std::size_t max_bytes);
 
-// Little-endian loads from unaligned memory.
-inline std::uint16_t load_le16(const std::uint8_t* p) {
-  return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
-}
-inline std::uint32_t load_le32(const std::uint8_t* p) {
-  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
-         (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
-}
-inline std::uint64_t load_le64(const std::uint8_t* p) {
-  return static_cast<std::uint64_t>(load_le32(p)) |
-         (static_cast<std::uint64_t>(load_le32(p + 4)) << 32);
-}
-
 }  // namespace eaglekit

@@ -12,6 +12,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/codec.h"
 #include "formats/error.h"
 
@@ -92,55 +93,6 @@ std::uint8_t* grow(std::vector<std::uint8_t>& v, std::uint64_t n) {
   if (v.size() < n) v.resize(static_cast<std::size_t>(n));
   return v.data();
 }
-
-// Little-endian serialization of the index.
-class ByteWriter {
- public:
-  void u8(std::uint8_t v) { out_.push_back(v); }
-  void u16(std::uint16_t v) { put(v, 2); }
-  void u32(std::uint32_t v) { put(v, 4); }
-  void u64(std::uint64_t v) { put(v, 8); }
-  void i64(std::int64_t v) { put(static_cast<std::uint64_t>(v), 8); }
-  void bytes(const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::uint8_t*>(p);
-    out_.insert(out_.end(), b, b + n);
-  }
-  std::vector<std::uint8_t>& data() { return out_; }
-
- private:
-  void put(std::uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-  }
-  std::vector<std::uint8_t> out_;
-};
-
-// Checked reads from the index; running past its end is a FormatError at that byte.
-class Cursor {
- public:
-  Cursor(const ByteSource& src, std::uint64_t begin, std::uint64_t end)
-      : src_(src), pos_(begin), end_(end) {}
-  const std::uint8_t* take(std::uint64_t n, const std::string& field) {
-    if (n > end_ - pos_)
-      throw FormatError(src_.name(), pos_, field,
-                        "needs " + std::to_string(n) + " bytes but the index has " +
-                            std::to_string(end_ - pos_) + " left (index corrupt)");
-    const std::uint8_t* p = src_.data() + pos_;
-    pos_ += n;
-    return p;
-  }
-  std::uint8_t u8(const std::string& f) { return *take(1, f); }
-  std::uint16_t u16(const std::string& f) { return load_le16(take(2, f)); }
-  std::uint32_t u32(const std::string& f) { return load_le32(take(4, f)); }
-  std::uint64_t u64(const std::string& f) { return load_le64(take(8, f)); }
-  std::int64_t i64(const std::string& f) { return static_cast<std::int64_t>(u64(f)); }
-  std::uint64_t pos() const { return pos_; }
-  std::uint64_t left() const { return end_ - pos_; }
-
- private:
-  const ByteSource& src_;
-  std::uint64_t pos_;
-  std::uint64_t end_;
-};
 
 // Why a record cannot be read (its index entry is inconsistent with the file).
 struct Problem {
@@ -345,7 +297,7 @@ EksWriter::EksWriter(std::string path, EksEncodeOptions opts) : impl_(std::make_
   h.u16(kVersion);
   h.u16(0);
   h.u32(0);
-  impl_->file->write(h.data().data(), h.data().size());
+  impl_->file->write(h.data(), h.size());
 }
 
 EksWriter::~EksWriter() = default;
@@ -393,14 +345,13 @@ void EksWriter::finish() {
     }
   }
   const std::uint64_t index_offset = impl_->file->tell();
-  const auto& index = w.data();
-  impl_->file->write(index.data(), index.size());
+  impl_->file->write(w.data(), w.size());
   ByteWriter t;
   t.u64(index_offset);
-  t.u64(index.size());
-  t.u64(codec::xxh3_64(index.data(), index.size()));
+  t.u64(w.size());
+  t.u64(codec::xxh3_64(w.data(), w.size()));
   t.bytes(kTrailerMagic, 8);
-  impl_->file->write(t.data().data(), t.data().size());
+  impl_->file->write(t.data(), t.size());
   impl_->file->commit();
   impl_->finished = true;
 }
@@ -485,7 +436,7 @@ void EksReader::Impl::parse() {
                         "xxh3 " + hex64(actual) + " does not match " + hex64(index_hash) +
                             " in the trailer: index or trailer damaged");
 
-  Cursor c(s, index_offset, trailer_at);
+  ByteCursor c(s, index_offset, trailer_at, "index");
   const std::uint32_t count = c.u32("index record_count");
   if (count > c.left() / kMinRecordEntryBytes)
     throw FormatError(name, index_offset, "index record_count",

@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/file_walk.h"
 #include "formats/registry.h"

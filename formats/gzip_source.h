@@ -1,6 +1,5 @@
-// Gzip (RFC 1952) in and out of memory, and the SpecForge .ckpt.gz record format built on
-// it: a .ckpt.gz is the gzip of a torch.save zip, so it is decompressed whole into memory
-// and handed to the .pt reader (formats/pt_format.h) as a ByteSource.
+// Gzip (RFC 1952) in and out of memory: the stream under the SpecForge .ckpt.gz record
+// format (formats/pt_gzip_format.h), usable on its own for any gzip'd bytes.
 //
 // Decoding is streaming zlib inflate with the gzip wrapper; several concatenated members
 // (what `cat a.gz b.gz` or pigz give) decode to the concatenation of their contents, and
@@ -18,8 +17,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include "formats/format.h"
 
 namespace eaglekit {
 
@@ -39,14 +36,5 @@ std::shared_ptr<const ByteSource> gunzip_file(const std::string& path, std::uint
 std::vector<std::uint8_t> gzip_bytes(const void* data, std::size_t n, int level = 6);
 // Streams the file at `src` into a gzip file at `dst`, written atomically (temp + rename).
 void gzip_file(const std::string& src, const std::string& dst, int level = 6);
-
-// Format::kPtGzip. The record and its conversation id are what the .pt reader gives for
-// the decompressed bytes (the id falls back to the file name without ".gz" and one more
-// extension: "12.ckpt.gz" -> "12"); info() reports codec "gzip" and the compressed size.
-std::unique_ptr<RecordReader> open_pt_gzip_reader(const std::string& path);
-// Writes the .pt form of one record (formats/pt_format.h), gzip'd: level 6, or
-// WriterOptions::level when WriterOptions::codec is "gzip".
-std::unique_ptr<RecordWriter> create_pt_gzip_writer(const std::string& path,
-                                                    const WriterOptions& opts);
 
 }  // namespace eaglekit

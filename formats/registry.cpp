@@ -1,8 +1,8 @@
 #include "formats/registry.h"
 #include "formats/eks_format.h"
-#include "formats/gzip_source.h"
 #include "formats/hdf5_format.h"
 #include "formats/pt_format.h"
+#include "formats/pt_gzip_format.h"
 #include "formats/safetensors_format.h"
 
 namespace eaglekit {

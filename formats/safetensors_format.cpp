@@ -12,6 +12,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 
 namespace eaglekit {
@@ -370,10 +371,6 @@ void emit_tensor(const HostTensor& t, Sink&& sink) {
   }
 }
 
-void put_le64(std::uint8_t* p, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::uint8_t>(v >> (8 * i));
-}
-
 }  // namespace
 
 std::vector<std::uint8_t> serialize_safetensors(const std::vector<NamedTensor>& tensors,
@@ -381,15 +378,12 @@ std::vector<std::uint8_t> serialize_safetensors(const std::vector<NamedTensor>& 
   std::string header;
   const auto planned = plan(tensors, metadata, header);
   const std::uint64_t data = planned.empty() ? 0 : planned.back().end;
-  std::vector<std::uint8_t> out(8 + header.size());
-  out.reserve(out.size() + data);
-  put_le64(out.data(), header.size());
-  std::memcpy(out.data() + 8, header.data(), header.size());
+  ByteWriter out;
+  out.reserve(8 + header.size() + data);
+  out.u64(header.size()).bytes(header);
   for (const auto& p : planned)
-    emit_tensor(p.t->tensor, [&](const std::uint8_t* d, std::size_t k) {
-      out.insert(out.end(), d, d + k);
-    });
-  return out;
+    emit_tensor(p.t->tensor, [&](const std::uint8_t* d, std::size_t k) { out.bytes(d, k); });
+  return out.release();
 }
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
@@ -398,7 +392,7 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   const auto planned = plan(tensors, metadata, header);
   AtomicFile f(path);
   std::uint8_t len[8];
-  put_le64(len, header.size());
+  store_le64(len, header.size());
   f.write(len, 8);
   f.write(header.data(), header.size());
   for (const auto& p : planned)

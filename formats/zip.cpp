@@ -8,6 +8,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 
 namespace eaglekit {
@@ -31,20 +32,6 @@ constexpr std::uint32_t kMax32 = 0xffffffffu;
 constexpr std::uint16_t kMax16 = 0xffff;
 
 std::string squote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-// Little-endian appenders for building headers in memory.
-void put16(std::string& b, std::uint16_t v) {
-  b.push_back(static_cast<char>(v & 0xff));
-  b.push_back(static_cast<char>(v >> 8));
-}
-void put32(std::string& b, std::uint32_t v) {
-  put16(b, static_cast<std::uint16_t>(v & 0xffff));
-  put16(b, static_cast<std::uint16_t>(v >> 16));
-}
-void put64(std::string& b, std::uint64_t v) {
-  put32(b, static_cast<std::uint32_t>(v & kMax32));
-  put32(b, static_cast<std::uint32_t>(v >> 32));
-}
 
 std::uint32_t crc_update(std::uint32_t crc, const void* data, std::size_t n) {
   const auto* p = static_cast<const Bytef*>(data);
@@ -139,29 +126,31 @@ void ZipArchive::read_directory() {
     const std::string field = "zip central directory entry " + std::to_string(i);
     if (cd_end - p < kCentralSize)
       throw FormatError(path, p, field, "runs past the end of the central directory");
-    const std::uint8_t* c = src.data() + p;
-    if (load_le32(c) != kCentralSig)
+    ByteCursor c(src, p, cd_end, "zip central directory");
+    if (c.u32(field) != kCentralSig)
       throw FormatError(path, p, field, "bad signature (expected PK\\1\\2)");
     ZipEntry z;
-    z.flags = load_le16(c + 8);
-    z.method = load_le16(c + 10);
-    z.crc32 = load_le32(c + 16);
-    z.compressed_size = load_le32(c + 20);
-    z.size = load_le32(c + 24);
-    const std::uint64_t name_len = load_le16(c + 28);
-    const std::uint64_t extra_len = load_le16(c + 30);
-    const std::uint64_t comment_len = load_le16(c + 32);
-    const std::uint16_t disk = load_le16(c + 34);
-    z.local_header_offset = load_le32(c + 42);
-    const std::uint64_t var = name_len + extra_len + comment_len;
-    if (cd_end - p - kCentralSize < var)
+    c.skip(4, field);  // versions made by and needed
+    z.flags = c.u16(field);
+    z.method = c.u16(field);
+    c.skip(4, field);  // time and date
+    z.crc32 = c.u32(field);
+    z.compressed_size = c.u32(field);
+    z.size = c.u32(field);
+    const std::uint64_t name_len = c.u16(field);
+    const std::uint64_t extra_len = c.u16(field);
+    const std::uint64_t comment_len = c.u16(field);
+    const std::uint16_t disk = c.u16(field);
+    c.skip(6, field);  // internal and external attributes
+    z.local_header_offset = c.u32(field);
+    if (c.left() < name_len + extra_len + comment_len)
       throw FormatError(path, p, field,
                         "name/extra/comment lengths run past the end of the central directory");
-    z.name.assign(reinterpret_cast<const char*>(c + kCentralSize), name_len);
+    z.name.assign(reinterpret_cast<const char*>(c.take(name_len, field)), name_len);
 
     // ZIP64 extended information: present fields follow in a fixed order, only for the
     // 32-bit fields that are saturated.
-    const std::uint8_t* x = c + kCentralSize + name_len;
+    const std::uint8_t* x = c.take(extra_len, field);
     std::uint64_t xo = 0;
     bool saw_zip64 = false;
     while (xo + 4 <= extra_len) {
@@ -227,8 +216,9 @@ void ZipArchive::read_directory() {
         std::memcmp(l + kLocalSize, z.name.data(), static_cast<std::size_t>(name_len)) != 0)
       throw FormatError(path, z.local_header_offset, lfield,
                         "name differs from the central directory's");
+    c.skip(comment_len, field);
     entries_.push_back(std::move(z));
-    p += kCentralSize + var;
+    p = c.pos();
   }
 
   by_name_.resize(entries_.size());
@@ -284,37 +274,35 @@ void ZipWriter::begin_entry(std::string_view name, std::uint64_t size) {
   if (name.size() > kMax16) throw UsageError("zip entry name too long: " + std::string(name));
   const std::uint64_t offset = file_->tell();
   const bool z64 = opts_.force_zip64 || size >= kMax32;
-  std::string h;
-  put32(h, kLocalSig);
-  put16(h, z64 ? 45 : 20);  // version needed
-  put16(h, 0x0800);         // names are UTF-8
-  put16(h, 0);              // stored
-  put16(h, 0);              // time 00:00
-  put16(h, 0x21);           // date 1980-01-01
-  put32(h, 0);              // CRC, patched by end_entry()
-  put32(h, z64 ? kMax32 : static_cast<std::uint32_t>(size));
-  put32(h, z64 ? kMax32 : static_cast<std::uint32_t>(size));
-  put16(h, static_cast<std::uint16_t>(name.size()));
+  ByteWriter h;
+  h.u32(kLocalSig);
+  h.u16(z64 ? 45 : 20);  // version needed
+  h.u16(0x0800);         // names are UTF-8
+  h.u16(0);              // stored
+  h.u16(0);              // time 00:00
+  h.u16(0x21);           // date 1980-01-01
+  h.u32(0);              // CRC, patched by end_entry()
+  h.u32(z64 ? kMax32 : static_cast<std::uint32_t>(size));
+  h.u32(z64 ? kMax32 : static_cast<std::uint32_t>(size));
+  h.u16(static_cast<std::uint16_t>(name.size()));
   const std::size_t extra_len_at = h.size();
-  put16(h, 0);  // extra length, set below
-  h.append(name.data(), name.size());
+  h.u16(0);  // extra length, set below
+  h.bytes(name);
   const std::size_t extra_begin = h.size();
   if (z64) {
-    put16(h, kZip64ExtraId);
-    put16(h, 16);
-    put64(h, size);
-    put64(h, size);
+    h.u16(kZip64ExtraId);
+    h.u16(16);
+    h.u64(size);
+    h.u64(size);
   }
   if (opts_.alignment > 1) {
     const std::uint64_t end = offset + h.size() + 4;
     const std::uint64_t pad = (opts_.alignment - end % opts_.alignment) % opts_.alignment;
-    put16(h, kPadExtraId);
-    put16(h, static_cast<std::uint16_t>(pad));
-    h.append(static_cast<std::size_t>(pad), 'Z');
+    h.u16(kPadExtraId);
+    h.u16(static_cast<std::uint16_t>(pad));
+    h.fill(static_cast<std::size_t>(pad), 'Z');
   }
-  const std::size_t extra_len = h.size() - extra_begin;
-  h[extra_len_at] = static_cast<char>(extra_len & 0xff);
-  h[extra_len_at + 1] = static_cast<char>(extra_len >> 8);
+  h.patch_u16(extra_len_at, static_cast<std::uint16_t>(h.size() - extra_begin));
   file_->write(h.data(), h.size());
   crc_offset_ = offset + 14;
   crc_ = static_cast<std::uint32_t>(::crc32(0, nullptr, 0));
@@ -338,7 +326,7 @@ void ZipWriter::end_entry() {
     throw Error("ZipWriter::end_entry: entry '" + done_.back().name + "' is " +
                 std::to_string(entry_remaining_) + " bytes short");
   std::uint8_t b[4];
-  for (int i = 0; i < 4; ++i) b[i] = static_cast<std::uint8_t>(crc_ >> (8 * i));
+  store_le32(b, crc_);
   file_->pwrite(b, 4, crc_offset_);
   done_.back().crc32 = crc_;
   in_entry_ = false;
@@ -348,65 +336,65 @@ void ZipWriter::finish() {
   if (in_entry_) throw Error("ZipWriter::finish with an entry still open");
   if (finished_) return;
   const std::uint64_t cd_offset = file_->tell();
-  std::string cd;
+  ByteWriter cd;
   for (const auto& w : done_) {
     const bool size64 = opts_.force_zip64 || w.size >= kMax32;
     const bool off64 = opts_.force_zip64 || w.local_header_offset >= kMax32;
-    put32(cd, kCentralSig);
-    put16(cd, (size64 || off64) ? 45 : 20);  // version made by (MS-DOS, spec 4.5 / 2.0)
-    put16(cd, (size64 || off64) ? 45 : 20);  // version needed
-    put16(cd, 0x0800);
-    put16(cd, 0);
-    put16(cd, 0);
-    put16(cd, 0x21);
-    put32(cd, w.crc32);
-    put32(cd, size64 ? kMax32 : static_cast<std::uint32_t>(w.size));
-    put32(cd, size64 ? kMax32 : static_cast<std::uint32_t>(w.size));
-    put16(cd, static_cast<std::uint16_t>(w.name.size()));
+    cd.u32(kCentralSig);
+    cd.u16((size64 || off64) ? 45 : 20);  // version made by (MS-DOS, spec 4.5 / 2.0)
+    cd.u16((size64 || off64) ? 45 : 20);  // version needed
+    cd.u16(0x0800);
+    cd.u16(0);
+    cd.u16(0);
+    cd.u16(0x21);
+    cd.u32(w.crc32);
+    cd.u32(size64 ? kMax32 : static_cast<std::uint32_t>(w.size));
+    cd.u32(size64 ? kMax32 : static_cast<std::uint32_t>(w.size));
+    cd.u16(static_cast<std::uint16_t>(w.name.size()));
     const std::uint16_t xlen = static_cast<std::uint16_t>((size64 || off64) ? 4 + (size64 ? 16 : 0) + (off64 ? 8 : 0) : 0);
-    put16(cd, xlen);
-    put16(cd, 0);  // comment
-    put16(cd, 0);  // disk
-    put16(cd, 0);  // internal attributes
-    put32(cd, 0);  // external attributes
-    put32(cd, off64 ? kMax32 : static_cast<std::uint32_t>(w.local_header_offset));
-    cd += w.name;
+    cd.u16(xlen);
+    cd.u16(0);  // comment
+    cd.u16(0);  // disk
+    cd.u16(0);  // internal attributes
+    cd.u32(0);  // external attributes
+    cd.u32(off64 ? kMax32 : static_cast<std::uint32_t>(w.local_header_offset));
+    cd.bytes(w.name);
     if (xlen) {
-      put16(cd, kZip64ExtraId);
-      put16(cd, static_cast<std::uint16_t>(xlen - 4));
+      cd.u16(kZip64ExtraId);
+      cd.u16(static_cast<std::uint16_t>(xlen - 4));
       if (size64) {
-        put64(cd, w.size);
-        put64(cd, w.size);
+        cd.u64(w.size);
+        cd.u64(w.size);
       }
-      if (off64) put64(cd, w.local_header_offset);
+      if (off64) cd.u64(w.local_header_offset);
     }
   }
   const std::uint64_t cd_size = cd.size();
   const std::uint64_t end64 = cd_offset + cd_size;
   const std::uint64_t n = done_.size();
   // ZIP64 end record + locator always, as torch writes them.
-  put32(cd, kEnd64Sig);
-  put64(cd, kEnd64Size - 12);
-  put16(cd, 45);
-  put16(cd, 45);
-  put32(cd, 0);
-  put32(cd, 0);
-  put64(cd, n);
-  put64(cd, n);
-  put64(cd, cd_size);
-  put64(cd, cd_offset);
-  put32(cd, kLocatorSig);
-  put32(cd, 0);
-  put64(cd, end64);
-  put32(cd, 1);
-  put32(cd, kEndSig);
-  put16(cd, 0);
-  put16(cd, 0);
-  put16(cd, static_cast<std::uint16_t>(std::min<std::uint64_t>(n, kMax16)));
-  put16(cd, static_cast<std::uint16_t>(std::min<std::uint64_t>(n, kMax16)));
-  put32(cd, static_cast<std::uint32_t>(std::min<std::uint64_t>(cd_size, kMax32)));
-  put32(cd, static_cast<std::uint32_t>(std::min<std::uint64_t>(cd_offset, kMax32)));
-  put16(cd, 0);
+  cd.u32(kEnd64Sig);
+  cd.u64(kEnd64Size - 12);
+  cd.u16(45);
+  cd.u16(45);
+  cd.u32(0);
+  cd.u32(0);
+  cd.u64(n);
+  cd.u64(n);
+  cd.u64(cd_size);
+  cd.u64(cd_offset);
+  cd.u32(kLocatorSig);
+  cd.u32(0);
+  cd.u64(end64);
+  cd.u32(1);
+  cd.u32(kEndSig);
+  cd.u16(0);
+  cd.u16(0);
+  cd.u16(static_cast<std::uint16_t>(std::min<std::uint64_t>(n, kMax16)));
+  cd.u16(static_cast<std::uint16_t>(std::min<std::uint64_t>(n, kMax16)));
+  cd.u32(static_cast<std::uint32_t>(std::min<std::uint64_t>(cd_size, kMax32)));
+  cd.u32(static_cast<std::uint32_t>(std::min<std::uint64_t>(cd_offset, kMax32)));
+  cd.u16(0);
   file_->write(cd.data(), cd.size());
   file_->commit();
   finished_ = true;

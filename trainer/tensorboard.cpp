@@ -8,7 +8,9 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <string_view>
 
+#include "formats/bytes.h"
 #include "formats/error.h"
 
 namespace eaglekit::trainer {
@@ -28,35 +30,32 @@ std::array<std::uint32_t, 256> make_table() {
 // --- the protobuf wire format, for the fields used here ---
 // A field key is (number << 3) | wire type: 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32.
 
-void put_varint(std::string& out, std::uint64_t v) {
+void put_varint(ByteWriter& out, std::uint64_t v) {
   while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7f) | 0x80));
+    out.u8(static_cast<std::uint8_t>((v & 0x7f) | 0x80));
     v >>= 7;
   }
-  out.push_back(static_cast<char>(v));
+  out.u8(static_cast<std::uint8_t>(v));
 }
 
-void put_key(std::string& out, int field, int wire) { put_varint(out, static_cast<std::uint64_t>(field) << 3 | wire); }
+void put_key(ByteWriter& out, int field, int wire) { put_varint(out, static_cast<std::uint64_t>(field) << 3 | wire); }
 
-template <typename T>
-void put_fixed(std::string& out, T v) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // little-endian hosts (x86-64, aarch64)
-  out.append(b, sizeof(T));
-}
-
-void put_bytes(std::string& out, int field, const std::string& bytes) {
+void put_bytes(ByteWriter& out, int field, std::string_view bytes) {
   put_key(out, field, 2);
   put_varint(out, bytes.size());
-  out += bytes;
+  out.bytes(bytes);
+}
+
+void put_message(ByteWriter& out, int field, const ByteWriter& message) {
+  put_bytes(out, field, {reinterpret_cast<const char*>(message.data()), message.size()});
 }
 
 // Event { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
 // Summary { repeated Value value = 1; }  Value { string tag = 1; float simple_value = 2; }
-std::string event_header(double wall_time, std::int64_t step) {
-  std::string e;
+ByteWriter event_header(double wall_time, std::int64_t step) {
+  ByteWriter e;
   put_key(e, 1, 1);
-  put_fixed(e, wall_time);
+  e.f64(wall_time);
   put_key(e, 2, 0);
   put_varint(e, static_cast<std::uint64_t>(step));  // int64: two's complement in 10 bytes when negative
   return e;
@@ -100,7 +99,7 @@ EventFileWriter::EventFileWriter(const std::string& dir) {
     if (file_ != nullptr) break;
     if (errno != EEXIST || attempt > 1000) throw IoError::from_errno(path_, "create", errno);
   }
-  std::string e = event_header(now_seconds(), 0);
+  ByteWriter e = event_header(now_seconds(), 0);
   put_bytes(e, 3, "brain.Event:2");
   write_record(e);
 }
@@ -111,26 +110,26 @@ EventFileWriter::~EventFileWriter() {
 
 void EventFileWriter::add_scalars(std::int64_t step, const std::vector<std::pair<std::string, double>>& values,
                                   double wall_time) {
-  std::string summary;
+  ByteWriter summary;
   for (const auto& [tag, value] : values) {
-    std::string v;
+    ByteWriter v;
     put_bytes(v, 1, tag);
     put_key(v, 2, 5);
-    put_fixed(v, static_cast<float>(value));
-    put_bytes(summary, 1, v);
+    v.f32(static_cast<float>(value));
+    put_message(summary, 1, v);
   }
-  std::string e = event_header(wall_time < 0 ? now_seconds() : wall_time, step);
-  put_bytes(e, 5, summary);
+  ByteWriter e = event_header(wall_time < 0 ? now_seconds() : wall_time, step);
+  put_message(e, 5, summary);
   write_record(e);
 }
 
-void EventFileWriter::write_record(const std::string& event) {
-  std::string rec;
-  const std::uint64_t length = event.size();
-  put_fixed(rec, length);
-  put_fixed(rec, masked_crc32c(rec.data(), 8));
-  rec += event;
-  put_fixed(rec, masked_crc32c(event.data(), event.size()));
+void EventFileWriter::write_record(const ByteWriter& event) {
+  // TFRecord framing: u64 length, masked CRC-32C of the length, data, masked CRC of the data.
+  ByteWriter rec;
+  rec.u64(event.size());
+  rec.u32(masked_crc32c(rec.data(), 8));
+  rec.bytes(event);
+  rec.u32(masked_crc32c(event.data(), event.size()));
   // One write of the whole record, then a flush: readers see whole records or a torn last one.
   if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size() || std::fflush(file_) != 0)
     throw IoError::from_errno(path_, "write", errno);

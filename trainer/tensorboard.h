@@ -18,6 +18,10 @@
 #include <utility>
 #include <vector>
 
+namespace eaglekit {
+class ByteWriter;
+}
+
 namespace eaglekit::trainer {
 
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), continuing from `crc`.
@@ -41,7 +45,7 @@ class EventFileWriter {
   const std::string& path() const { return path_; }
 
  private:
-  void write_record(const std::string& event);
+  void write_record(const ByteWriter& event);
 
   std::string path_;
   std::FILE* file_ = nullptr;

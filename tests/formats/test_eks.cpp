@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/codec.h"
 #include "formats/eks_format.h"
 #include "formats/error.h"

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/format.h"
 #include "formats/safetensors_format.h"

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "formats/byte_source.h"
+#include "formats/bytes.h"
 #include "formats/codec.h"
 #include "formats/eks_format.h"
 #include "formats/error.h"

@@ -1,5 +1,6 @@
-// libFuzzer harness: the dataset index file (lib/index.h, DatasetIndex::from_source) from
-// memory, and every accessor over it (entries, files, roots, lookups, text and JSON dumps).
+// libFuzzer harness: the dataset index file (formats/index_format.h,
+// DatasetIndex::from_source) from memory, and every accessor over it (entries, files, roots,
+// lookups, and lib/index.h's text and JSON dumps).
 // The trailing XXH3 checksum is recomputed over the mutated bytes first, so that mutations
 // reach the section and entry checks instead of stopping at the checksum.
 #include <xxhash.h>
