@@ -1,5 +1,5 @@
-// Shared plumbing of the CLI: the command table that drives both dispatch and help,
-// argument parsing that turns cxxopts failures into UsageError, and JSON printing.
+// Shared plumbing of the CLI: the command table that drives both dispatch and help, and
+// command lines parsed against option tables (lib/options.h) into values, help and UsageError.
 // Internal to tools/; each subcommand lives in tools/cmd_NAME.cpp and only parses options,
 // calls one library function and prints.
 #pragma once
@@ -15,11 +15,6 @@
 #include "lib/data_options.h"
 #include "lib/options.h"
 
-namespace cxxopts {
-class Options;
-class ParseResult;
-}  // namespace cxxopts
-
 namespace eaglekit {
 class Loader;
 }  // namespace eaglekit
@@ -34,11 +29,6 @@ struct Command {
 
 // The single table (tools/main.cpp).
 const std::vector<Command>& commands();
-
-// Parses argv. Returns nullptr after printing help when --help was given; throws
-// UsageError for unknown options, missing values and unmatched positionals.
-std::unique_ptr<cxxopts::ParseResult> parse_args(cxxopts::Options& options, int argc,
-                                                 char** argv);
 
 // Set by --verbose on the main command line: print error detail on failure.
 extern bool g_verbose;
