@@ -51,6 +51,8 @@ struct Option {
   std::string help;
   std::string default_note;  // shown as the default instead of the value, "" none
   std::string alias;         // an older JSON key still read, "" none
+  char short_flag = 0;       // a one-letter form (-o FILE, -oFILE), 0 none
+  bool required = false;     // the command needs it: help says so instead of a default
   bool in_json = true;       // false: a command-line switch only (--json, --config)
   Ref ref;
 
@@ -112,6 +114,14 @@ inline Option flag_named(Option o, const char* flag) {
 }
 inline Option alias(Option o, const char* old_key) {
   o.alias = old_key;
+  return o;
+}
+inline Option short_named(Option o, char letter) {
+  o.short_flag = letter;
+  return o;
+}
+inline Option required(Option o) {
+  o.required = true;
   return o;
 }
 inline Option json_only(Option o) {

@@ -2,14 +2,13 @@
 
 #include <unistd.h>
 
-#include <cxxopts.hpp>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <iostream>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <variant>
 
 #include "formats/error.h"
@@ -19,28 +18,6 @@ namespace eaglekit::tools {
 bool g_verbose = false;
 
 bool stderr_is_tty() { return ::isatty(2) == 1; }
-
-std::unique_ptr<cxxopts::ParseResult> parse_args(cxxopts::Options& options, int argc,
-                                                 char** argv) {
-  options.add_options("Common")("h,help", "Show this help");
-  try {
-    auto result = std::make_unique<cxxopts::ParseResult>(options.parse(argc, argv));
-    if (result->count("help")) {
-      std::cout << options.help();
-      return nullptr;
-    }
-    if (!result->unmatched().empty())
-      throw UsageError("unexpected argument '" + result->unmatched().front() +
-                       "' (see --help)");
-    return result;
-  } catch (const cxxopts::exceptions::exception& e) {
-    throw UsageError(std::string(e.what()) + " (see --help)");
-  }
-}
-
-}  // namespace eaglekit::tools
-
-namespace eaglekit::tools {
 
 std::string own_executable() {
   char buf[4096];
@@ -76,6 +53,16 @@ bool CommandLine::given(std::string_view key) const {
   return false;
 }
 
+void CommandLine::check_choice(std::string_view key,
+                               const std::function<std::string(const std::string& value)>& message) const {
+  for (const auto& [o, v] : values) {
+    if (o->key != key) continue;
+    const auto* c = std::get_if<opt::ChoiceRef>(&o->ref);
+    if (!c) throw std::logic_error("check_choice: '" + std::string(key) + "' is not a choice");
+    if (std::find(c->accepted.begin(), c->accepted.end(), v) == c->accepted.end()) throw UsageError(message(v));
+  }
+}
+
 void CommandLine::apply(const std::function<void(const std::string& path)>& on_config) const {
   if (on_config) {
     for (const auto& [o, v] : values)
@@ -90,6 +77,13 @@ const opt::Option* find_flag(const opt::Groups& groups, std::string_view flag) {
   for (const auto& g : groups)
     for (const auto& o : g.options)
       if (!o.flag.empty() && o.flag == flag) return &o;
+  return nullptr;
+}
+
+const opt::Option* find_short(const opt::Groups& groups, char letter) {
+  for (const auto& g : groups)
+    for (const auto& o : g.options)
+      if (!o.flag.empty() && o.short_flag == letter) return &o;
   return nullptr;
 }
 
@@ -128,7 +122,21 @@ CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups,
       cl.help = true;
       continue;
     }
-    if (arg.rfind("--", 0) != 0) throw UsageError("unknown option '" + arg + "' (see --help)");
+    if (arg.rfind("--", 0) != 0) {
+      // -o FILE, -oFILE; -x for a boolean.
+      const opt::Option* o = find_short(groups, arg[1]);
+      if (!o || (o->is_bool() && arg.size() > 2) || takes_optional_value(*o))
+        throw UsageError("unknown option '" + arg + "' (see --help)");
+      if (o->is_bool()) {
+        cl.values.emplace_back(o, "true");
+      } else if (arg.size() > 2) {
+        cl.values.emplace_back(o, arg.substr(2));
+      } else {
+        if (i + 1 >= argc) throw UsageError(arg + " needs a value " + o->metavar + " (see --help)");
+        cl.values.emplace_back(o, argv[++i]);
+      }
+      continue;
+    }
     std::string name = arg.substr(2);
     std::optional<std::string> inline_value;
     if (const auto eq = name.find('='); eq != std::string::npos) {
@@ -207,7 +215,9 @@ std::string help_text(const std::string& usage, const std::string& description, 
     os << "\n" << g.title << ":\n";
     for (const auto& o : g.options) {
       if (o.flag.empty()) continue;
-      std::string left = "  --";
+      std::string left = "  ";
+      if (o.short_flag) left += std::string("-") + o.short_flag + ", ";
+      left += "--";
       // A boolean that is on by default shows both forms; one that is off shows the flag.
       const bool on_by_default = o.is_bool() && o.text() == "on";
       if (on_by_default && o.key.rfind("no_", 0) != 0) left += "[no-]";
@@ -229,7 +239,11 @@ std::string help_text(const std::string& usage, const std::string& description, 
         }
         if (takes_optional_value(o)) dflt.clear();
       }
-      if (!dflt.empty()) help += " (default: " + dflt + ")";
+      if (o.required) {
+        help += " (required)";
+      } else if (!dflt.empty()) {
+        help += " (default: " + dflt + ")";
+      }
       os << left;
       std::size_t col = left.size();
       if (col + 2 > kIndent) {

@@ -1,5 +1,5 @@
-// Shared plumbing of the CLI: the command table that drives both dispatch and help,
-// argument parsing that turns cxxopts failures into UsageError, and JSON printing.
+// Shared plumbing of the CLI: the command table that drives both dispatch and help, and
+// command lines parsed against option tables (lib/options.h) into values, help and UsageError.
 // Internal to tools/; each subcommand lives in tools/cmd_NAME.cpp and only parses options,
 // calls one library function and prints.
 #pragma once
@@ -15,11 +15,6 @@
 #include "lib/data_options.h"
 #include "lib/options.h"
 
-namespace cxxopts {
-class Options;
-class ParseResult;
-}  // namespace cxxopts
-
 namespace eaglekit {
 class Loader;
 }  // namespace eaglekit
@@ -34,11 +29,6 @@ struct Command {
 
 // The single table (tools/main.cpp).
 const std::vector<Command>& commands();
-
-// Parses argv. Returns nullptr after printing help when --help was given; throws
-// UsageError for unknown options, missing values and unmatched positionals.
-std::unique_ptr<cxxopts::ParseResult> parse_args(cxxopts::Options& options, int argc,
-                                                 char** argv);
 
 // Set by --verbose on the main command line: print error detail on failure.
 extern bool g_verbose;
@@ -59,6 +49,10 @@ struct CommandLine {
   std::vector<std::pair<const opt::Option*, std::string>> values;  // in command-line order
 
   bool given(std::string_view key) const;
+  // Before apply(): a value given for the choice `key` that is none of its spellings throws
+  // UsageError(message(value)) instead of the table's "--KEY must be A or B, not 'X'", for
+  // a command whose error text predates the tables.
+  void check_choice(std::string_view key, const std::function<std::string(const std::string& value)>& message) const;
   // Sets every given value. When a --config FILE was given and `on_config` is set, calls
   // it first with the path, so that flags win over the file. Throws UsageError for a value
   // that does not parse.
@@ -66,14 +60,15 @@ struct CommandLine {
 };
 
 // Parses argv (argv[0] is "eaglekit NAME") against `groups`, plus -h/--help: `--flag
-// VALUE`, `--flag=VALUE`, `--flag` / `--no-flag` for booleans, `--resume [DIR]` for an
-// optional value, and up to `max_positionals` positionals. Throws UsageError for an
+// VALUE`, `--flag=VALUE`, `-f VALUE` / `-fVALUE` for a row with a short flag, `--flag` /
+// `--no-flag` for booleans, `--resume [DIR]` for an optional value, and up to
+// `max_positionals` positionals; after `--` everything is a positional. Throws UsageError for an
 // unknown flag (naming the new spelling of an old one), a missing value, or too many
 // positionals.
 CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups, std::size_t max_positionals = 0);
 
 // `usage` (after "usage: "), the description, then every group's options: flag, metavar,
-// help, and the default read from the bound field (or its note).
+// help, and the default read from the bound field (or its note), or "(required)".
 std::string help_text(const std::string& usage, const std::string& description, const opt::Groups& groups);
 
 // --- what the loader-driven commands share (collate, loader-bench) ----------------------

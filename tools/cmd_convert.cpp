@@ -1,10 +1,10 @@
 // eaglekit convert: records of any format to any format, values preserved exactly.
-#include <cxxopts.hpp>
-
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <string>
 
+#include "formats/eks_format.h"
 #include "formats/error.h"
 #include "lib/convert.h"
 #include "lib/progress.h"
@@ -14,38 +14,48 @@
 namespace eaglekit::tools {
 
 int run_convert(int argc, char** argv) {
-  cxxopts::Options options(
-      argv[0],
-      "Convert records between formats, values preserved exactly. SRC: a record file, "
-      "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for "
-      "hdf5/eks), or a folder that receives one file per record (pt, safetensors). The format "
-      "comes from --format, else DST's extension, else pt. Outputs are written atomically.");
-  options.positional_help("SRC DST");
-  options.add_options()("src", "Source", cxxopts::value<std::string>())
-      ("dst", "Destination", cxxopts::value<std::string>())
-      ("format", "Output format: pt, safetensors, hdf5 or eks", cxxopts::value<std::string>())
-      ("codec", "eks codec: zstd or fp8", cxxopts::value<std::string>()->default_value("zstd"))
-      ("level", "eks zstd level", cxxopts::value<int>()->default_value("3"))
-      ("jobs", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
-      ("json", "Print the result as JSON");
-  options.parse_positional({"src", "dst"});
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  if (!args->count("src") || !args->count("dst"))
-    throw UsageError("SRC and DST are required (see --help)");
   ConvertOptions o;
-  if (args->count("format")) {
-    const std::string f = (*args)["format"].as<std::string>();
-    o.format = parse_format(f);
-    if (!o.format) throw UsageError("--format: unknown format '" + f + "' (pt, safetensors, hdf5, eks)");
+  Format format = Format::kUnknown;  // kUnknown: from DST's extension, else pt
+  EksCodec codec = EksCodec::kZstd;
+  bool json = false;
+  const opt::Groups groups{opt::Group{
+      "Convert",
+      {opt::note(opt::choice("format", format,
+                             {{Format::kPt, "pt"},
+                              {Format::kPtGzip, "pt.gz"},
+                              {Format::kSafetensors, "safetensors"},
+                              {Format::kHdf5, "hdf5"},
+                              {Format::kEks, "eks"},
+                              {Format::kPt, "ckpt"},
+                              {Format::kPtGzip, "ckpt.gz"},
+                              {Format::kHdf5, "h5"}},
+                             "Output format"),
+                 "DST's extension, else pt"),
+       opt::choice("codec", codec, {{EksCodec::kZstd, "zstd"}, {EksCodec::kFp8, "fp8"}}, "eks codec"),
+       opt::field("level", "N", o.writer.level, "eks zstd level"),
+       opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
+       opt::field("json", "", json, "Print the result as JSON")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups, 2);
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " SRC DST [OPTIONS]",
+                           "Convert records between formats, values preserved exactly. SRC: a record file, "
+                           "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for "
+                           "hdf5/eks), or a folder that receives one file per record (pt, safetensors). The format "
+                           "comes from --format, else DST's extension, else pt. Outputs are written atomically.",
+                           groups);
+    return 0;
   }
-  o.writer.codec = (*args)["codec"].as<std::string>();
-  o.writer.level = (*args)["level"].as<int>();
-  o.jobs = (*args)["jobs"].as<int>();
+  if (cl.positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");
+  cl.check_choice("format", [](const std::string& v) {
+    return "--format: unknown format '" + v + "' (pt, safetensors, hdf5, eks)";
+  });
+  cl.apply();
+  if (format != Format::kUnknown) o.format = format;
+  o.writer.codec = std::string(eks_codec_name(codec));
   o.progress = stderr_is_tty();
-  const std::string dst = (*args)["dst"].as<std::string>();
-  const ConvertResult r = convert_records((*args)["src"].as<std::string>(), dst, o);
-  if (args->count("json")) {
+  const std::string& dst = cl.positionals[1];
+  const ConvertResult r = convert_records(cl.positionals[0], dst, o);
+  if (json) {
     nlohmann::json j;
     j["format"] = std::string(format_name(r.format));
     j["output"] = r.output;

@@ -1,7 +1,8 @@
 // eaglekit index: build (or incrementally refresh) a dataset index, or print one.
-#include <cxxopts.hpp>
-
+#include <cstddef>
 #include <iostream>
+#include <limits>
+#include <string>
 
 #include "formats/error.h"
 #include "lib/index.h"
@@ -11,38 +12,40 @@
 namespace eaglekit::tools {
 
 int run_index(int argc, char** argv) {
-  cxxopts::Options options(argv[0],
-                           "Index the hidden-state records below folders (headers only) into one "
-                           "binary index file.\n"
-                           "  eaglekit index DIR... --out INDEX [--jobs N] [--full] [--json]\n"
-                           "  eaglekit index --show INDEX [--json]\n");
-  options.add_options()
-      ("dirs", "Folders (or record files) to index, recursively", cxxopts::value<std::vector<std::string>>())
-      ("o,out", "Index file to write (atomically)", cxxopts::value<std::string>())
-      ("j,jobs", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
-      ("full", "Read every file again, ignoring an existing index at --out")
-      ("show", "Print an index: one line per record", cxxopts::value<std::string>())
-      ("json", "Machine-readable output");
-  options.parse_positional({"dirs"});
-  options.positional_help("DIR...");
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  const bool json = args->count("json") > 0;
+  IndexOptions o;
+  std::string show;
+  bool full = false, json = false;
+  using opt::field;
+  const opt::Groups groups{opt::Group{
+      "Index",
+      {opt::short_named(field("out", "INDEX", o.out, "Index file to write (atomically)"), 'o'),
+       opt::short_named(field("jobs", "N", o.jobs, "Threads (0: all cores)"), 'j'),
+       field("full", "", full, "Read every file again, ignoring an existing index at --out"),
+       field("show", "INDEX", show, "Print an index: one line per record"),
+       field("json", "", json, "Machine-readable output")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups, std::numeric_limits<std::size_t>::max());
+  if (cl.help) {
+    const std::string me = argv[0];
+    std::cout << help_text(me + " DIR... --out INDEX [--jobs N] [--full] [--json]\n       " + me +
+                               " --show INDEX [--json]",
+                           "Index the hidden-state records below folders (or record files), recursively, headers "
+                           "only, into one binary index file; or print one.",
+                           groups);
+    return 0;
+  }
+  if (cl.given("show") && (!cl.positionals.empty() || cl.given("out")))
+    throw UsageError("--show INDEX takes no folders and no --out");
+  cl.apply();
 
-  if (args->count("show")) {
-    if (args->count("dirs") || args->count("out"))
-      throw UsageError("--show INDEX takes no folders and no --out");
-    const DatasetIndex index = DatasetIndex::load((*args)["show"].as<std::string>());
+  if (cl.given("show")) {
+    const DatasetIndex index = DatasetIndex::load(show);
     std::cout << (json ? index_to_json(index) : index_to_text(index));
     return 0;
   }
-  IndexOptions o;
-  if (args->count("dirs")) o.roots = (*args)["dirs"].as<std::vector<std::string>>();
+  o.roots = cl.positionals;
   if (o.roots.empty()) throw UsageError("give at least one folder to index (see --help)");
-  if (!args->count("out")) throw UsageError("--out INDEX is required");
-  o.out = (*args)["out"].as<std::string>();
-  o.jobs = (*args)["jobs"].as<int>();
-  o.incremental = args->count("full") == 0;
+  if (!cl.given("out")) throw UsageError("--out INDEX is required");
+  o.incremental = !full;
   o.progress = stderr_is_tty() ? 1 : 0;
   const IndexReport report = build_index(o);
   std::cout << (json ? index_report_to_json(report, o.out) : index_report_to_text(report, o.out));

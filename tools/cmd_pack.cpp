@@ -1,10 +1,10 @@
 // eaglekit pack: every record below a folder into compressed .eks shards (lib/pack.h).
-#include <cxxopts.hpp>
-
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <string>
 
+#include "formats/eks_format.h"
 #include "formats/error.h"
 #include "lib/pack.h"
 #include "lib/progress.h"
@@ -14,50 +14,45 @@
 namespace eaglekit::tools {
 
 int run_pack(int argc, char** argv) {
-  cxxopts::Options options(
-      argv[0],
-      "Pack every record below SRC_DIR (any supported format) into .eks shards "
-      "OUT_DIR/shard-NNNNNN.eks, in source-path order. Rerun after an interruption to "
-      "continue where it stopped (OUT_DIR/pack-manifest.json lists the finished shards).");
-  options.positional_help("SRC_DIR");
-  options.add_options()("src", "Folder (or file) of records", cxxopts::value<std::string>())
-      ("out", "Output folder", cxxopts::value<std::string>())
-      ("shard-size", "Close a shard before it passes this size (e.g. 1GiB, 512MiB)",
-       cxxopts::value<std::string>()->default_value("1GiB"))
-      ("codec", "zstd (lossless) or fp8 (lossy hidden/aux states: e4m3, one scale per token)",
-       cxxopts::value<std::string>()->default_value("zstd"))
-      ("level", "zstd level (1..22)", cxxopts::value<int>()->default_value("3"))
-      ("block-size", "Decoded bytes per compressed block (prefix reads decode whole blocks)",
-       cxxopts::value<std::string>()->default_value("256KiB"))
-      ("jobs", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
-      ("skip-bad", "Leave out records that cannot be read (listed) instead of stopping")
-      ("json", "Print the summary as JSON");
-  options.parse_positional({"src"});
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  if (!args->count("src")) throw UsageError("SRC_DIR is required (see --help)");
-  if (!args->count("out")) throw UsageError("--out is required (see --help)");
-
   PackOptions o;
-  o.src = (*args)["src"].as<std::string>();
-  o.out_dir = (*args)["out"].as<std::string>();
-  const std::int64_t shard = parse_bytes((*args)["shard-size"].as<std::string>());
+  std::string shard_size = "1GiB", block_size = "256KiB";  // PackOptions' and EksEncodeOptions' defaults
+  bool json = false;
+  using opt::field;
+  const opt::Groups groups{opt::Group{
+      "Pack",
+      {field("out", "DIR", o.out_dir, "Output folder"),
+       field("shard_size", "SIZE", shard_size, "Close a shard before it passes this size (e.g. 1GiB, 512MiB)"),
+       opt::choice("codec", o.encode.codec, {{EksCodec::kZstd, "zstd"}, {EksCodec::kFp8, "fp8"}},
+                   "zstd (lossless) or fp8 (lossy hidden/aux states: e4m3, one scale per token)"),
+       field("level", "N", o.encode.level, "zstd level (1..22)"),
+       field("block_size", "SIZE", block_size, "Decoded bytes per compressed block (prefix reads decode whole blocks)"),
+       field("jobs", "N", o.jobs, "Threads (0: all cores)"),
+       field("skip_bad", "", o.skip_bad, "Leave out records that cannot be read (listed) instead of stopping"),
+       field("json", "", json, "Print the summary as JSON")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups, 1);
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " SRC_DIR --out OUT_DIR [OPTIONS]",
+                           "Pack every record below SRC_DIR (any supported format) into .eks shards "
+                           "OUT_DIR/shard-NNNNNN.eks, in source-path order. Rerun after an interruption to "
+                           "continue where it stopped (OUT_DIR/pack-manifest.json lists the finished shards).",
+                           groups);
+    return 0;
+  }
+  if (cl.positionals.empty()) throw UsageError("SRC_DIR is required (see --help)");
+  if (!cl.given("out")) throw UsageError("--out is required (see --help)");
+  cl.apply();
+  o.src = cl.positionals[0];
+  const std::int64_t shard = parse_bytes(shard_size);
   if (shard <= 0) throw UsageError("--shard-size must be positive");
   o.shard_bytes = static_cast<std::uint64_t>(shard);
-  const std::string codec = (*args)["codec"].as<std::string>();
-  const auto c = parse_eks_codec(codec);
-  if (!c) throw UsageError("--codec must be zstd or fp8, not '" + codec + "'");
-  o.encode.codec = *c;
-  o.encode.level = (*args)["level"].as<int>();
-  const std::int64_t block = parse_bytes((*args)["block-size"].as<std::string>());
+  const std::int64_t block = parse_bytes(block_size);
   if (block <= 0) throw UsageError("--block-size must be positive");
   o.encode.block_bytes = static_cast<std::size_t>(block);
-  o.jobs = (*args)["jobs"].as<int>();
-  o.skip_bad = args->count("skip-bad") > 0;
   o.progress = stderr_is_tty();
+  const std::string codec(eks_codec_name(o.encode.codec));
 
   const PackResult r = pack_records(o);
-  if (args->count("json")) {
+  if (json) {
     nlohmann::json j;
     j["records"] = r.records;
     j["already_packed"] = r.already_packed;

@@ -1,7 +1,7 @@
 // eaglekit report: one self-contained HTML page about training runs (lib/report.h).
-#include <cxxopts.hpp>
-
+#include <cstddef>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -14,31 +14,32 @@
 namespace eaglekit::tools {
 
 int run_report(int argc, char** argv) {
-  cxxopts::Options options(argv[0],
+  ReportOptions o;
+  DataSelection data;
+  std::string out;
+  bool json = false;
+  const opt::Groups groups{opt::Group{"Report",
+                                      {opt::field("out", "FILE", out, "HTML file to write (atomically)"),
+                                       opt::field("title", "TEXT", o.title, "Page title"),
+                                       opt::field("json", "", json, "Print {\"out\", \"runs\"}")}},
+                           data_options(data).only({"index"})};
+  const CommandLine cl = parse_command_line(argc, argv, groups, std::numeric_limits<std::size_t>::max());
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " RUN [RUN...] --out FILE [OPTIONS]",
                            "One self-contained HTML page (inline SVG, nothing fetched) about training runs: "
                            "their curves overlaid (loss, per-step accuracy, est_ar, lr, tokens/s, data wait), "
                            "the final evaluation, the options each ran with, and with --index the dataset's "
-                           "token-length histogram and disk per token. RUN: a train --out folder.");
-  options.positional_help("RUN [RUN...]");
-  options.add_options()
-      ("runs", "Training output folders", cxxopts::value<std::vector<std::string>>())
-      ("out", "HTML file to write (atomically)", cxxopts::value<std::string>())
-      ("index", "Dataset index (eaglekit index) for the dataset section", cxxopts::value<std::string>())
-      ("title", "Page title", cxxopts::value<std::string>()->default_value("eaglekit training report"))
-      ("json", "Print {\"out\", \"runs\"}");
-  options.parse_positional({"runs"});
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  const auto& a = *args;
-  if (!a.count("runs")) throw UsageError("give at least one RUN folder (train --out)");
-  if (!a.count("out")) throw UsageError("--out FILE is required");
-  ReportOptions o;
-  o.runs = a["runs"].as<std::vector<std::string>>();
-  if (a.count("index")) o.index = a["index"].as<std::string>();
-  o.title = a["title"].as<std::string>();
-  const std::string out = a["out"].as<std::string>();
+                           "token-length histogram and disk per token. RUN: a train --out folder.",
+                           groups);
+    return 0;
+  }
+  if (cl.positionals.empty()) throw UsageError("give at least one RUN folder (train --out)");
+  if (!cl.given("out")) throw UsageError("--out FILE is required");
+  cl.apply();
+  o.runs = cl.positionals;
+  o.index = data.index;
   write_report(o, out);
-  if (a.count("json")) {
+  if (json) {
     std::cout << nlohmann::json({{"out", out}, {"runs", o.runs}}).dump() << "\n";
   } else {
     std::cout << "wrote " << out << " (" << o.runs.size() << " run(s))\n";

@@ -1,7 +1,6 @@
 // eaglekit stats: token distribution, disk use and a disk estimate, from an index alone.
-#include <cxxopts.hpp>
-
 #include <iostream>
+#include <string>
 
 #include "formats/error.h"
 #include "lib/index.h"
@@ -12,23 +11,31 @@
 namespace eaglekit::tools {
 
 int run_stats(int argc, char** argv) {
-  cxxopts::Options options(argv[0],
-                           "Token distribution, bytes on disk per token, records per format and "
-                           "dtype, and a disk estimate for a planned dump.\n");
-  options.add_options()
-      ("index", "Dataset index (eaglekit index)", cxxopts::value<std::string>())
-      ("plan-conversations", "Estimate the disk a dump of N conversations takes", cxxopts::value<std::int64_t>()->default_value("0"))
-      ("plan-tokens", "Tokens per conversation in that dump (default: this dataset's mean)", cxxopts::value<double>()->default_value("0"))
-      ("json", "Machine-readable output");
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  if (!args->count("index")) throw UsageError("--index INDEX is required");
+  DataSelection data;
   StatsOptions o;
-  o.plan_conversations = (*args)["plan-conversations"].as<std::int64_t>();
-  o.plan_tokens = (*args)["plan-tokens"].as<double>();
-  const DatasetIndex index = DatasetIndex::load((*args)["index"].as<std::string>());
+  bool json = false;
+  using opt::field;
+  const opt::Groups groups{
+      data_options(data).only({"index"}),
+      opt::Group{"Stats",
+                 {field("plan_conversations", "N", o.plan_conversations,
+                        "Estimate the disk a dump of N conversations takes"),
+                  opt::note(field("plan_tokens", "T", o.plan_tokens, "Tokens per conversation in that dump"),
+                            "this dataset's mean"),
+                  field("json", "", json, "Machine-readable output")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups);
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " --index FILE [OPTIONS]",
+                           "Token distribution, bytes on disk per token, records per format and dtype, and a disk "
+                           "estimate for a planned dump.",
+                           groups);
+    return 0;
+  }
+  if (!cl.given("index")) throw UsageError("--index INDEX is required");
+  cl.apply();
+  const DatasetIndex index = DatasetIndex::load(data.index);
   const DatasetStats s = compute_stats(index, o);
-  std::cout << (args->count("json") ? stats_to_json(s) : stats_to_text(s));
+  std::cout << (json ? stats_to_json(s) : stats_to_text(s));
   return 0;
 }
 

@@ -1,10 +1,10 @@
 // eaglekit synth: a synthetic, learnable dataset (conversations.jsonl + one record per
 // conversation) and optionally a tiny base model consistent with it. docs/synth.md.
-#include <cxxopts.hpp>
-
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "formats/error.h"
 #include "lib/progress.h"
@@ -15,59 +15,55 @@
 namespace eaglekit::tools {
 
 int run_synth(int argc, char** argv) {
-  const SynthOptions d;
-  cxxopts::Options options(
-      argv[0],
-      "Write a synthetic dataset: DIR/conversations.jsonl and one ModelOpt-style record per "
-      "conversation under DIR/records/. Tokens follow a sparse Markov chain and the hidden "
-      "states encode it, so a draft model can learn it. Deterministic for a seed, whatever "
-      "--jobs is.");
-  options.add_options()("out", "Output folder", cxxopts::value<std::string>())
-      ("conversations", "Number of conversations",
-       cxxopts::value<std::int64_t>()->default_value(std::to_string(d.conversations)))
-      ("hidden", "Hidden size H", cxxopts::value<std::int64_t>()->default_value(std::to_string(d.hidden)))
-      ("aux-layers", "Aux layers k (aux_hidden_states is [T, k*H])",
-       cxxopts::value<int>()->default_value(std::to_string(d.aux_layers)))
-      ("vocab", "Vocabulary size V", cxxopts::value<std::int64_t>()->default_value(std::to_string(d.vocab)))
-      ("min-tokens", "Fewest tokens per conversation",
-       cxxopts::value<std::int64_t>()->default_value(std::to_string(d.min_tokens)))
-      ("max-tokens", "Most tokens per conversation",
-       cxxopts::value<std::int64_t>()->default_value(std::to_string(d.max_tokens)))
-      ("dtype", "Hidden-state dtype: bf16, fp16 or fp32", cxxopts::value<std::string>()->default_value("bf16"))
-      ("format", "Record format: pt or safetensors", cxxopts::value<std::string>()->default_value("pt"))
-      ("seed", "Random seed", cxxopts::value<std::uint64_t>()->default_value("0"))
-      ("jobs", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
-      ("base-out", "Also write a tiny base model folder (config.json + model.safetensors with "
-                   "embed_tokens and lm_head) consistent with the data",
-       cxxopts::value<std::string>())
-      ("json", "Print the result as JSON");
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  if (!args->count("out")) throw UsageError("--out DIR is required (see --help)");
-
   SynthOptions o;
-  o.out_dir = (*args)["out"].as<std::string>();
-  o.conversations = (*args)["conversations"].as<std::int64_t>();
-  o.hidden = (*args)["hidden"].as<std::int64_t>();
-  o.aux_layers = (*args)["aux-layers"].as<int>();
-  o.vocab = (*args)["vocab"].as<std::int64_t>();
-  o.min_tokens = (*args)["min-tokens"].as<std::int64_t>();
-  o.max_tokens = (*args)["max-tokens"].as<std::int64_t>();
-  const std::string dt = (*args)["dtype"].as<std::string>();
-  const auto dtype = parse_dtype(dt);
-  if (!dtype) throw UsageError("--dtype: unknown dtype '" + dt + "' (bf16, fp16 or fp32)");
-  o.dtype = *dtype;
-  const std::string fmt = (*args)["format"].as<std::string>();
-  const auto format = parse_format(fmt);
-  if (!format) throw UsageError("--format: unknown format '" + fmt + "' (pt or safetensors)");
-  o.format = *format;
-  o.seed = (*args)["seed"].as<std::uint64_t>();
-  o.jobs = (*args)["jobs"].as<int>();
-  if (args->count("base-out")) o.base_out = (*args)["base-out"].as<std::string>();
+  bool json = false;
+  using opt::field;
+  const opt::Groups groups{opt::Group{
+      "Synth",
+      {field("out", "DIR", o.out_dir, "Output folder"),
+       field("conversations", "N", o.conversations, "Number of conversations"),
+       field("hidden", "H", o.hidden, "Hidden size H"),
+       field("aux_layers", "K", o.aux_layers, "Aux layers k (aux_hidden_states is [T, k*H])"),
+       field("vocab", "V", o.vocab, "Vocabulary size V"),
+       field("min_tokens", "N", o.min_tokens, "Fewest tokens per conversation"),
+       field("max_tokens", "N", o.max_tokens, "Most tokens per conversation"),
+       opt::choice("dtype", o.dtype,
+                   {{DType::kBFloat16, "bf16"},
+                    {DType::kFloat16, "fp16"},
+                    {DType::kFloat32, "fp32"},
+                    {DType::kBFloat16, "bfloat16"},
+                    {DType::kFloat16, "float16"},
+                    {DType::kFloat16, "half"},
+                    {DType::kFloat16, "f16"},
+                    {DType::kFloat32, "float32"},
+                    {DType::kFloat32, "float"},
+                    {DType::kFloat32, "f32"}},
+                   "Hidden-state dtype"),
+       opt::choice("format", o.format, {{Format::kPt, "pt"}, {Format::kSafetensors, "safetensors"}, {Format::kPt, "ckpt"}},
+                   "Record format"),
+       field("seed", "N", o.seed, "Random seed"),
+       field("jobs", "N", o.jobs, "Threads (0: all cores)"),
+       field("base_out", "DIR", o.base_out,
+             "Also write a tiny base model folder (config.json + model.safetensors with embed_tokens and lm_head) "
+             "consistent with the data"),
+       field("json", "", json, "Print the result as JSON")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups);
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " --out DIR [OPTIONS]",
+                           "Write a synthetic dataset: DIR/conversations.jsonl and one ModelOpt-style record per "
+                           "conversation under DIR/records/. Tokens follow a sparse Markov chain and the hidden "
+                           "states encode it, so a draft model can learn it. Deterministic for a seed, whatever "
+                           "--jobs is.",
+                           groups);
+    return 0;
+  }
+  if (!cl.given("out")) throw UsageError("--out DIR is required (see --help)");
+  cl.check_choice("dtype", [](const std::string& v) { return "--dtype must be bf16, fp16 or fp32, not " + v; });
+  cl.apply();
   o.progress = stderr_is_tty();
 
   const SynthResult r = synthesize(o);
-  if (args->count("json")) {
+  if (json) {
     nlohmann::json j;
     j["out"] = o.out_dir;
     j["conversations"] = r.conversations;

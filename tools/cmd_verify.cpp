@@ -1,8 +1,8 @@
 // eaglekit verify: decode every record and check every checksum; exit 1 if any is bad.
-#include <cxxopts.hpp>
-
+#include <cstddef>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "formats/error.h"
@@ -14,24 +14,24 @@
 namespace eaglekit::tools {
 
 int run_verify(int argc, char** argv) {
-  cxxopts::Options options(
-      argv[0],
-      "Decode every record of the given files and folders and check every checksum (.eks: "
-      "each block's xxh3; other formats: a full read). Lists the bad records; exit 1 if any.");
-  options.positional_help("PATH...");
-  options.add_options()("paths", "Files or folders", cxxopts::value<std::vector<std::string>>())
-      ("jobs", "Threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
-      ("json", "Print the result as JSON");
-  options.parse_positional({"paths"});
-  const auto args = parse_args(options, argc, argv);
-  if (!args) return 0;
-  if (!args->count("paths")) throw UsageError("at least one PATH is required (see --help)");
-
   VerifyOptions o;
-  o.jobs = (*args)["jobs"].as<int>();
+  bool json = false;
+  const opt::Groups groups{opt::Group{"Verify",
+                                      {opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
+                                       opt::field("json", "", json, "Print the result as JSON")}}};
+  const CommandLine cl = parse_command_line(argc, argv, groups, std::numeric_limits<std::size_t>::max());
+  if (cl.help) {
+    std::cout << help_text(std::string(argv[0]) + " PATH... [OPTIONS]",
+                           "Decode every record of the given files and folders and check every checksum (.eks: "
+                           "each block's xxh3; other formats: a full read). Lists the bad records; exit 1 if any.",
+                           groups);
+    return 0;
+  }
+  if (cl.positionals.empty()) throw UsageError("at least one PATH is required (see --help)");
+  cl.apply();
   o.progress = stderr_is_tty();
-  const VerifyResult r = verify_records((*args)["paths"].as<std::vector<std::string>>(), o);
-  if (args->count("json")) {
+  const VerifyResult r = verify_records(cl.positionals, o);
+  if (json) {
     nlohmann::json j;
     j["ok"] = r.ok();
     j["files"] = r.files;

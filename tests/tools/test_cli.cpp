@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "formats/format.h"
 #include "tests/support.h"
@@ -101,6 +104,61 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
     CHECK(r.out.empty());
   }
   CHECK_FALSE(fs::exists("x"));
+}
+
+TEST_CASE("cli: every command's --help comes from its option table") {
+  // The commands, as `eaglekit --help` lists them.
+  const auto top = test::eaglekit("--help");
+  REQUIRE(top.exit_code == 0);
+  std::vector<std::string> commands;
+  const auto listed = top.out.find("commands:\n");
+  REQUIRE(listed != std::string::npos);
+  std::istringstream lines(top.out.substr(listed + 10));
+  for (std::string line; std::getline(lines, line) && line.rfind("  ", 0) == 0;)
+    commands.push_back(line.substr(2, line.find(' ', 2) - 2));
+  CHECK(commands.size() == 16);
+  std::map<std::string, std::string> index_line;  // command -> its "--index FILE" help line
+  for (const auto& cmd : commands) {
+    CAPTURE(cmd);
+    const auto r = test::eaglekit(cmd + " --help");
+    CHECK(r.exit_code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.rfind("Usage: eaglekit " + cmd + " ", 0) == 0);
+    std::istringstream text(r.out);
+    for (std::string line; std::getline(text, line);) {
+      CAPTURE(line);
+      const auto first = line.find("default");
+      CHECK((first == std::string::npos || line.find("default", first + 1) == std::string::npos));
+      // cxxopts' placeholders: "--out arg", "--resume [=arg(=...)]".
+      CHECK(line.find("[=arg") == std::string::npos);
+      CHECK(line.find(" arg ") == std::string::npos);
+      CHECK(line.find("=arg") == std::string::npos);
+      CHECK((line.size() < 4 || line.compare(line.size() - 4, 4, " arg") != 0));
+      if (line.rfind("  --index FILE ", 0) == 0) index_line[cmd] = line;
+    }
+  }
+  // launch shows where its command goes.
+  const auto launch = test::eaglekit("launch --help");
+  CHECK(launch.out.substr(0, launch.out.find('\n')).find(" -- COMMAND [ARGS...]") != std::string::npos);
+  // The shared data options read the same everywhere.
+  for (const char* cmd : {"validate", "stats", "report", "collate", "loader-bench", "evaluate", "vocab"}) {
+    CAPTURE(cmd);
+    REQUIRE(index_line.count(cmd));
+    CHECK(index_line[cmd] == index_line["train"]);
+  }
+  // Index and validate keep their one-letter flags.
+  CHECK(test::eaglekit("index --help").out.find("  -o, --out INDEX") != std::string::npos);
+  CHECK(test::eaglekit("validate --help").out.find("  -j, --jobs N") != std::string::npos);
+  CHECK(test::eaglekit("launch --help").out.find("(required)") != std::string::npos);
+  test::TempDir dir("cli-short");
+  const std::string index = dir / "data.ekidx";
+  const auto built = test::eaglekit("index " + quote(shared_dataset() + "/records") + " -o " + quote(index) + " -j1 --json");
+  CHECK_MESSAGE(built.exit_code == 0, built.err);
+  CHECK(fs::exists(index));
+  const auto checked = test::eaglekit("validate --data " + quote(shared_dataset() + "/conversations.jsonl") +
+                                      " --index " + quote(index) + " -j 1 --deep --json");
+  CHECK_MESSAGE(checked.exit_code == 0, checked.err);
+  CHECK(test::eaglekit("index -x").err == "eaglekit index: unknown option '-x' (see --help)\n");
 }
 
 TEST_CASE("cli: eaglekit loads no LibTorch and runs the LibTorch commands through eaglekit-torch") {
