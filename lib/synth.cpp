@@ -145,6 +145,11 @@ struct SynthGenerator::Impl {
   std::vector<std::vector<std::int32_t>> perm;  // per aux layer: channel permutation
   std::vector<std::vector<float>> sign;         // per aux layer: +-1 per channel
   std::vector<float> gamma;                     // final-norm weight per channel
+  // The base folder's model.norm.weight: gamma times a wide per-channel spread, as real
+  // final norms are far from uniform. Post-norm states do not involve it (lm_head divides
+  // gamma out); pre-norm states are the post-norm ones with it divided out, so the base's
+  // RMSNorm gives them back, and reading one form as the other visibly changes the argmax.
+  std::vector<float> norm_weight;
   std::vector<std::int32_t> outliers;           // outlier channels
   std::vector<float> outlier_value;             // their typical value in h
   std::vector<char> is_outlier;
@@ -185,6 +190,11 @@ struct SynthGenerator::Impl {
     for (std::int64_t i = 0; i < h; ++i)
       gamma[static_cast<std::size_t>(i)] =
           static_cast<float>(std::exp(0.35 * g[key(s, kGamma, i) >> (64 - kTableBits)]));
+    norm_weight.resize(static_cast<std::size_t>(h));
+    for (std::int64_t i = 0; i < h; ++i)
+      norm_weight[static_cast<std::size_t>(i)] =
+          gamma[static_cast<std::size_t>(i)] *
+          static_cast<float>(std::exp(1.2 * g[key(s, kGamma, 7919 * (h + i) + 1) >> (64 - kTableBits)]));
     // A few channels with large, mostly constant values ("massive activations").
     const std::int64_t n_out = std::min<std::int64_t>(std::max<std::int64_t>(2, h / 256), std::min<std::int64_t>(8, h / 8));
     std::vector<std::int32_t> channels(static_cast<std::size_t>(h));
@@ -319,6 +329,19 @@ struct SynthGenerator::Impl {
         const float n = 0.05f * g[mix64(row + h + j) >> (64 - kTableBits)];
         out[static_cast<std::size_t>(outliers[j])] = outlier_value[j] * (1.f + n);
       }
+      if (o.prenorm) {
+        // Before the final norm: the norm weight divided out and a per-token scale (real
+        // pre-norm states are large and vary in size); RMSNorm then removes the scale.
+        // The massive-activation channels stay O(1) here: the RMS that the norm divides by
+        // is then about that of the directions, and the normed states predict as sharply as
+        // the post-norm ones (those channels barely move logits either way).
+        const auto scale = static_cast<float>(8.0 * std::exp(0.5 * g[mix64(row ^ 0x27d4eb2full) >> (64 - kTableBits)]));
+        for (std::int64_t i = 0; i < h; ++i) {
+          const auto si = static_cast<std::size_t>(i);
+          out[si] = is_outlier[si] ? scale * 0.05f * g[mix64(row + 7 * h + i) >> (64 - kTableBits)]
+                                   : out[si] * scale / norm_weight[si];
+        }
+      }
       store_row(dt, out.data(), h, hrow);
       // Aux layers: deeper layers carry less of the current token and more of the
       // prediction; norms grow with depth; each is an orthogonal (permuted, signed) view.
@@ -425,6 +448,13 @@ HostTensor SynthGenerator::embed_tokens() const {
   return t;
 }
 
+HostTensor SynthGenerator::final_norm() const {
+  const auto& m = *impl_;
+  HostTensor t = HostTensor::zeros(m.o.dtype, {m.h});
+  store_row(m.o.dtype, m.norm_weight.data(), m.h, t.mutable_data());
+  return t;
+}
+
 HostTensor SynthGenerator::lm_head() const {
   const auto& m = *impl_;
   HostTensor t = HostTensor::zeros(m.o.dtype, {m.v, m.h});
@@ -482,7 +512,8 @@ void write_synth_base_model(const SynthGenerator& gen, const std::string& base_d
   if (ec) throw IoError::from_errno(base_dir, "cannot create folder", ec.value());
   write_safetensors((fs::path(base_dir) / "model.safetensors").string(),
                     {{"model.embed_tokens.weight", gen.embed_tokens()},
-                     {"lm_head.weight", gen.lm_head()}});
+                     {"lm_head.weight", gen.lm_head()},
+                     {"model.norm.weight", gen.final_norm()}});
   const std::string cfg = gen.base_config_json();
   write_file_atomic((fs::path(base_dir) / "config.json").string(), cfg.data(), cfg.size());
 }

@@ -40,6 +40,10 @@ struct SynthOptions {
   int jobs = 0;                    // threads; 0 = all cores
   std::string base_out;            // tiny base model folder; empty = none
   Format format = Format::kPt;     // record format: pt or safetensors (one file each)
+  // hidden_states before the base's final norm (the last layer's output, as some dumpers
+  // write it): a per-token scale and the norm weight divided out, so that the base's
+  // RMSNorm (model.norm.weight in the base folder) gives back the post-norm direction.
+  bool prenorm = false;
   bool progress = false;           // a progress line on stderr (the CLI passes "is a TTY")
 };
 
@@ -70,6 +74,7 @@ class SynthGenerator {
   // The base model consistent with the records ([V, H], dtype options().dtype).
   HostTensor embed_tokens() const;
   HostTensor lm_head() const;
+  HostTensor final_norm() const;  // [H] the final RMSNorm's weight (model.norm.weight)
   // config.json of the base model (LlamaForCausalLM fields).
   std::string base_config_json() const;
 

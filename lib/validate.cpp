@@ -164,6 +164,14 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
 
 }  // namespace
 
+void write_validate_quarantine(ValidateReport& rep, const std::string& path) {
+  write_quarantine(path, rep.quarantine_groups);
+  std::unordered_set<std::string> ids;
+  for (const auto& g : rep.quarantine_groups) ids.insert(g.second.begin(), g.second.end());
+  rep.quarantine_path = path;
+  rep.quarantined = ids.size();
+}
+
 ValidateReport validate_dataset(const ValidateOptions& o) {
   if (o.data.empty()) throw UsageError("validate: --data CONVERSATIONS is required");
   if (o.index.empty()) throw UsageError("validate: --index INDEX is required");
@@ -371,18 +379,12 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
                         " matched records could not be read in full (the index lists them as ok)");
   rep.ok = rep.fatal.empty();
 
-  if (!o.quarantine.empty()) {
-    const std::vector<std::pair<std::string, std::vector<std::string>>> groups = {
-        {"duplicate_ids", rep.duplicate_ids}, {"unreadable", q_unreadable},
-        {"shape_mismatch", q_shape},          {"dtype_mismatch", q_dtype},
-        {"nonfinite", q_nonfinite},           {"too_short", q_short},
-    };
-    write_quarantine(o.quarantine, groups);
-    std::unordered_set<std::string> ids;
-    for (const auto& g : groups) ids.insert(g.second.begin(), g.second.end());
-    rep.quarantine_path = o.quarantine;
-    rep.quarantined = ids.size();
-  }
+  rep.quarantine_groups = {
+      {"duplicate_ids", rep.duplicate_ids}, {"unreadable", q_unreadable},
+      {"shape_mismatch", q_shape},          {"dtype_mismatch", q_dtype},
+      {"nonfinite", q_nonfinite},           {"too_short", q_short},
+  };
+  if (!o.quarantine.empty()) write_validate_quarantine(rep, o.quarantine);
   return rep;
 }
 

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "formats/dtype.h"
@@ -74,11 +75,18 @@ struct ValidateReport {
   std::vector<std::string> fatal;   // why the dataset is not trainable (empty when ok)
   std::string quarantine_path;      // written when non-empty
   std::size_t quarantined = 0;      // ids written to it
+  // The ids a quarantine file gets, by category (duplicate_ids, unreadable,
+  // shape_mismatch, dtype_mismatch, nonfinite, too_short); filled whether or not one is
+  // written, so that a caller can add categories of its own (validate --base).
+  std::vector<std::pair<std::string, std::vector<std::string>>> quarantine_groups;
 
   int exit_code() const { return ok ? 0 : 1; }
 };
 
 ValidateReport validate_dataset(const ValidateOptions& opts);
+
+// Writes report.quarantine_groups to `path` (atomically) and records it in the report.
+void write_validate_quarantine(ValidateReport& report, const std::string& path);
 
 // {"ok", "conversations", "records", "matched", "missing", "orphans", "duplicate_ids",
 //  "unreadable": [{"path", "error"}], "shape_mismatch", "dtype_mismatch", "nonfinite",

@@ -14,6 +14,7 @@
 
 #include "lib/data_options.h"
 #include "lib/options.h"
+#include "lib/validate.h"
 
 namespace eaglekit {
 class Loader;
@@ -88,6 +89,19 @@ struct LoaderJob : DataSelection, BatchOptions {
 
 // The loader the job describes (tools/cmd_collate.cpp); `summary` says what matched.
 std::unique_ptr<Loader> open_loader(const LoaderJob& job, std::string& summary);
+
+// --- validate, whose --base part runs in eaglekit-torch ---------------------------------
+
+struct ValidateCli {
+  DataSelection data;
+  ValidateOptions options;
+  bool json = false;
+  // validate --base: the semantic check (trainer/semantic_check.h).
+  std::string base;
+  std::int64_t positions = 32;
+  std::string device = "cpu";
+  opt::Groups groups();
+};
 
 // --timeout SECONDS as the bound on a rendezvous and every collective.
 std::chrono::milliseconds collective_timeout(double seconds);

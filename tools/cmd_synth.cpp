@@ -41,6 +41,9 @@ int run_synth(int argc, char** argv) {
                    "Hidden-state dtype"),
        opt::choice("format", o.format, {{Format::kPt, "pt"}, {Format::kSafetensors, "safetensors"}, {Format::kPt, "ckpt"}},
                    "Record format"),
+       opt::choice("hidden_states_norm", o.prenorm, {{false, "post"}, {true, "pre"}},
+                   "hidden_states after the base's final norm (post) or before it (pre: the last layer's "
+                   "output; the base folder's model.norm.weight turns it back)"),
        field("seed", "N", o.seed, "Random seed"),
        field("jobs", "N", o.jobs, "Threads (0: all cores)"),
        field("base_out", "DIR", o.base_out,

@@ -1,4 +1,6 @@
 // eaglekit validate: check an index's records against the conversations before training.
+// With --base the same command also runs the semantic check; `eaglekit` hands such a call
+// to eaglekit-torch (tools/main.cpp), where tools/cmd_validate_base.cpp runs it.
 #include <iostream>
 #include <string>
 
@@ -9,24 +11,32 @@
 
 namespace eaglekit::tools {
 
-int run_validate(int argc, char** argv) {
-  DataSelection data;
-  ValidateOptions o;
-  bool json = false;
+opt::Groups ValidateCli::groups() {
   using opt::field;
-  const opt::Groups groups{
-      data_options(data).only({"data", "index"}),
-      opt::Group{"Validate",
-                 {field("deep", "", o.deep, "Read every value of every matched record: NaN/Inf, checksums, shapes"),
-                  field("max_length", "L", o.max_length,
-                        "Report how many records and tokens truncation to L drops (0: no report)"),
-                  field("quarantine", "FILE", o.quarantine,
-                        "Write the ids of every problem record to FILE (the loader's --quarantine)"),
-                  opt::short_named(field("jobs", "N", o.jobs, "Threads for --deep (0: all cores)"), 'j'),
-                  field("json", "", json, "Machine-readable output")}}};
+  return {data_options(data).only({"data", "index"}),
+          opt::Group{"Validate",
+                     {field("deep", "", options.deep, "Read every value of every matched record: NaN/Inf, checksums, shapes"),
+                      field("max_length", "L", options.max_length,
+                            "Report how many records and tokens truncation to L drops (0: no report)"),
+                      field("quarantine", "FILE", options.quarantine,
+                            "Write the ids of every problem record to FILE (the loader's --quarantine)"),
+                      opt::short_named(field("jobs", "N", options.jobs, "Threads (0: all cores)"), 'j'),
+                      field("json", "", json, "Machine-readable output")}},
+          opt::Group{"Semantic check (needs LibTorch)",
+                     {field("base", "DIR", base,
+                            "Base model folder: run its lm_head over sampled hidden states of every record and "
+                            "measure how often argmax equals the next token, as post- and pre-norm states; report "
+                            "the dump's norm form and the records that agree far less than the rest"),
+                      field("positions", "N", positions, "Positions sampled per record for --base"),
+                      field("device", "NAME", device, "Where --base's head runs: cpu, cuda or cuda:N")}}};
+}
+
+int run_validate(int argc, char** argv) {
+  ValidateCli v;
+  const opt::Groups groups = v.groups();
   const CommandLine cl = parse_command_line(argc, argv, groups);
   if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE [OPTIONS]",
+    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE [--base DIR] [OPTIONS]",
                            "Check records against the conversations and against each other. Exit 0: trainable as "
                            "is (warnings listed); 1: not trainable.",
                            groups);
@@ -35,11 +45,13 @@ int run_validate(int argc, char** argv) {
   if (!cl.given("data")) throw UsageError("--data CONVERSATIONS is required");
   if (!cl.given("index")) throw UsageError("--index INDEX is required (build one with eaglekit index)");
   cl.apply();
-  o.data = data.data;
-  o.index = data.index;
+  if (!v.base.empty()) throw UsageError("--base runs in eaglekit-torch: call it through eaglekit");
+  ValidateOptions& o = v.options;
+  o.data = v.data.data;
+  o.index = v.data.index;
   o.progress = stderr_is_tty() ? 1 : 0;
   const ValidateReport report = validate_dataset(o);
-  std::cout << (json ? validate_report_to_json(report) : validate_report_to_text(report));
+  std::cout << (v.json ? validate_report_to_json(report) : validate_report_to_text(report));
   return report.exit_code();
 }
 

@@ -9,6 +9,7 @@ int run_convert(int argc, char** argv);
 int run_synth(int argc, char** argv);
 int run_index(int argc, char** argv);
 int run_validate(int argc, char** argv);
+int run_validate_base(int argc, char** argv);  // eaglekit-torch: validate with --base
 int run_stats(int argc, char** argv);
 int run_pack(int argc, char** argv);
 int run_verify(int argc, char** argv);

@@ -20,8 +20,10 @@
 
 #if defined(EAGLEKIT_FRONT)
 #define TORCH_COMMAND(fn) nullptr
+#define VALIDATE_COMMAND run_validate
 #else
 #define TORCH_COMMAND(fn) fn
+#define VALIDATE_COMMAND run_validate_base
 #endif
 
 namespace eaglekit::tools {
@@ -29,7 +31,7 @@ namespace eaglekit::tools {
 const std::vector<Command>& commands() {
   static const std::vector<Command> kCommands = {
       {"index", "Index the records below folders (headers only; incremental)", run_index},
-      {"validate", "Check records against the conversations and each other before training", run_validate},
+      {"validate", "Check records against the conversations and each other before training", VALIDATE_COMMAND},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
       {"inspect", "Show a record file's format, id, tensors (dtype, shape) and optional stats", run_inspect},
       {"convert", "Convert records between pt, safetensors, hdf5 and eks (values exact)", run_convert},
@@ -114,6 +116,13 @@ int main(int argc, char** argv) {
   for (const auto& c : commands()) {
     if (name != c.name) continue;
     if (c.run == nullptr) return exec_torch_binary(argv);
+#if defined(EAGLEKIT_FRONT)
+    // validate --base runs the base's head: LibTorch's work.
+    if (name == "validate")
+      for (int i = first + 1; i < argc; ++i)
+        if (std::string(argv[i]) == "--base" || std::string(argv[i]).rfind("--base=", 0) == 0)
+          return exec_torch_binary(argv);
+#endif
     std::string prog = std::string("eaglekit ") + c.name;
     argv[first] = prog.data();
     try {

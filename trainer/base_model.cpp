@@ -64,6 +64,17 @@ BaseModel load_base_model(const std::string& dir, const BaseLoadOptions& options
     base.lm_head = base.embed_tokens;
     base.tied = true;
   }
+  for (const char* name : {"model.norm.weight", "norm.weight", "model.language_model.norm.weight"}) {
+    if (!options.final_norm) break;
+    const std::optional<HostTensor> host = weights.get(name);
+    if (!host) continue;
+    if (host->dim() != 1 || host->shape[0] != base.config.hidden_size || !is_floating(host->dtype))
+      throw FormatError(weights.file_of(name), std::nullopt, name,
+                        "expected a floating-point [hidden_size " + std::to_string(base.config.hidden_size) +
+                            "] vector, got " + std::string(dtype_name(host->dtype)) + " " + host->shape_string());
+    base.final_norm = tensor_from_host(*host).to(options.device, at::kFloat);
+    break;
+  }
   return base;
 }
 

@@ -25,12 +25,18 @@ struct BaseModel {
   at::Tensor embed_tokens;  // [V, H], requires_grad false
   at::Tensor lm_head;       // [V, H]; the same tensor as embed_tokens when tied
   bool tied = false;        // lm_head.weight was absent: tied to the embeddings
+  // [H] the final RMSNorm's weight (model.norm.weight), applied to pre-norm hidden states
+  // (--hidden-states-norm pre) before lm_head; undefined when the folder holds none.
+  at::Tensor final_norm;
   std::string path;         // the folder it came from ("" when built in memory)
 };
 
 struct BaseLoadOptions {
   c10::Device device = c10::kCPU;
   std::optional<c10::ScalarType> dtype;  // nullopt: as stored
+  // Also read the final norm's weight (model.norm.weight): pre-norm hidden states need it.
+  // Off by default, so that a sharded folder is read only where embed_tokens and lm_head are.
+  bool final_norm = false;
 };
 
 // Reads DIR/config.json and the two tensors (`model.embed_tokens.weight`, also accepted

@@ -120,7 +120,7 @@ opt::Groups EvaluateOptions::groups() {
   return {own,
           data_options(*this),
           batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
-          model_options(*this).only({"base", "ttt_steps", "loss_decay"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm"}),
           run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
 }
 
@@ -164,6 +164,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
 
   BaseLoadOptions bo;
   bo.device = device;
+  bo.final_norm = o.hidden_states_norm == HiddenStatesNorm::kPre;
   const BaseModel base = load_base_model(o.base, bo);
   DraftModel draft = load_draft(draft_dir);
   const DraftConfig& dc = draft.config();
@@ -189,6 +190,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   to.steps = o.ttt_steps;
   to.loss_decay = o.loss_decay;
   to.autocast = autocast;
+  to.prenorm_hidden_states = o.hidden_states_norm == HiddenStatesNorm::kPre;
   TttUnroll unroll(base, draft, to);
 
   Progress progress("evaluate", loader.steps_in_epoch(), o.progress && m.is_main() ? -1 : 0);

@@ -41,6 +41,12 @@ opt::Group model_options(ModelOptions& m) {
                     "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
               field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
               field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
+              opt::choice("hidden_states_norm", m.hidden_states_norm,
+                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}},
+                          "Whether the dump's hidden_states come after the base's final norm (post: HF "
+                          "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
+                          "layer's output; the base's final RMSNorm is applied before lm_head). eaglekit "
+                          "validate --base measures which one a dump is"),
           }};
 }
 

@@ -73,6 +73,9 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.notes = bc.defaults_applied;
   for (auto& n : p.notes) n = o.base + "/config.json: " + n;
   p.vocab_size = bc.vocab_size;
+  p.notes.push_back(o.hidden_states_norm == HiddenStatesNorm::kPre
+                        ? "hidden states taken as pre-norm (--hidden-states-norm pre)"
+                        : "hidden states taken as post-norm (--hidden-states-norm post, the default)");
 
   DataSelection sel = o;
   sel.split = "train";

@@ -175,6 +175,11 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   SelectedData train_data = select_data(sel);
   if (train_data.samples.empty()) throw UsageError("the train split is empty (" + train_data.summary + ")");
   say(train_data.summary);
+  say(opts.hidden_states_norm == HiddenStatesNorm::kPre
+          ? "hidden states taken as before the base's final norm (--hidden-states-norm pre): its RMSNorm is "
+            "applied before lm_head"
+          : "hidden states taken as after the base's final norm (--hidden-states-norm post, the default); "
+            "`eaglekit validate --base` measures which form a dump is");
   std::optional<SelectedData> eval_data;
   if (opts.eval_every >= 0) {
     sel.split = "eval";
@@ -193,6 +198,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   // --- base and draft ---
   BaseLoadOptions bo;
   bo.device = device;
+  bo.final_norm = opts.hidden_states_norm == HiddenStatesNorm::kPre;
   const BaseModel base = load_base_model(opts.base, bo);
   const BaseConfig& bc = base.config;
   for (const auto& d : bc.defaults_applied) say(opts.base + "/config.json: " + d);
@@ -203,6 +209,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   to.steps = steps_s;
   to.loss_decay = opts.loss_decay;
   to.autocast = autocast;
+  to.prenorm_hidden_states = opts.hidden_states_norm == HiddenStatesNorm::kPre;
   TttUnroll unroll(base, draft, to);
   const auto named = draft.named_parameters();
   std::vector<at::Tensor> params;

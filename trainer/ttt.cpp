@@ -413,6 +413,8 @@ struct TttUnroll::Impl {
   TttOptions options;
   at::Tensor embed_tokens;  // [V, H] frozen, on the draft's device
   at::Tensor target_head;   // [Vd, H] frozen
+  at::Tensor final_norm;    // [H] float32, defined when the hidden states are pre-norm
+  double final_norm_eps = 1e-6;
   SingleRankContext local;
 };
 
@@ -436,6 +438,14 @@ TttUnroll::TttUnroll(const BaseModel& base, DraftModel draft, TttOptions options
   // and were rounded to bf16 before the softmax.
   impl_->target_head =
       base.lm_head.detach().to(device).index_select(0, impl_->draft.draft_to_target()).to(impl_->draft.dtype());
+  if (options.prenorm_hidden_states) {
+    if (!base.final_norm.defined())
+      throw UsageError("--hidden-states-norm pre: the base in " + (base.path.empty() ? std::string("memory") : base.path) +
+                       " holds no final norm weight (model.norm.weight); it is needed to turn pre-norm hidden "
+                       "states into the base's logits");
+    impl_->final_norm = base.final_norm.detach().to(device, at::kFloat);
+    impl_->final_norm_eps = base.config.rms_norm_eps;
+  }
 }
 
 TttUnroll::~TttUnroll() = default;
@@ -500,7 +510,12 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     at::NoGradGuard no_grad;
     emb = at::embedding(impl_->embed_tokens, cx.shift_left(ids)).to(dtype);
     // Target at position t: the base distribution of hidden state t + 1 over the draft vocab.
-    const at::Tensor hs_next = cx.shift_left(batch.hidden_states.to(device));
+    at::Tensor hs_next = cx.shift_left(batch.hidden_states.to(device));
+    if (impl_->final_norm.defined()) {
+      // The base's final RMSNorm, in float32 (docs/draft.md, pre- and post-norm dumps).
+      const at::Tensor x = hs_next.to(at::kFloat);
+      hs_next = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
+    }
     const at::Tensor target_logits =
         at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
     p_target = at::softmax(target_logits, -1);

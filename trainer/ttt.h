@@ -154,6 +154,10 @@ struct TttOptions {
   // Mixed precision: run the forward under autocast to this dtype (bf16) on the draft's
   // device. Parameters, softmaxes and the loss stay float32.
   std::optional<c10::ScalarType> autocast;
+  // The batch's hidden_states were taken before the base's final norm: the targets apply
+  // that RMSNorm (BaseModel::final_norm, eps rms_norm_eps) before lm_head. The base must
+  // hold the norm's weight.
+  bool prenorm_hidden_states = false;
 };
 
 // Poolable sums over the masked positions of one or many batches; add them up over a split

@@ -258,3 +258,32 @@ TEST_CASE("train cli: help comes from the option tables and tells the truth") {
     CHECK_MESSAGE(r.out.find("(default: 0.05)") != std::string::npos, cmd);
   }
 }
+
+TEST_CASE("train cli: a pre-norm dump trains with --hidden-states-norm pre (the base's final norm applied)") {
+  test::TempDir dir("train-prenorm");
+  const std::string d = dir.path();
+  auto r = test::eaglekit("synth --out " + test::quote(d + "/data") +
+                          " --conversations 60 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28 --dtype fp32"
+                          " --seed 4 --hidden-states-norm pre --base-out " + test::quote(d + "/base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(d + "/data") + " --out " + test::quote(d + "/i.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string data = " --data " + test::quote(d + "/data/conversations.jsonl") + " --index " +
+                           test::quote(d + "/i.eki") + " --base " + test::quote(d + "/base") + " --max-length 32";
+  const std::string train = "train" + data + " --batch-size 8 --lr 0.01 --max-steps 40 --threads 2 --jobs 2 --eval-every -1";
+  r = test::eaglekit(train + " --hidden-states-norm pre --out " + test::quote(d + "/pre"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("hidden states taken as before the base's final norm") != std::string::npos);
+  r = test::eaglekit(train + " --out " + test::quote(d + "/post"));  // the wrong form, said as the default
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("--hidden-states-norm post, the default") != std::string::npos);
+  // Scored against the right targets (pre), the draft trained on them does better.
+  auto loss = [&](const std::string& run) {
+    const auto e = test::eaglekit("evaluate" + data + " --draft " + test::quote(d + "/" + run + "/final") +
+                                  " --hidden-states-norm pre --json");
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    return nlohmann::json::parse(e.out)["loss"].get<double>();
+  };
+  const double right = loss("pre"), wrong = loss("post");
+  CHECK(right < 0.99 * wrong);
+}

@@ -92,3 +92,31 @@ TEST_CASE("base_model: wrong shapes and missing embeddings are format errors") {
   CHECK_THROWS_AS(load_base_model(m), FormatError);
   CHECK_THROWS_AS(load_base_model(dir / "absent"), IoError);
 }
+
+TEST_CASE("base_model: the final norm's weight is read when asked, and checked") {
+  test::TempDir dir("base-norm");
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel made = fixtures::random_base(c, 5);
+  fixtures::write_base_folder(dir / "full", made);
+  const std::string m = dir / "m";
+  std::filesystem::create_directories(m);
+  std::filesystem::copy_file(dir / "full/config.json", m + "/config.json");
+  const at::Tensor norm = at::rand({c.hidden_size}, at::TensorOptions().dtype(at::kFloat)) + 0.5;
+  fixtures::write_tensors(m + "/model.safetensors", {{"model.embed_tokens.weight", made.embed_tokens},
+                                                     {"lm_head.weight", made.lm_head},
+                                                     {"model.norm.weight", norm.to(at::kBFloat16)}});
+  CHECK(!load_base_model(m).final_norm.defined());  // not asked for: not read
+  BaseLoadOptions with_norm;
+  with_norm.final_norm = true;
+  const BaseModel b = load_base_model(m, with_norm);
+  REQUIRE(b.final_norm.defined());
+  CHECK((b.final_norm.scalar_type() == at::kFloat));
+  CHECK(at::equal(b.final_norm, norm.to(at::kBFloat16).to(at::kFloat)));
+  // A weight of the wrong shape names the tensor and what was expected.
+  fixtures::write_tensors(m + "/model.safetensors", {{"model.embed_tokens.weight", made.embed_tokens},
+                                                     {"lm_head.weight", made.lm_head},
+                                                     {"model.norm.weight", at::ones({c.hidden_size + 1})}});
+  const std::string msg = test::message_of<FormatError>([&] { load_base_model(m, with_norm); });
+  CHECK(msg.find("model.norm.weight: expected a floating-point [hidden_size " + std::to_string(c.hidden_size) +
+                 "] vector") != std::string::npos);
+}

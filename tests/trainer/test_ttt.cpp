@@ -397,3 +397,42 @@ TEST_CASE("ttt: a short optimization raises step-0 accuracy far above chance") {
   CHECK(after.acc()[0] > 0.8);
   CHECK(after.loss(0.9) < 0.5 * before.loss(0.9));
 }
+
+TEST_CASE("ttt: pre-norm hidden states with the base's final RMSNorm give the post-norm targets; without it they do not") {
+  const DraftConfig c = fixtures::tiny_config();
+  BaseModel base = fixtures::random_base(c, 81);
+  base.config.rms_norm_eps = 1e-6;
+  // A final-norm weight far from uniform, as real ones are.
+  base.final_norm = at::exp(0.6 * at::randn({c.hidden_size}, at::TensorOptions().dtype(at::kFloat)));
+  TttBatch post = fixtures::random_batch(c, 3, 12, {12, 9, 12}, 82);
+  // Post-norm states: the norm weight times unit-RMS directions. Pre-norm states: the
+  // directions at a per-token scale (1 to 20), the weight not applied.
+  const at::Tensor u = post.hidden_states / at::sqrt(post.hidden_states.pow(2).mean(-1, true) + 1e-12);  // padding stays 0
+  post.hidden_states = u * base.final_norm;
+  TttBatch pre = post;
+  pre.hidden_states = u * (5.0 + 45.0 * at::rand({3, 12, 1}, at::TensorOptions().dtype(at::kFloat)));
+
+  const DraftModel draft(c, fixtures::spread_d2t(c), base.lm_head, 83);
+  TttOptions plain{3, 0.9, std::nullopt};
+  TttOptions prenorm = plain;
+  prenorm.prenorm_hidden_states = true;
+  at::NoGradGuard no_grad;
+  const TttResult want = TttUnroll(base, draft, plain).forward(post);
+  const TttResult got = TttUnroll(base, draft, prenorm).forward(pre);
+  const TttResult wrong = TttUnroll(base, draft, plain).forward(pre);
+  double wrong_by = 0;
+  for (std::int64_t s = 0; s < 3; ++s) {
+    const double w = want.ce_sum[s].item<double>();
+    CHECK(std::abs(got.ce_sum[s].item<double>() - w) <= 1e-5 * std::abs(w));
+    wrong_by = std::max(wrong_by, std::abs(wrong.ce_sum[s].item<double>() - w) / std::abs(w));
+  }
+  CHECK(wrong_by > 0.05);  // read as post-norm, the same states give other targets
+  CHECK(got.stats.correct == want.stats.correct);
+
+  BaseModel no_norm = base;
+  no_norm.final_norm = at::Tensor();
+  CHECK_THROWS_WITH_AS(TttUnroll(no_norm, draft, prenorm),
+                       "--hidden-states-norm pre: the base in memory holds no final norm weight (model.norm.weight); "
+                       "it is needed to turn pre-norm hidden states into the base's logits",
+                       UsageError);
+}
