@@ -399,6 +399,7 @@ TEST_CASE("ttt: a short optimization raises step-0 accuracy far above chance") {
 }
 
 TEST_CASE("ttt: pre-norm hidden states with the base's final RMSNorm give the post-norm targets; without it they do not") {
+  at::manual_seed(80);  // the norm weight and the scales below
   const DraftConfig c = fixtures::tiny_config();
   BaseModel base = fixtures::random_base(c, 81);
   base.config.rms_norm_eps = 1e-6;
@@ -426,7 +427,7 @@ TEST_CASE("ttt: pre-norm hidden states with the base's final RMSNorm give the po
     CHECK(std::abs(got.ce_sum[s].item<double>() - w) <= 1e-5 * std::abs(w));
     wrong_by = std::max(wrong_by, std::abs(wrong.ce_sum[s].item<double>() - w) / std::abs(w));
   }
-  CHECK(wrong_by > 0.05);  // read as post-norm, the same states give other targets
+  CHECK(wrong_by > 0.01);  // read as post-norm, the same states give other targets (1000x the tolerance)
   CHECK(got.stats.correct == want.stats.correct);
 
   BaseModel no_norm = base;
