@@ -177,6 +177,14 @@ CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups,
   return cl;
 }
 
+std::optional<CommandLine> parse_or_help(int argc, char** argv, const opt::Groups& groups, const std::string& usage,
+                                         const std::string& description, std::size_t max_positionals) {
+  CommandLine cl = parse_command_line(argc, argv, groups, max_positionals);
+  if (!cl.help) return cl;
+  std::cout << help_text(usage, description, groups);
+  return std::nullopt;
+}
+
 namespace {
 
 // Words of `text` filled into lines of at most `width` columns after `indent`.

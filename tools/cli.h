@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -67,6 +68,10 @@ struct CommandLine {
 // unknown flag (naming the new spelling of an old one), a missing value, or too many
 // positionals.
 CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups, std::size_t max_positionals = 0);
+
+// parse_command_line, and for --help the help text on stdout and nullopt (exit 0).
+std::optional<CommandLine> parse_or_help(int argc, char** argv, const opt::Groups& groups, const std::string& usage,
+                                         const std::string& description, std::size_t max_positionals = 0);
 
 // `usage` (after "usage: "), the description, then every group's options: flag, metavar,
 // help, and the default read from the bound field (or its note), or "(required)".

@@ -42,17 +42,14 @@ int run_collate(int argc, char** argv) {
   groups.push_back(opt::Group{"Output",
                               {opt::cli_only(opt::field("out", "DIR", out, "Output folder")),
                                opt::cli_only(opt::field("json", "", json, "Print the summary as JSON"))}});
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE --out DIR [OPTIONS]",
-                           "Stream batches through the loader and write them as torch.save dicts "
-                           "DIR/batch_00000.pt, ... (keys input_ids, attention_mask, loss_mask, labels, "
-                           "hidden_states, aux_hidden_states; pack mode adds document_ids, position_ids) plus "
-                           "DIR/batches.jsonl (ids and sampler state per batch).",
-                           groups);
-    return 0;
-  }
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE --out DIR [OPTIONS]",
+      "Stream batches through the loader and write them as torch.save dicts "
+      "DIR/batch_00000.pt, ... (keys input_ids, attention_mask, loss_mask, labels, "
+      "hidden_states, aux_hidden_states; pack mode adds document_ids, position_ids) plus "
+      "DIR/batches.jsonl (ids and sampler state per batch).");
+  if (!cl) return 0;
+  cl->apply();
   if (out.empty()) throw UsageError("--out is required");
   std::string summary;
   auto loader = open_loader(job, summary);

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "formats/eks_format.h"
@@ -35,26 +36,23 @@ int run_convert(int argc, char** argv) {
        opt::field("level", "N", o.writer.level, "eks zstd level"),
        opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
        opt::field("json", "", json, "Print the result as JSON")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups, 2);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " SRC DST [OPTIONS]",
-                           "Convert records between formats, values preserved exactly. SRC: a record file, "
-                           "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for "
-                           "hdf5/eks), or a folder that receives one file per record (pt, safetensors). The format "
-                           "comes from --format, else DST's extension, else pt. Outputs are written atomically.",
-                           groups);
-    return 0;
-  }
-  if (cl.positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");
-  cl.check_choice("format", [](const std::string& v) {
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " SRC DST [OPTIONS]",
+      "Convert records between formats, values preserved exactly. SRC: a record file, "
+      "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for "
+      "hdf5/eks), or a folder that receives one file per record (pt, safetensors). The format "
+      "comes from --format, else DST's extension, else pt. Outputs are written atomically.", 2);
+  if (!cl) return 0;
+  if (cl->positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");
+  cl->check_choice("format", [](const std::string& v) {
     return "--format: unknown format '" + v + "' (pt, safetensors, hdf5, eks)";
   });
-  cl.apply();
+  cl->apply();
   if (format != Format::kUnknown) o.format = format;
   o.writer.codec = std::string(eks_codec_name(codec));
   o.progress = stderr_is_tty();
-  const std::string& dst = cl.positionals[1];
-  const ConvertResult r = convert_records(cl.positionals[0], dst, o);
+  const std::string& dst = cl->positionals[1];
+  const ConvertResult r = convert_records(cl->positionals[0], dst, o);
   if (json) {
     nlohmann::json j;
     j["format"] = std::string(format_name(r.format));

@@ -2,6 +2,7 @@
 // every masked position (independent of the batch size): an offline acceptance estimate.
 // Options: trainer::EvaluateOptions's tables.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -22,15 +23,12 @@ int run_evaluate(int argc, char** argv) {
       {opt::cli_only(opt::field("json", "", json,
                                 "Print {\"loss\", \"loss_per_step\", \"acc\", \"cond_acc\", \"est_ar\", "
                                 "\"tokens\", ...}"))}});
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --base DIR --draft DIR --data PATH --index FILE [OPTIONS]",
-                           "Evaluate a draft (exported folder or checkpoint) on a split: loss, loss_per_step, acc, "
-                           "cond_acc, est_ar pooled over every scored position.",
-                           groups);
-    return 0;
-  }
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --base DIR --draft DIR --data PATH --index FILE [OPTIONS]",
+      "Evaluate a draft (exported folder or checkpoint) on a split: loss, loss_per_step, acc, "
+      "cond_acc, est_ar pooled over every scored position.");
+  if (!cl) return 0;
+  cl->apply();
   o.progress = o.progress && stderr_is_tty();
   o.check();
 

@@ -1,6 +1,7 @@
 // eaglekit export: a checkpoint (or output folder) -> the Hugging Face draft folder vLLM and
 // SGLang load (docs/export.md), with the dump's aux layer ids and the serving dtype.
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,20 +27,17 @@ int run_export(int argc, char** argv) {
        opt::field("allow_unservable", "", o.allow_unservable,
                   "Write a draft vLLM and SGLang do not compute (--modelopt-norm) anyway"),
        opt::field("json", "", json, "Print {\"source\", \"out\", \"parameters\", \"dtype\", \"aux_layer_ids\"}")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups, 1);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " CHECKPOINT --out DIR [OPTIONS]",
-                           "Export a checkpoint as a draft folder (config.json + model.safetensors) for vLLM and "
-                           "SGLang. CHECKPOINT: a checkpoint-STEP folder, any exported draft, or a training output "
-                           "folder (its newest complete checkpoint).",
-                           groups);
-    return 0;
-  }
-  cl.apply();
-  if (cl.positionals.empty()) throw UsageError("give the CHECKPOINT folder to export");
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " CHECKPOINT --out DIR [OPTIONS]",
+      "Export a checkpoint as a draft folder (config.json + model.safetensors) for vLLM and "
+      "SGLang. CHECKPOINT: a checkpoint-STEP folder, any exported draft, or a training output "
+      "folder (its newest complete checkpoint).", 1);
+  if (!cl) return 0;
+  cl->apply();
+  if (cl->positionals.empty()) throw UsageError("give the CHECKPOINT folder to export");
   if (out.empty()) throw UsageError("--out is required");
   const trainer::ExportReport r =
-      trainer::export_checkpoint(cl.positionals[0], out, o);
+      trainer::export_checkpoint(cl->positionals[0], out, o);
   for (const auto& w : r.warnings) std::cerr << "eaglekit export: warning: " << w << "\n";
   if (json) {
     std::cout << r.to_json() << "\n";

@@ -1,6 +1,7 @@
 // eaglekit inspect: format, conversation id, codec and each tensor's dtype and shape of a
 // record (FILE or FILE#conversation_id), or the list of records of a shard.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -17,18 +18,15 @@ int run_inspect(int argc, char** argv) {
       "Inspect",
       {opt::field("stats", "", o.stats, "Add min/max/mean/std and NaN/Inf counts per tensor (reads every value)"),
        opt::field("json", "", json, "Print JSON")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups, 1);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " FILE[#conversation_id] [OPTIONS]",
-                           "Show a record file's format, conversation id, codec and each tensor's dtype and shape. "
-                           "FILE#conversation_id picks one record of a multi-record file (HDF5, .eks); without it "
-                           "such a file lists its records.",
-                           groups);
-    return 0;
-  }
-  if (cl.positionals.empty()) throw UsageError("FILE is required (see --help)");
-  cl.apply();
-  const InspectResult r = inspect(cl.positionals[0], o);
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " FILE[#conversation_id] [OPTIONS]",
+      "Show a record file's format, conversation id, codec and each tensor's dtype and shape. "
+      "FILE#conversation_id picks one record of a multi-record file (HDF5, .eks); without it "
+      "such a file lists its records.", 1);
+  if (!cl) return 0;
+  if (cl->positionals.empty()) throw UsageError("FILE is required (see --help)");
+  cl->apply();
+  const InspectResult r = inspect(cl->positionals[0], o);
   std::cout << (json ? inspect_json(r) : inspect_text(r));
   return 0;
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,21 +39,18 @@ int run_launch(int argc, char** argv) {
        field("stop_grace", "SECONDS", grace, "Seconds the other ranks get to exit on their own after one fails"),
        field("timeout", "SECONDS", limit, "Stop the whole job after this many seconds (0: never)"),
        field("json", "", json, "Print each rank's exit code as JSON at the end")}}};
-  const CommandLine cl = parse_command_line(split, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --nproc N [OPTIONS] -- COMMAND [ARGS...]",
-                           "Run NPROC local processes of one distributed job, like `torchrun --no-python "
-                           "--nproc-per-node NPROC`: each gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
-                           "MASTER_ADDR and MASTER_PORT; the launcher hosts the rendezvous store. SIGINT/SIGTERM "
-                           "are forwarded to every rank; when one rank fails the others are stopped, and the exit "
-                           "code is the failed rank's. COMMAND is an eaglekit command (train, evaluate, ...) or a "
-                           "program.",
-                           groups);
-    return 0;
-  }
-  if (!cl.given("nproc")) throw UsageError("--nproc is required (see --help)");
+  const std::optional<CommandLine> cl = parse_or_help(
+      split, argv, groups, std::string(argv[0]) + " --nproc N [OPTIONS] -- COMMAND [ARGS...]",
+      "Run NPROC local processes of one distributed job, like `torchrun --no-python "
+      "--nproc-per-node NPROC`: each gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
+      "MASTER_ADDR and MASTER_PORT; the launcher hosts the rendezvous store. SIGINT/SIGTERM "
+      "are forwarded to every rank; when one rank fails the others are stopped, and the exit "
+      "code is the failed rank's. COMMAND is an eaglekit command (train, evaluate, ...) or a "
+      "program.");
+  if (!cl) return 0;
+  if (!cl->given("nproc")) throw UsageError("--nproc is required (see --help)");
   if (split + 1 >= argc) throw UsageError("nothing to launch: give the command after -- (see --help)");
-  cl.apply();
+  cl->apply();
   if (grace < 0 || limit < 0) throw UsageError("--stop-grace and --timeout must not be negative");
   o.stop_grace = std::chrono::milliseconds(static_cast<std::int64_t>(grace * 1000));
   o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(limit * 1000));

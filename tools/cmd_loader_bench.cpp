@@ -2,6 +2,7 @@
 // and how long the consumer waited. Takes the same data options as collate.
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -19,15 +20,12 @@ int run_loader_bench(int argc, char** argv) {
       "Output",
       {opt::cli_only(opt::field("json", "", json,
                                 "Print {\"samples_per_s\", \"bytes_per_s\", \"wait_ms_per_batch\", \"batches\", ...}"))}});
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE [OPTIONS]",
-                           "Stream batches through the loader without writing them; print samples/s, bytes/s and "
-                           "the consumer's wait per batch.",
-                           groups);
-    return 0;
-  }
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE [OPTIONS]",
+      "Stream batches through the loader without writing them; print samples/s, bytes/s and "
+      "the consumer's wait per batch.");
+  if (!cl) return 0;
+  cl->apply();
   std::string summary;
   auto loader = open_loader(job, summary);
   if (!json) std::cerr << summary << "\n";

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "formats/eks_format.h"
@@ -29,19 +30,16 @@ int run_pack(int argc, char** argv) {
        field("jobs", "N", o.jobs, "Threads (0: all cores)"),
        field("skip_bad", "", o.skip_bad, "Leave out records that cannot be read (listed) instead of stopping"),
        field("json", "", json, "Print the summary as JSON")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups, 1);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " SRC_DIR --out OUT_DIR [OPTIONS]",
-                           "Pack every record below SRC_DIR (any supported format) into .eks shards "
-                           "OUT_DIR/shard-NNNNNN.eks, in source-path order. Rerun after an interruption to "
-                           "continue where it stopped (OUT_DIR/pack-manifest.json lists the finished shards).",
-                           groups);
-    return 0;
-  }
-  if (cl.positionals.empty()) throw UsageError("SRC_DIR is required (see --help)");
-  if (!cl.given("out")) throw UsageError("--out is required (see --help)");
-  cl.apply();
-  o.src = cl.positionals[0];
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " SRC_DIR --out OUT_DIR [OPTIONS]",
+      "Pack every record below SRC_DIR (any supported format) into .eks shards "
+      "OUT_DIR/shard-NNNNNN.eks, in source-path order. Rerun after an interruption to "
+      "continue where it stopped (OUT_DIR/pack-manifest.json lists the finished shards).", 1);
+  if (!cl) return 0;
+  if (cl->positionals.empty()) throw UsageError("SRC_DIR is required (see --help)");
+  if (!cl->given("out")) throw UsageError("--out is required (see --help)");
+  cl->apply();
+  o.src = cl->positionals[0];
   const std::int64_t shard = parse_bytes(shard_size);
   if (shard <= 0) throw UsageError("--shard-size must be positive");
   o.shard_bytes = static_cast<std::uint64_t>(shard);

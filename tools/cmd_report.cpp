@@ -3,6 +3,7 @@
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,20 +24,17 @@ int run_report(int argc, char** argv) {
                                        opt::field("title", "TEXT", o.title, "Page title"),
                                        opt::field("json", "", json, "Print {\"out\", \"runs\"}")}},
                            data_options(data).only({"index"})};
-  const CommandLine cl = parse_command_line(argc, argv, groups, std::numeric_limits<std::size_t>::max());
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " RUN [RUN...] --out FILE [OPTIONS]",
-                           "One self-contained HTML page (inline SVG, nothing fetched) about training runs: "
-                           "their curves overlaid (loss, per-step accuracy, est_ar, lr, tokens/s, data wait), "
-                           "the final evaluation, the options each ran with, and with --index the dataset's "
-                           "token-length histogram and disk per token. RUN: a train --out folder.",
-                           groups);
-    return 0;
-  }
-  if (cl.positionals.empty()) throw UsageError("give at least one RUN folder (train --out)");
-  if (!cl.given("out")) throw UsageError("--out FILE is required");
-  cl.apply();
-  o.runs = cl.positionals;
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " RUN [RUN...] --out FILE [OPTIONS]",
+      "One self-contained HTML page (inline SVG, nothing fetched) about training runs: "
+      "their curves overlaid (loss, per-step accuracy, est_ar, lr, tokens/s, data wait), "
+      "the final evaluation, the options each ran with, and with --index the dataset's "
+      "token-length histogram and disk per token. RUN: a train --out folder.", std::numeric_limits<std::size_t>::max());
+  if (!cl) return 0;
+  if (cl->positionals.empty()) throw UsageError("give at least one RUN folder (train --out)");
+  if (!cl->given("out")) throw UsageError("--out FILE is required");
+  cl->apply();
+  o.runs = cl->positionals;
   o.index = data.index;
   write_report(o, out);
   if (json) {

@@ -1,5 +1,6 @@
 // eaglekit stats: token distribution, disk use and a disk estimate, from an index alone.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -23,16 +24,13 @@ int run_stats(int argc, char** argv) {
                   opt::note(field("plan_tokens", "T", o.plan_tokens, "Tokens per conversation in that dump"),
                             "this dataset's mean"),
                   field("json", "", json, "Machine-readable output")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --index FILE [OPTIONS]",
-                           "Token distribution, bytes on disk per token, records per format and dtype, and a disk "
-                           "estimate for a planned dump.",
-                           groups);
-    return 0;
-  }
-  if (!cl.given("index")) throw UsageError("--index INDEX is required");
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --index FILE [OPTIONS]",
+      "Token distribution, bytes on disk per token, records per format and dtype, and a disk "
+      "estimate for a planned dump.");
+  if (!cl) return 0;
+  if (!cl->given("index")) throw UsageError("--index INDEX is required");
+  cl->apply();
   const DatasetIndex index = DatasetIndex::load(data.index);
   const DatasetStats s = compute_stats(index, o);
   std::cout << (json ? stats_to_json(s) : stats_to_text(s));

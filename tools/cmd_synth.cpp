@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -50,19 +51,16 @@ int run_synth(int argc, char** argv) {
              "Also write a tiny base model folder (config.json + model.safetensors with embed_tokens and lm_head) "
              "consistent with the data"),
        field("json", "", json, "Print the result as JSON")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --out DIR [OPTIONS]",
-                           "Write a synthetic dataset: DIR/conversations.jsonl and one ModelOpt-style record per "
-                           "conversation under DIR/records/. Tokens follow a sparse Markov chain and the hidden "
-                           "states encode it, so a draft model can learn it. Deterministic for a seed, whatever "
-                           "--jobs is.",
-                           groups);
-    return 0;
-  }
-  if (!cl.given("out")) throw UsageError("--out DIR is required (see --help)");
-  cl.check_choice("dtype", [](const std::string& v) { return "--dtype must be bf16, fp16 or fp32, not " + v; });
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --out DIR [OPTIONS]",
+      "Write a synthetic dataset: DIR/conversations.jsonl and one ModelOpt-style record per "
+      "conversation under DIR/records/. Tokens follow a sparse Markov chain and the hidden "
+      "states encode it, so a draft model can learn it. Deterministic for a seed, whatever "
+      "--jobs is.");
+  if (!cl) return 0;
+  if (!cl->given("out")) throw UsageError("--out DIR is required (see --help)");
+  cl->check_choice("dtype", [](const std::string& v) { return "--dtype must be bf16, fp16 or fp32, not " + v; });
+  cl->apply();
   o.progress = stderr_is_tty();
 
   const SynthResult r = synthesize(o);

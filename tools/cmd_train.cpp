@@ -12,6 +12,7 @@
 #include <iterator>
 #include <memory>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,15 +51,12 @@ int run_train(int argc, char** argv) {
                                                      "print the plan (draft config, aux ids, RoPE, steps, tokens, "
                                                      "memory per rank) and exit without training")),
                             opt::cli_only(opt::field("json", "", json, "Print the result as JSON"))}});
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " [OPTIONS]",
-                           "Train an EAGLE-3 draft with training-time test on offline hidden states. Writes "
-                           "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/ and OUT/final/.",
-                           groups);
-    return 0;
-  }
-  cl.apply([&](const std::string& path) { o.apply_json(read_file(path), path); });
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",
+      "Train an EAGLE-3 draft with training-time test on offline hidden states. Writes "
+      "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/ and OUT/final/.");
+  if (!cl) return 0;
+  cl->apply([&](const std::string& path) { o.apply_json(read_file(path), path); });
   o.progress = o.progress && stderr_is_tty();
   o.check();
   if (dry_run) {

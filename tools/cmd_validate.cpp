@@ -2,6 +2,7 @@
 // With --base the same command also runs the semantic check; `eaglekit` hands such a call
 // to eaglekit-torch (tools/main.cpp), where tools/cmd_validate_base.cpp runs it.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -34,17 +35,14 @@ opt::Groups ValidateCli::groups() {
 int run_validate(int argc, char** argv) {
   ValidateCli v;
   const opt::Groups groups = v.groups();
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE [--base DIR] [OPTIONS]",
-                           "Check records against the conversations and against each other. Exit 0: trainable as "
-                           "is (warnings listed); 1: not trainable.",
-                           groups);
-    return 0;
-  }
-  if (!cl.given("data")) throw UsageError("--data CONVERSATIONS is required");
-  if (!cl.given("index")) throw UsageError("--index INDEX is required (build one with eaglekit index)");
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE [--base DIR] [OPTIONS]",
+      "Check records against the conversations and against each other. Exit 0: trainable as "
+      "is (warnings listed); 1: not trainable.");
+  if (!cl) return 0;
+  if (!cl->given("data")) throw UsageError("--data CONVERSATIONS is required");
+  if (!cl->given("index")) throw UsageError("--index INDEX is required (build one with eaglekit index)");
+  cl->apply();
   if (!v.base.empty()) throw UsageError("--base runs in eaglekit-torch: call it through eaglekit");
   ValidateOptions& o = v.options;
   o.data = v.data.data;

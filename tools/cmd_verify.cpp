@@ -19,18 +19,15 @@ int run_verify(int argc, char** argv) {
   const opt::Groups groups{opt::Group{"Verify",
                                       {opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
                                        opt::field("json", "", json, "Print the result as JSON")}}};
-  const CommandLine cl = parse_command_line(argc, argv, groups, std::numeric_limits<std::size_t>::max());
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " PATH... [OPTIONS]",
-                           "Decode every record of the given files and folders and check every checksum (.eks: "
-                           "each block's xxh3; other formats: a full read). Lists the bad records; exit 1 if any.",
-                           groups);
-    return 0;
-  }
-  if (cl.positionals.empty()) throw UsageError("at least one PATH is required (see --help)");
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " PATH... [OPTIONS]",
+      "Decode every record of the given files and folders and check every checksum (.eks: "
+      "each block's xxh3; other formats: a full read). Lists the bad records; exit 1 if any.", std::numeric_limits<std::size_t>::max());
+  if (!cl) return 0;
+  if (cl->positionals.empty()) throw UsageError("at least one PATH is required (see --help)");
+  cl->apply();
   o.progress = stderr_is_tty();
-  const VerifyResult r = verify_records(cl.positionals, o);
+  const VerifyResult r = verify_records(cl->positionals, o);
   if (json) {
     nlohmann::json j;
     j["ok"] = r.ok();

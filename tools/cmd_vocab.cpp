@@ -2,6 +2,7 @@
 // calibration: draft id i is the i-th most frequent token, ties by smaller id). Options:
 // trainer::VocabOptions's tables.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "formats/error.h"
@@ -19,15 +20,12 @@ int run_vocab(int argc, char** argv) {
       "Output",
       {opt::cli_only(opt::field(
           "json", "", json, "Print {\"vocab_size\", \"draft_vocab_size\", \"tokens\", \"distinct\", \"coverage\", ...}"))}});
-  const CommandLine cl = parse_command_line(argc, argv, groups);
-  if (cl.help) {
-    std::cout << help_text(std::string(argv[0]) + " --data PATH --index FILE --base DIR --draft-vocab-size N --out FILE",
-                           "Count token frequencies over the dataset's input_ids and write d2t (torch.save of an "
-                           "int64 tensor [Vd]: target id = i + d2t[i]) for train --d2t.",
-                           groups);
-    return 0;
-  }
-  cl.apply();
+  const std::optional<CommandLine> cl = parse_or_help(
+      argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE --base DIR --draft-vocab-size N --out FILE",
+      "Count token frequencies over the dataset's input_ids and write d2t (torch.save of an "
+      "int64 tensor [Vd]: target id = i + d2t[i]) for train --d2t.");
+  if (!cl) return 0;
+  cl->apply();
   const trainer::VocabReport r = trainer::build_vocab(o);
   if (json) {
     std::cout << r.to_json() << "\n";
