@@ -6,9 +6,10 @@
 #   DRAFT=drafts/EAGLE3-LLaMA3.1-Instruct-8B BASE=models/Llama-3.1-8B-Instruct \
 #     DATA=dumps/conversations.jsonl INDEX=dumps/index.eki examples/evaluate-downloaded-draft.sh
 #
-# DRAFT is a folder with config.json and model.safetensors in the layout `eaglekit export`
-# writes (the layout vLLM and SGLang load; docs/export.md). The draft's aux layer ids must
-# be the layers your dump holds, and its vocabulary mapping (d2t) is used as it is.
+# DRAFT is a folder with config.json and the weights: model.safetensors as `eaglekit export`
+# or ModelOpt write it, or the EAGLE authors' pytorch_model.bin (docs/export.md). The draft's
+# aux layers must be the layers your dump holds, and its vocabulary mapping (d2t) is used as
+# it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

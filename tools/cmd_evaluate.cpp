@@ -38,7 +38,7 @@ int run_evaluate(int argc, char** argv) {
   const dist::Mesh mesh = dist::Mesh::from_environment(o.cp_size, go);
   const trainer::EvaluateReport r = trainer::run_evaluate(o, &mesh);
   if (!mesh.is_main()) return 0;
-  if (!json) std::cerr << r.summary << "\n";
+  std::cerr << r.summary << "\n";  // what matched and which draft: stderr, also beside --json
   std::cout << (json ? r.to_json() + "\n" : r.to_text());
   return 0;
 }

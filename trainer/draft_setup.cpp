@@ -99,12 +99,21 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
   if (resumed) {
     draft_holder.emplace(resumed->draft);
   } else if (!o.init_draft.empty()) {
-    DraftModel init = load_draft(o.init_draft);
+    DraftSource source;
+    DraftModel init = load_draft(o.init_draft, &source);
     DraftConfig c = init.config();
     bool changed = false;
     if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
       c.aux_layer_ids = o.aux_layer_ids;
       changed = true;
+    } else if (c.aux_layer_ids.empty() && c.num_aux_layers == 3 && bc.num_hidden_layers >= 6) {
+      // Published configs often name no aux layers; the engines then use EAGLE-3's default.
+      c.aux_layer_ids = default_aux_layer_ids(bc.num_hidden_layers);
+      changed = true;
+      std::string ids;
+      for (auto id : c.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+      say("--init-draft names no aux layer ids: " + ids + ", EAGLE-3's default for a " +
+          std::to_string(bc.num_hidden_layers) + "-layer base; pass --aux-layer-ids if the dump used others");
     }
     if (o.modelopt_norm && !c.modelopt_norm) {
       c.modelopt_norm = true;
@@ -120,7 +129,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
     }
     c.check();
     draft_holder.emplace(changed ? with_config(init, c) : init);
-    say("starting from the draft in " + o.init_draft);
+    say("starting from the draft in " + o.init_draft + " (" + source.layout + ")");
   } else {
     DraftOptions dopts;
     const at::Tensor d2t = fresh_d2t(o, bc, train_data, say);

@@ -166,7 +166,8 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   bo.device = device;
   bo.final_norm = o.hidden_states_norm == HiddenStatesNorm::kPre;
   const BaseModel base = load_base_model(o.base, bo);
-  DraftModel draft = load_draft(draft_dir);
+  DraftSource source;
+  DraftModel draft = load_draft(draft_dir, &source);
   const DraftConfig& dc = draft.config();
   if (dc.hidden_size != base.config.hidden_size || dc.vocab_size != base.config.vocab_size) {
     throw UsageError("the draft in " + draft_dir + " (hidden " + std::to_string(dc.hidden_size) + ", vocab " +
@@ -196,7 +197,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   Progress progress("evaluate", loader.steps_in_epoch(), o.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;
   report.loss_decay = o.loss_decay;
-  report.summary = data.summary;
+  report.summary = data.summary + "\ndraft: " + draft_dir + " (" + source.layout + ")";
   report.samples = static_cast<std::int64_t>(data.samples.size());
   report.stats = evaluate_loader(unroll, loader, &m, o.max_batches, [&](const TttStats&) { progress.add(1); });
   progress.finish();

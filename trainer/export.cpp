@@ -7,10 +7,13 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <variant>
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/pt_format.h"
 #include "formats/safetensors_format.h"
 #include "lib/collate.h"
 #include "trainer/base_model.h"
@@ -108,21 +111,104 @@ void export_draft_folder(const DraftModel& draft, const std::string& dir, const 
   }
 }
 
-DraftModel load_draft(const std::string& dir) {
+namespace {
+
+// A draft folder's tensors under eaglekit's names, whatever layout wrote them.
+struct DraftWeights {
+  std::string path;    // the weights file (or the folder of shards)
+  std::string layout;  // what was recognised, for the user
+  std::map<std::string, HostTensor> tensors;  // canonical name -> tensor
+  std::map<std::string, std::string> origin;  // canonical name -> the name in the file
+  std::map<std::string, std::string> file;    // canonical name -> the file holding it
+  bool ours = true;                           // eaglekit's own names and files
+  std::vector<std::string> skipped;           // names in the file that are not the draft's
+};
+
+// ModelOpt and vLLM call the decoder layer layers.0 (or model.layers.0); the EAGLE authors,
+// SpecForge and eaglekit call it midlayer. embed_tokens is the target's, never the draft's.
+std::string canonical_name(std::string name) {
+  if (name.rfind("model.", 0) == 0) name = name.substr(6);
+  if (name.rfind("layers.0.", 0) == 0) name = "midlayer." + name.substr(9);
+  if (name.rfind("midlayer.0.", 0) == 0) name = "midlayer." + name.substr(11);
+  return name;
+}
+
+DraftWeights read_draft_weights(const std::string& dir) {
+  namespace fs = std::filesystem;
+  DraftWeights w;
+  std::vector<std::pair<std::string, HostTensor>> named;
+  std::map<std::string, std::string> file_of;
+  const bool safetensors =
+      fs::exists(fs::path(dir) / "model.safetensors") || fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  if (safetensors) {
+    const SafetensorsWeights st = SafetensorsWeights::open_folder(dir);
+    w.path = st.path();
+    for (const auto& n : st.names()) {
+      named.emplace_back(n, *st.get(n));
+      file_of[n] = st.file_of(n);
+    }
+  } else if (fs::exists(fs::path(dir) / "pytorch_model.bin")) {
+    // torch.save of a state dict (the EAGLE authors' published drafts), read by our own
+    // unpickler: no Python objects beyond tensors and the dict are accepted.
+    w.path = (fs::path(dir) / "pytorch_model.bin").string();
+    const PtContents pt = read_pt(w.path);
+    for (const auto& e : pt.entries)
+      if (const auto* t = std::get_if<HostTensor>(&e.value)) {
+        named.emplace_back(e.name, *t);
+        file_of[e.name] = w.path;
+      }
+  } else {
+    throw IoError(dir + ": no draft weights (looked for model.safetensors, model.safetensors.index.json and "
+                  "pytorch_model.bin)");
+  }
+  bool layers0 = false;
+  for (auto& [name, t] : named) {
+    const std::string c = canonical_name(name);
+    layers0 = layers0 || (c != name && name.find("layers.0.") != std::string::npos);
+    if (c == "embed_tokens.weight") {
+      w.skipped.push_back(name);
+      continue;
+    }
+    if (w.tensors.count(c))
+      throw FormatError(w.path, std::nullopt, name, "names the same weight as " + w.origin[c]);
+    w.tensors.emplace(c, std::move(t));
+    w.origin.emplace(c, name);
+    w.file.emplace(c, file_of[name]);
+  }
+  const std::string file = !safetensors ? "pytorch_model.bin"
+                           : fs::exists(fs::path(dir) / "model.safetensors.index.json") ? "model.safetensors.index.json"
+                                                                                       : "model.safetensors";
+  w.ours = safetensors && !layers0;
+  if (!safetensors) w.layout = "EAGLE-3 state dict (" + file + ", midlayer.*)";
+  else if (layers0) w.layout = "ModelOpt / vLLM names (" + file + ", layers.0.*)";
+  else w.layout = "eaglekit / EAGLE-3 layout (" + file + ", midlayer.*)";
+  return w;
+}
+
+}  // namespace
+
+DraftModel load_draft(const std::string& dir, DraftSource* source) {
   if (!std::filesystem::is_directory(dir)) throw IoError(dir + ": not a folder (expected an exported draft)");
   const DraftConfig config = load_draft_config(dir);
-  const SafetensorsWeights weights = SafetensorsWeights::open_folder(dir);
-
+  const DraftWeights weights = read_draft_weights(dir);
   auto read = [&](const std::string& name) -> std::optional<at::Tensor> {
-    const std::optional<HostTensor> host = weights.get(name);
-    if (!host) return std::nullopt;
-    return tensor_from_host(*host);
+    const auto it = weights.tensors.find(name);
+    if (it == weights.tensors.end()) return std::nullopt;
+    return tensor_from_host(it->second);
+  };
+  auto name_in_file = [&](const std::string& name) {
+    const auto it = weights.origin.find(name);
+    return it == weights.origin.end() ? name : it->second;
+  };
+  auto file_of = [&](const std::string& name) {
+    const auto it = weights.file.find(name);
+    return it == weights.file.end() ? weights.path : it->second;
   };
 
   at::Tensor d2t;
   if (auto t = read("d2t")) {
     if (t->dim() != 1 || t->size(0) != config.draft_vocab_size || !at::isIntegralType(t->scalar_type(), false)) {
-      throw FormatError(weights.file_of("d2t"), std::nullopt, "d2t",
+      throw FormatError(file_of("d2t"), std::nullopt, "d2t",
                         "expected an integer tensor [" + std::to_string(config.draft_vocab_size) +
                             "] (draft_vocab_size), got " + c10::str(t->sizes()));
     }
@@ -130,7 +216,7 @@ DraftModel load_draft(const std::string& dir) {
   } else if (config.draft_vocab_size == config.vocab_size) {
     d2t = at::zeros({config.vocab_size}, at::kLong);
   } else {
-    throw FormatError(weights.path(), std::nullopt, "d2t",
+    throw FormatError(weights.path, std::nullopt, "d2t",
                       "missing, and draft_vocab_size != vocab_size so it cannot be implied");
   }
 
@@ -139,27 +225,31 @@ DraftModel load_draft(const std::string& dir) {
   for (const auto& [name, param] : draft.named_parameters()) {
     expected.insert(name);
     const std::optional<at::Tensor> value = read(name);
-    if (!value) throw FormatError(weights.path(), std::nullopt, name, "missing");
+    if (!value)
+      throw FormatError(weights.path, std::nullopt, name, weights.ours ? "missing" : "missing (" + weights.layout + ")");
     if (value->sizes() != param.sizes()) {
-      throw FormatError(weights.file_of(name), std::nullopt, name,
+      throw FormatError(file_of(name), std::nullopt, name_in_file(name),
                         "shape " + c10::str(value->sizes()) + " does not match config.json (expected " +
                             c10::str(param.sizes()) + ")");
     }
     if (!at::isFloatingType(value->scalar_type()))
-      throw FormatError(weights.file_of(name), std::nullopt, name, "expected a floating-point tensor");
+      throw FormatError(file_of(name), std::nullopt, name_in_file(name), "expected a floating-point tensor");
     draft.load_parameter(name, *value);
   }
   if (auto t2d = read("t2d")) {
     const at::Tensor mine = draft.t2d();
     if (t2d->sizes() != mine.sizes() || !at::equal(t2d->to(at::kBool), mine)) {
-      throw FormatError(weights.file_of("t2d"), std::nullopt, "t2d",
-                        "does not mark exactly the target tokens d2t maps to");
+      throw FormatError(file_of("t2d"), std::nullopt, "t2d", "does not mark exactly the target tokens d2t maps to");
     }
   }
-  for (const std::string& name : weights.names()) {
-    if (expected.count(name) || name == "d2t" || name == "t2d" || name == "embed_tokens.weight") continue;
-    throw FormatError(weights.file_of(name), std::nullopt, name,
+  for (const auto& [name, t] : weights.tensors) {
+    if (expected.count(name) || name == "d2t" || name == "t2d") continue;
+    throw FormatError(file_of(name), std::nullopt, name_in_file(name),
                       "not part of a one-layer EAGLE-3 draft (unexpected tensor)");
+  }
+  if (source) {
+    source->layout = weights.layout;
+    source->path = weights.path;
   }
   return draft;
 }

@@ -61,9 +61,21 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
 void export_draft_folder(const DraftModel& draft, const std::string& dir,
                          const ExportOptions& options = {});
 
-// Reads an exported folder (ours, or a published EAGLE-3 draft in the same layout): the
-// config from config.json, every weight, d2t (identity when absent and Vd == V). An
-// `embed_tokens.weight` in the file is ignored. The draft is float32 on the CPU.
-DraftModel load_draft(const std::string& dir);
+// What load_draft recognised.
+struct DraftSource {
+  std::string layout;  // e.g. "ModelOpt / vLLM names (model.safetensors, layers.0.*)"
+  std::string path;    // the weights file read
+};
+
+// Reads a draft folder written by eaglekit or by another trainer: config.json (ours, or a
+// published config: aux ids top-level or under eagle_config, absent keys at the Hugging Face
+// defaults), and the weights from model.safetensors (or its shards) or a torch.save state
+// dict pytorch_model.bin (the EAGLE authors' drafts; read by formats/pickle.h's whitelist
+// unpickler, never by Python code). Names are taken as eaglekit's (midlayer.*), ModelOpt's
+// and vLLM's (layers.0.*, an optional model. prefix) or SpecForge's; an embed_tokens in the
+// file is ignored (the draft uses the target's). d2t is used as stored (identity when absent
+// and Vd == V); a stored t2d must agree with it. The draft is float32 on the CPU.
+// `source` (optional) gets what was recognised.
+DraftModel load_draft(const std::string& dir, DraftSource* source = nullptr);
 
 }  // namespace eaglekit::trainer
