@@ -287,3 +287,46 @@ TEST_CASE("train cli: a pre-norm dump trains with --hidden-states-norm pre (the 
   const double right = loss("pre"), wrong = loss("post");
   CHECK(right < 0.99 * wrong);
 }
+
+TEST_CASE("train cli: pack mode gives the pooled metrics of pad mode on the same samples; quarantine through every command") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  auto r = test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/run") +
+                          " --max-length 32 --batch-size 4 --lr 0.01 --max-steps 6 --threads 2 --jobs 2 --eval-every -1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  auto evaluate = [&](const std::string& extra) {
+    const auto e = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/run/final") +
+                                  " --split all --max-length 32 --threads 2 --json" + extra);
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    return nlohmann::json::parse(e.out);
+  };
+  // Pack puts several samples in a row; attention stays inside each document, so every
+  // scored position sees what it sees in pad mode.
+  const auto pad = evaluate(" --mode pad --batch-size 8");
+  const auto pack = evaluate(" --mode pack --batch-size 2");
+  CHECK(pack["tokens"] == pad["tokens"]);
+  for (const char* key : {"acc", "cond_acc", "loss_per_step"})
+    for (std::size_t s = 0; s < pad[key].size(); ++s)
+      CHECK(pack[key][s].get<double>() == doctest::Approx(pad[key][s].get<double>()).epsilon(1e-5));
+  CHECK(pack["est_ar"].get<double>() == doctest::Approx(pad["est_ar"].get<double>()).epsilon(1e-5));
+  // The must-fail: a shorter max length changes what is scored.
+  CHECK(evaluate(" --mode pack --batch-size 2 --max-length 16")["tokens"] != pad["tokens"]);
+
+  // Quarantined ids are left out by every command that takes --quarantine.
+  test::write_text(d + "/q.txt", "# planted\nsynth-000001\nsynth-000002\n");
+  const std::string q = " --quarantine " + test::quote(d + "/q.txt");
+  r = test::eaglekit("collate" + job->data_args().substr(0, job->data_args().find(" --base")) + q +
+                     " --split all --max-length 32 --out " + test::quote(d + "/batches"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("38 of 40 conversations matched a record, 2 quarantined") != std::string::npos);
+  r = test::eaglekit("vocab" + job->data_args() + q + " --draft-vocab-size 16 --split all --out " +
+                     test::quote(d + "/d2t.pt") + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["samples"] == 38);
+  const auto eq = evaluate(q);
+  CHECK(eq["tokens"].get<double>() < pad["tokens"].get<double>());
+  r = test::eaglekit("train" + job->data_args() + q + " --out " + test::quote(d + "/run-q") +
+                     " --max-length 32 --max-steps 1 --threads 2 --eval-every -1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("2 quarantined") != std::string::npos);
+}
