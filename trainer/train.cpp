@@ -464,18 +464,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     std::vector<std::string> warnings;
     eo.dtype = serving_export_dtype(opts.export_dtype, draft.config(), warnings);
     for (const auto& w : warnings) say("final/: " + w);
-    // Into a temp folder first: final/ appears complete (config.json with model.safetensors)
-    // or not at all, and a rerun replaces an older one in one step.
-    const std::string tmp = (fs::path(opts.out) / (".final.tmp-" + std::to_string(::getpid()))).string();
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    try {
-      export_draft(draft, tmp, eo);
-      replace_folder_atomic(tmp, result.final_dir);
-    } catch (...) {
-      fs::remove_all(tmp, ec);
-      throw;
-    }
+    // final/ appears complete (config.json with model.safetensors) or not at all, and a rerun
+    // replaces an older one in one step.
+    export_draft_folder(draft, result.final_dir, eo);
     say("done: " + std::to_string(step) + " steps; final draft in " + result.final_dir);
   }
   if (world > 1) mesh.world().barrier();
