@@ -180,8 +180,9 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   else if (z < -4) rep.norm_form = "pre";
   else rep.norm_form = "unclear";
   const bool use_pre = rep.norm_form == "pre";
-  const double rate = use_pre ? r_pre : std::max(r_post, has_norm && rep.norm_form == "unclear" ? r_pre : 0.0);
-  if (rep.positions > 0 && rate < std::max(5.0 * rep.chance, 0.02)) {
+  // Per-record counts are read in the named form (post when unclear), against that form's rate.
+  const double rate = use_pre ? r_pre : r_post;
+  if (rep.positions > 0 && std::max(r_post, r_pre) < std::max(5.0 * rep.chance, 0.02)) {
     std::ostringstream os;
     os << "argmax(lm_head(h[t])) equals the next token on " << 100.0 * std::max(r_post, r_pre)
        << "% of sampled positions, near chance (" << 100.0 * rep.chance
