@@ -166,12 +166,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   at::manual_seed(opts.seed);
 
   // --- data ---
-  DataSelection sel;
-  sel.data = opts.data;
-  sel.index = opts.index;
-  sel.quarantine = opts.quarantine;
+  DataSelection sel = opts;  // every data option (match_by included), then each split
   sel.split = "train";
-  sel.eval_fraction = opts.eval_fraction;
   SelectedData train_data = select_data(sel);
   if (train_data.samples.empty()) throw UsageError("the train split is empty (" + train_data.summary + ")");
   say(train_data.summary);

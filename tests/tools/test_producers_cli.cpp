@@ -87,6 +87,11 @@ TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched,
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
     CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
     CHECK(fs::exists(d->dir / "run-sf/final/model.safetensors"));
+    // train takes --match-by too: by id, nothing matches.
+    r = test::eaglekit("train --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                       " --match-by id --out " + test::quote(d->dir / "run-id") + train_flags);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("--match-by row") != std::string::npos);
     // Asked to match by id, it refuses and says what to pass.
     r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
                        " --match-by id --split all --out " + test::quote(d->dir / "c2"));
