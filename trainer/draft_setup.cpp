@@ -61,6 +61,34 @@ DraftModel with_config(const DraftModel& draft, const DraftConfig& config) {
 
 }  // namespace
 
+std::int64_t aux_layers_of(const RecordShape& shape, const BaseConfig& bc, const std::string& base_dir) {
+  if (shape.hidden != bc.hidden_size) {
+    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
+                     base_dir + " has hidden_size " + std::to_string(bc.hidden_size));
+  }
+  if (shape.hidden <= 0 || shape.aux_width % shape.hidden != 0) {
+    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
+                     std::to_string(shape.hidden));
+  }
+  return shape.aux_width / shape.hidden;
+}
+
+void check_draft_fits_data(const DraftConfig& c, const RecordShape& shape, bool allow_unservable) {
+  const std::int64_t aux_layers = shape.hidden > 0 ? shape.aux_width / shape.hidden : 0;
+  if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden) {
+    throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
+                     std::to_string(c.target_hidden_size) + " aux features, the data has " +
+                     std::to_string(aux_layers) + " x " + std::to_string(shape.hidden));
+  }
+  // Before any step: final/ is for a server, and no server computes some drafts.
+  check_servable(c, allow_unservable, "train");
+  if (c.aux_layer_ids.empty()) {
+    throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
+                     " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
+                     "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
+  }
+}
+
 std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::Mesh& mesh) {
   std::optional<LoadedCheckpoint> resumed;
   const int world = mesh.world_size();
@@ -84,16 +112,7 @@ std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::M
 DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const RecordShape& shape,
                        const SelectedData& train_data, const LoadedCheckpoint* resumed, const Say& say) {
   const BaseConfig& bc = base.config;
-  const std::string& base_dir = o.base;
-  if (shape.hidden != bc.hidden_size) {
-    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
-                     base_dir + " has hidden_size " + std::to_string(bc.hidden_size));
-  }
-  if (shape.aux_width % shape.hidden != 0) {
-    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
-                     std::to_string(shape.hidden));
-  }
-  const std::int64_t aux_layers = shape.aux_width / shape.hidden;
+  const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
 
   std::optional<DraftModel> draft_holder;
   if (resumed) {
@@ -154,18 +173,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
                        ") does not fit the base (hidden " + std::to_string(bc.hidden_size) + ", vocab " +
                        std::to_string(bc.vocab_size) + ")");
     }
-    if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden) {
-      throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
-                       std::to_string(c.target_hidden_size) + " aux features, the data has " +
-                       std::to_string(aux_layers) + " x " + std::to_string(shape.hidden));
-    }
-    // Before any step: final/ is for a server, and no server computes some drafts.
-    check_servable(c, o.allow_unservable, "train");
-    if (c.aux_layer_ids.empty()) {
-      throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
-                       " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
-                       "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
-    }
+    check_draft_fits_data(c, shape, o.allow_unservable);
   }
   return draft;
 }

@@ -24,11 +24,21 @@ class Mesh;
 
 namespace eaglekit::trainer {
 
+struct BaseConfig;
 struct BaseModel;
+struct DraftConfig;
 class DraftModel;
 struct TrainOptions;
 
 using Say = std::function<void(const std::string&)>;
+
+// k, the dump's aux layers: aux width over hidden. UsageError when the data's hidden size is
+// not the base's (`base_dir` names it) or the aux width is not a multiple of it.
+std::int64_t aux_layers_of(const RecordShape& shape, const BaseConfig& base, const std::string& base_dir);
+
+// A draft config against the data it will train on: the fc's input width, servability
+// (check_servable, unless allowed) and known aux layer ids. UsageError naming what to pass.
+void check_draft_fits_data(const DraftConfig& config, const RecordShape& shape, bool allow_unservable);
 
 // With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
 // was saved by another world size or cp. Without: nullopt, after checking (on the main

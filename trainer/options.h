@@ -54,6 +54,17 @@ struct OptimOptions {
   double adam_eps = 1e-8;
   std::int64_t epochs = 0;     // 0: 1, unless max_steps is set (then unbounded)
   std::int64_t max_steps = 0;  // optimizer steps; 0: no limit
+
+  // Epochs the loader runs: epochs, else 1, or 0 (no limit) when only max_steps is set.
+  std::int64_t effective_epochs() const { return epochs > 0 ? epochs : (max_steps > 0 ? 0 : 1); }
+  // Optimizer steps of one epoch of `micro_batches` batches, and of the whole run (what the
+  // learning-rate schedule spans).
+  std::int64_t steps_per_epoch(std::int64_t micro_batches) const { return (micro_batches + grad_accum - 1) / grad_accum; }
+  std::int64_t total_steps(std::int64_t micro_batches) const {
+    const std::int64_t e = effective_epochs();
+    const std::int64_t t = e > 0 ? steps_per_epoch(micro_batches) * e : max_steps;
+    return max_steps > 0 && max_steps < t ? max_steps : t;
+  }
 };
 
 struct RunOptions {

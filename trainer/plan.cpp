@@ -12,6 +12,7 @@
 #include "lib/loader.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
+#include "trainer/draft_setup.h"
 #include "trainer/export.h"
 #include "trainer/train.h"
 #include "trainer/vocab.h"
@@ -94,13 +95,7 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   Loader loader(train.dataset, train.samples, lo);
   const RecordShape shape = loader.shape();
   p.hidden = shape.hidden;
-  if (shape.hidden != bc.hidden_size)
-    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
-                     o.base + " has hidden_size " + std::to_string(bc.hidden_size));
-  if (shape.hidden <= 0 || shape.aux_width % shape.hidden != 0)
-    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
-                     std::to_string(shape.hidden));
-  p.aux_layers = shape.aux_width / shape.hidden;
+  p.aux_layers = aux_layers_of(shape, bc, o.base);
 
   DraftConfig c;
   if (o.resume || !o.init_draft.empty()) {
@@ -124,15 +119,7 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
                                                             std::to_string(bc.num_hidden_layers) +
                                                             "-layer base (2, N/2, N-3)";
   }
-  if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden)
-    throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
-                     std::to_string(c.target_hidden_size) + " aux features, the data has " +
-                     std::to_string(p.aux_layers) + " x " + std::to_string(shape.hidden));
-  check_servable(c, o.allow_unservable, "train");
-  if (c.aux_layer_ids.empty())
-    throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(p.aux_layers) +
-                     " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
-                     "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
+  check_draft_fits_data(c, shape, o.allow_unservable);
   p.aux_layer_ids = c.aux_layer_ids;
   p.draft_vocab_size = c.draft_vocab_size;
   p.draft_config_json = draft_config_json(c);
@@ -146,10 +133,8 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.parameters = draft_parameters(c);
 
   p.rows_per_step = o.batch_size * o.grad_accum * p.dp_size;
-  p.steps_per_epoch = (loader.steps_in_epoch() + o.grad_accum - 1) / o.grad_accum;
-  const std::int64_t epochs = o.epochs > 0 ? o.epochs : (o.max_steps > 0 ? 0 : 1);
-  p.total_steps = epochs > 0 ? p.steps_per_epoch * epochs : o.max_steps;
-  if (o.max_steps > 0) p.total_steps = std::min(p.total_steps, o.max_steps);
+  p.steps_per_epoch = o.steps_per_epoch(loader.steps_in_epoch());
+  p.total_steps = o.total_steps(loader.steps_in_epoch());
 
   p.state_bytes = 16.0 * static_cast<double>(p.parameters);
   p.base_bytes = 4.0 * static_cast<double>(bc.vocab_size * bc.hidden_size) * (bc.tie_word_embeddings ? 1 : 2);

@@ -87,10 +87,6 @@ class SignalGuard {
   struct sigaction old_term_ {};
 };
 
-std::int64_t effective_epochs(const TrainOptions& o) {
-  if (o.epochs > 0) return o.epochs;
-  return o.max_steps > 0 ? 0 : 1;
-}
 
 }  // namespace
 
@@ -157,7 +153,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   const std::optional<c10::ScalarType> autocast = autocast_type(opts.compute_dtype);
   if (opts.threads > 0) at::set_num_threads(opts.threads);
   const std::int64_t steps_s = opts.ttt_steps;
-  const std::int64_t epochs = effective_epochs(opts);
+  const std::int64_t epochs = opts.effective_epochs();
 
   // --- resume? ---
   const std::optional<LoadedCheckpoint> resumed = open_resume(opts, mesh);
@@ -240,11 +236,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
         saved.batch_size == opts.batch_size)
       total_steps = st.schedule_total_steps;
   }
-  if (total_steps <= 0) {
-    const std::int64_t per_epoch = (loader.steps_in_epoch() + opts.grad_accum - 1) / opts.grad_accum;
-    total_steps = epochs > 0 ? per_epoch * epochs : opts.max_steps;
-    if (opts.max_steps > 0) total_steps = std::min(total_steps, opts.max_steps);
-  }
+  if (total_steps <= 0) total_steps = opts.total_steps(loader.steps_in_epoch());
   result.start_step = step;
   std::optional<GradientSync> sync;
   if (world > 1) sync.emplace(mesh.world(), params);
