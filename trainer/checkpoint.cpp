@@ -354,6 +354,7 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   ExportReport r;
   ExportOptions eo;
   eo.dtype = serving_export_dtype(options.dtype, draft.config(), r.warnings);
+  for (auto& w : serving_warnings(draft.config())) r.warnings.push_back(std::move(w));
   eo.allow_unservable = options.allow_unservable;
   export_draft_folder(draft, out_dir, eo);
   r.source = source;

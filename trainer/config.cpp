@@ -385,7 +385,8 @@ void DraftConfig::check() const {
       {"draft_vocab_size", draft_vocab_size},
       {"target_hidden_size", target_hidden_size},
       {"num_aux_layers", num_aux_layers},
-      {"max_position_embeddings", max_position_embeddings}};
+      {"max_position_embeddings", max_position_embeddings},
+      {"num_hidden_layers", num_hidden_layers}};
   for (const auto& [name, value] : positive) {
     if (value <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(value));
   }
@@ -431,6 +432,7 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
   d.draft_vocab_size = options.draft_vocab_size > 0 ? options.draft_vocab_size : base.vocab_size;
   d.target_hidden_size = base.hidden_size;
   d.num_aux_layers = options.num_aux_layers;
+  d.num_hidden_layers = options.num_hidden_layers;
   d.max_position_embeddings = base.max_position_embeddings;
   d.aux_layer_ids = options.aux_layer_ids;
   if (d.aux_layer_ids.empty() && d.num_aux_layers == 3 && base.num_hidden_layers >= 6)
@@ -451,12 +453,9 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
   if (d.num_attention_heads <= 0)
     throw FormatError(where, std::nullopt, "num_attention_heads", "must be positive");
   d.head_dim = get_int(j, "head_dim", where, d.hidden_size / d.num_attention_heads);
-  if (const auto layers = field(j, "num_hidden_layers")) {
-    if (!layers->is_number_integer() || layers->get<std::int64_t>() != 1) {
-      throw UnsupportedError(where, std::nullopt, "num_hidden_layers",
-                             "only one-layer EAGLE-3 drafts are supported, got " + layers->dump());
-    }
-  }
+  // Every EAGLE-3 draft config names its layer count; absent, the weights decide (load_draft
+  // refuses layers beyond the first when this says one).
+  d.num_hidden_layers = get_int(j, "num_hidden_layers", where, 1);
   d.rms_norm_eps = get_double(j, "rms_norm_eps", where, 1e-6);
   d.vocab_size = get_int(j, "vocab_size", where);
   d.draft_vocab_size = get_int(j, "draft_vocab_size", where, d.vocab_size);
@@ -516,7 +515,7 @@ std::string draft_config_json(const DraftConfig& c, const std::string& weights_d
   j["model_type"] = "llama";
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
-  j["num_hidden_layers"] = 1;
+  j["num_hidden_layers"] = c.num_hidden_layers;
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.num_key_value_heads;
   j["head_dim"] = c.head_dim;

@@ -45,7 +45,8 @@ BaseConfig parse_base_config(const std::string& json_text, const std::string& wh
 // `path` is a config.json or a folder holding one. Throws IoError when unreadable.
 BaseConfig load_base_config(const std::string& path);
 
-// The draft: one Llama decoder layer over cat(emb, h) with 2H-wide q/k/v.
+// The draft (docs/draft.md): a first Llama decoder layer over cat(emb, h) with 2H-wide
+// q/k/v, then num_hidden_layers - 1 plain decoder layers on H.
 struct DraftConfig {
   std::int64_t hidden_size = 0;  // H, equal to the base's (the draft shares its embeddings)
   std::int64_t intermediate_size = 0;
@@ -60,6 +61,7 @@ struct DraftConfig {
   std::int64_t target_hidden_size = 0;  // width of one aux layer in the dump
   std::int64_t num_aux_layers = 3;      // k: fc maps k*target_hidden_size -> hidden_size
   std::int64_t max_position_embeddings = 2048;
+  std::int64_t num_hidden_layers = 1;  // N, the draft's decoder layers (config.json's key)
   // Hugging Face hidden_states indices of the dumped aux layers (vLLM's convention, low to
   // high); SGLang's "output of layer k" ids are these minus one. Empty when unknown.
   std::vector<std::int64_t> aux_layer_ids;
@@ -79,6 +81,7 @@ struct DraftConfig {
 struct DraftOptions {
   std::int64_t draft_vocab_size = 0;  // 0: the base vocabulary size
   std::int64_t num_aux_layers = 3;
+  std::int64_t num_hidden_layers = 1;  // the draft's decoder layers
   // Empty: default_aux_layer_ids(base.num_hidden_layers) when num_aux_layers == 3.
   std::vector<std::int64_t> aux_layer_ids;
   bool modelopt_norm = false;

@@ -34,8 +34,7 @@ torch::nn::Linear linear(std::int64_t in, std::int64_t out) {
 }
 
 struct AttentionImpl : torch::nn::Module {
-  explicit AttentionImpl(const DraftConfig& c) {
-    const std::int64_t in = 2 * c.hidden_size;
+  AttentionImpl(const DraftConfig& c, std::int64_t in) {
     q_proj = register_module("q_proj", linear(in, c.num_attention_heads * c.head_dim));
     k_proj = register_module("k_proj", linear(in, c.num_key_value_heads * c.head_dim));
     v_proj = register_module("v_proj", linear(in, c.num_key_value_heads * c.head_dim));
@@ -56,11 +55,16 @@ struct MlpImpl : torch::nn::Module {
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 
-struct MidLayerImpl : torch::nn::Module {
-  explicit MidLayerImpl(const DraftConfig& c) {
+// One decoder layer. The first (`first`) reads cat(input_layernorm(emb), hidden_norm(h)) with
+// 2H-wide q/k/v; the others are plain Llama layers on H (no hidden_norm), docs/draft.md.
+// Registration order is the export order.
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const DraftConfig& c, bool first) {
     input_layernorm = register_module("input_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    hidden_norm = register_module("hidden_norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    self_attn = register_module("self_attn", std::make_shared<AttentionImpl>(c));
+    if (first)
+      hidden_norm = register_module("hidden_norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+    self_attn = register_module("self_attn",
+                                std::make_shared<AttentionImpl>(c, first ? 2 * c.hidden_size : c.hidden_size));
     post_attention_layernorm = register_module(
         "post_attention_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
     mlp = register_module("mlp", std::make_shared<MlpImpl>(c));
@@ -70,15 +74,25 @@ struct MidLayerImpl : torch::nn::Module {
   std::shared_ptr<MlpImpl> mlp;
 };
 
+// A one-layer draft names its layer "midlayer" (the name both engines load); deeper drafts
+// use "layers.{i}" (vLLM's names; docs/export.md).
 struct DraftModuleImpl : torch::nn::Module {
   explicit DraftModuleImpl(const DraftConfig& c) {
     fc = register_module("fc", linear(c.aux_width(), c.hidden_size));
-    midlayer = register_module("midlayer", std::make_shared<MidLayerImpl>(c));
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
+      layers.push_back(std::make_shared<DecoderLayerImpl>(c, i == 0));
+    if (c.num_hidden_layers == 1) {
+      register_module("midlayer", layers[0]);
+    } else {
+      torch::nn::ModuleList list;
+      for (const auto& l : layers) list->push_back(l);
+      register_module("layers", list);
+    }
     norm = register_module("norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
     lm_head = register_module("lm_head", linear(c.hidden_size, c.draft_vocab_size));
   }
   torch::nn::Linear fc{nullptr};
-  std::shared_ptr<MidLayerImpl> midlayer;
+  std::vector<std::shared_ptr<DecoderLayerImpl>> layers;
   std::shared_ptr<RmsNormImpl> norm;
   torch::nn::Linear lm_head{nullptr};
 };
@@ -215,32 +229,48 @@ void DraftModel::train(bool on) { impl_->module->train(on); }
 
 at::Tensor DraftModel::fc(const at::Tensor& aux) const { return impl_->module->fc(aux); }
 
+std::int64_t DraftModel::num_layers() const { return impl_->config.num_hidden_layers; }
+
 at::Tensor DraftModel::norm_embeddings(const at::Tensor& emb) const {
-  return impl_->module->midlayer->input_layernorm->forward(emb);
+  return impl_->module->layers[0]->input_layernorm->forward(emb);
 }
 
-Qkv DraftModel::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope) const {
+namespace {
+const DecoderLayerImpl& layer_at(const DraftModuleImpl& m, std::int64_t layer) {
+  if (layer < 0 || layer >= static_cast<std::int64_t>(m.layers.size()))
+    throw UsageError("the draft has no decoder layer " + std::to_string(layer));
+  return *m.layers[static_cast<std::size_t>(layer)];
+}
+}  // namespace
+
+Qkv DraftModel::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope,
+                    std::int64_t layer) const {
   const auto& c = impl_->config;
-  const auto& layer = *impl_->module->midlayer;
-  const at::Tensor h = c.modelopt_norm ? layer.input_layernorm->forward(hidden) : hidden;
-  const at::Tensor x = torch::cat({emb_normed.to(h.scalar_type()), layer.hidden_norm->forward(h)}, -1);
-  const std::int64_t b = x.size(0), l = x.size(1);
-  auto heads = [&](const at::Tensor& t, std::int64_t n) {
-    return t.view({b, l, n, c.head_dim}).transpose(1, 2);
+  const DecoderLayerImpl& l = layer_at(*impl_->module, layer);
+  at::Tensor x;
+  if (layer == 0) {
+    const at::Tensor h = c.modelopt_norm ? l.input_layernorm->forward(hidden) : hidden;
+    x = torch::cat({emb_normed.to(h.scalar_type()), l.hidden_norm->forward(h)}, -1);
+  } else {
+    x = l.input_layernorm->forward(hidden);
+  }
+  const std::int64_t b = x.size(0), n = x.size(1);
+  auto heads = [&](const at::Tensor& t, std::int64_t count) {
+    return t.view({b, n, count, c.head_dim}).transpose(1, 2);
   };
   Qkv out;
-  out.q = apply_rope(heads(layer.self_attn->q_proj(x), c.num_attention_heads), rope);
-  out.k = apply_rope(heads(layer.self_attn->k_proj(x), c.num_key_value_heads), rope);
-  out.v = heads(layer.self_attn->v_proj(x), c.num_key_value_heads);
+  out.q = apply_rope(heads(l.self_attn->q_proj(x), c.num_attention_heads), rope);
+  out.k = apply_rope(heads(l.self_attn->k_proj(x), c.num_key_value_heads), rope);
+  out.v = heads(l.self_attn->v_proj(x), c.num_key_value_heads);
   return out;
 }
 
-at::Tensor DraftModel::finish_layer(const at::Tensor& hidden, const at::Tensor& attn) const {
-  auto& layer = *impl_->module->midlayer;
-  const std::int64_t b = attn.size(0), l = attn.size(2);
-  const at::Tensor merged = attn.transpose(1, 2).reshape({b, l, attn.size(1) * attn.size(3)});
-  const at::Tensor residual = hidden + layer.self_attn->o_proj(merged.to(hidden.scalar_type()));
-  return residual + layer.mlp->forward(layer.post_attention_layernorm->forward(residual));
+at::Tensor DraftModel::finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer) const {
+  const DecoderLayerImpl& l = layer_at(*impl_->module, layer);
+  const std::int64_t b = attn.size(0), n = attn.size(2);
+  const at::Tensor merged = attn.transpose(1, 2).reshape({b, n, attn.size(1) * attn.size(3)});
+  const at::Tensor residual = hidden + l.self_attn->o_proj(merged.to(hidden.scalar_type()));
+  return residual + l.mlp->forward(l.post_attention_layernorm->forward(residual));
 }
 
 at::Tensor DraftModel::logits(const at::Tensor& layer_out) const {

@@ -1,11 +1,13 @@
 // The EAGLE-3 draft (docs/draft.md) as a LibTorch module behind a small interface:
-// fc, one decoder layer ("midlayer") whose q/k/v read cat(input_layernorm(emb), hidden_norm(h)),
-// GQA with RoPE, SwiGLU MLP, final norm and an lm_head over the draft vocabulary, plus the
+// fc, a first decoder layer whose q/k/v read cat(input_layernorm(emb), hidden_norm(h)), then
+// num_hidden_layers - 1 plain Llama decoder layers on H (vLLM's multi-layer EAGLE-3), GQA
+// with RoPE, SwiGLU MLPs, final norm and an lm_head over the draft vocabulary, plus the
 // d2t map. The forward pass is exposed in pieces so that the TTT unroll (trainer/ttt.h)
 // owns the attention and can swap in a context-parallel one.
 //
 // Parameter names are the export names of docs/export.md ("fc.weight",
-// "midlayer.self_attn.q_proj.weight", ...). d2t/t2d are not module buffers: Module::to()
+// "midlayer.self_attn.q_proj.weight", ...; "layers.{i}.*" instead of "midlayer.*" when
+// there is more than one layer). d2t/t2d are not module buffers: Module::to()
 // would cast them to the float dtype.
 //
 // Ownership: copies of a DraftModel share the same weights (like torch module holders).
@@ -90,13 +92,20 @@ class DraftModel {
   void train(bool on = true);
 
   // --- forward pieces, all [B, L, ...] batch-first ---
+  // One TTT step runs layer 0 on (emb, h), then layer i on layer i-1's output; each layer
+  // attends over its own kept keys/values. The last output (before the final norm) is the
+  // next step's h.
+  std::int64_t num_layers() const;                           // config().num_hidden_layers
   at::Tensor fc(const at::Tensor& aux_hidden_states) const;  // [B, L, k*Ht] -> [B, L, H]
-  at::Tensor norm_embeddings(const at::Tensor& emb) const;   // input_layernorm(emb)
-  // q/k/v of cat(emb_normed, hidden_norm(h)) (ModelOpt form: hidden_norm(input_layernorm(h))).
-  Qkv qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope) const;
-  // o_proj(attn) + hidden, then the MLP block: the layer output before the final norm.
+  at::Tensor norm_embeddings(const at::Tensor& emb) const;   // layer 0's input_layernorm(emb)
+  // Layer 0: q/k/v of cat(emb_normed, hidden_norm(h)) (ModelOpt form:
+  // hidden_norm(input_layernorm(h))). Layer i > 0: q/k/v of input_layernorm(hidden), and
+  // emb_normed is not used. UsageError for a layer the draft does not have.
+  Qkv qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope,
+          std::int64_t layer = 0) const;
+  // o_proj(attn) + hidden, then the MLP block: the layer's output (the residual stream).
   // attn: [B, num_attention_heads, L, head_dim].
-  at::Tensor finish_layer(const at::Tensor& hidden, const at::Tensor& attn) const;
+  at::Tensor finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer = 0) const;
   at::Tensor logits(const at::Tensor& layer_out) const;  // lm_head(norm(x)): [B, L, Vd]
 
  private:

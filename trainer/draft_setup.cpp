@@ -89,6 +89,14 @@ void check_draft_fits_data(const DraftConfig& c, const RecordShape& shape, bool 
   }
 }
 
+void check_draft_layers(const TrainOptions& o, const DraftConfig& c, const std::string& source) {
+  if (o.draft_layers > 0 && o.draft_layers != c.num_hidden_layers) {
+    throw UsageError("--draft-layers " + std::to_string(o.draft_layers) + " differs from the " +
+                     std::to_string(c.num_hidden_layers) + " decoder layer(s) of the draft in " + source +
+                     " (a draft keeps its depth; drop --draft-layers, or start a fresh draft)");
+  }
+}
+
 std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::Mesh& mesh) {
   std::optional<LoadedCheckpoint> resumed;
   const int world = mesh.world_size();
@@ -116,6 +124,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
 
   std::optional<DraftModel> draft_holder;
   if (resumed) {
+    check_draft_layers(o, resumed->draft.config(), resumed->dir);
     draft_holder.emplace(resumed->draft);
   } else if (!o.init_draft.empty()) {
     DraftSource source;
@@ -138,6 +147,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
       c.modelopt_norm = true;
       changed = true;
     }
+    check_draft_layers(o, c, o.init_draft);
     if (o.draft_vocab_size > 0 && o.draft_vocab_size != c.draft_vocab_size) {
       throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from --init-draft's (" +
                        std::to_string(c.draft_vocab_size) + ")");
@@ -156,6 +166,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
     dopts.num_aux_layers = aux_layers;
     dopts.aux_layer_ids = o.aux_layer_ids;
     dopts.modelopt_norm = o.modelopt_norm;
+    dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
     const DraftConfig c = draft_config_from_base(bc, dopts);
     if (o.aux_layer_ids.empty() && !c.aux_layer_ids.empty()) {
       std::string ids;

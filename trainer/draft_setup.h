@@ -39,6 +39,9 @@ std::int64_t aux_layers_of(const RecordShape& shape, const BaseConfig& base, con
 // A draft config against the data it will train on: the fc's input width, servability
 // (check_servable, unless allowed) and known aux layer ids. UsageError naming what to pass.
 void check_draft_fits_data(const DraftConfig& config, const RecordShape& shape, bool allow_unservable);
+// UsageError when --draft-layers was given and differs from the layers of the draft read
+// from `source` (an --init-draft folder or a checkpoint): a draft keeps its depth.
+void check_draft_layers(const TrainOptions& options, const DraftConfig& config, const std::string& source);
 
 // With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
 // was saved by another world size or cp. Without: nullopt, after checking (on the main

@@ -29,6 +29,13 @@ void check_servable(const DraftConfig& config, bool allow_unservable, const std:
                    "--allow-unservable to write it anyway (for ModelOpt's own stack)");
 }
 
+std::vector<std::string> serving_warnings(const DraftConfig& c) {
+  if (c.num_hidden_layers <= 1) return {};
+  return {"a draft of " + std::to_string(c.num_hidden_layers) +
+          " decoder layers serves as trained in vLLM (layers.{i}.* names); SGLang loads its extra layers from "
+          "additional_layers.* and computes them differently, so do not serve it there (docs/export.md)"};
+}
+
 void export_draft(const DraftModel& draft, const std::string& dir, const ExportOptions& options) {
   const c10::ScalarType dtype = options.dtype.value_or(draft.dtype());
   if (!at::isFloatingType(dtype)) throw UsageError("export dtype must be a floating-point type");
@@ -124,16 +131,43 @@ struct DraftWeights {
   std::vector<std::string> skipped;           // names in the file that are not the draft's
 };
 
-// ModelOpt and vLLM call the decoder layer layers.0 (or model.layers.0); the EAGLE authors,
-// SpecForge and eaglekit call it midlayer. embed_tokens is the target's, never the draft's.
-std::string canonical_name(std::string name) {
+// Decoder layers are named layers.{i} (ModelOpt, vLLM; optionally under model.), midlayer
+// (the EAGLE authors, SpecForge and eaglekit for one layer) or midlayer.{i} (some deep
+// ModelOpt exports). All come to layers.{i}.* here; embed_tokens is the target's, never the
+// draft's. `style` gets the form the name used ("" when no layer).
+std::string neutral_name(std::string name, std::string* style) {
   if (name.rfind("model.", 0) == 0) name = name.substr(6);
-  if (name.rfind("layers.0.", 0) == 0) name = "midlayer." + name.substr(9);
-  if (name.rfind("midlayer.0.", 0) == 0) name = "midlayer." + name.substr(11);
+  auto indexed = [](const std::string& rest) {
+    const std::size_t dot = rest.find('.');
+    return dot != std::string::npos && dot > 0 &&
+           rest.find_first_not_of("0123456789") == dot;
+  };
+  if (name.rfind("midlayer.", 0) == 0) {
+    const std::string rest = name.substr(9);
+    if (indexed(rest)) {
+      *style = "midlayer.{i}";
+      return "layers." + rest;
+    }
+    *style = "midlayer";
+    return "layers.0." + rest;
+  }
+  if (name.rfind("layers.", 0) == 0 && indexed(name.substr(7))) *style = "layers.{i}";
   return name;
 }
 
-DraftWeights read_draft_weights(const std::string& dir) {
+// The layer index of a neutral name ("layers.3.mlp..." -> 3), -1 for others.
+std::int64_t layer_of(const std::string& neutral) {
+  if (neutral.rfind("layers.", 0) != 0) return -1;
+  return std::strtoll(neutral.c_str() + 7, nullptr, 10);
+}
+
+// Neutral names as DraftModel names them: midlayer.* for a one-layer draft.
+std::string draft_name(const std::string& neutral, std::int64_t layers) {
+  if (layers == 1 && neutral.rfind("layers.0.", 0) == 0) return "midlayer." + neutral.substr(9);
+  return neutral;
+}
+
+DraftWeights read_draft_weights(const std::string& dir, std::int64_t layers) {
   namespace fs = std::filesystem;
   DraftWeights w;
   std::vector<std::pair<std::string, HostTensor>> named;
@@ -161,27 +195,49 @@ DraftWeights read_draft_weights(const std::string& dir) {
     throw IoError(dir + ": no draft weights (looked for model.safetensors, model.safetensors.index.json and "
                   "pytorch_model.bin)");
   }
-  bool layers0 = false;
+  std::set<std::string> styles;
+  std::int64_t top_layer = -1;
+  std::string top_name;
   for (auto& [name, t] : named) {
-    const std::string c = canonical_name(name);
-    layers0 = layers0 || (c != name && name.find("layers.0.") != std::string::npos);
-    if (c == "embed_tokens.weight") {
+    std::string style;
+    const std::string neutral = neutral_name(name, &style);
+    if (!style.empty()) styles.insert(style);
+    if (neutral == "embed_tokens.weight") {
       w.skipped.push_back(name);
       continue;
     }
+    if (layer_of(neutral) > top_layer) {
+      top_layer = layer_of(neutral);
+      top_name = name;
+    }
+    const std::string c = draft_name(neutral, layers);
     if (w.tensors.count(c))
       throw FormatError(w.path, std::nullopt, name, "names the same weight as " + w.origin[c]);
     w.tensors.emplace(c, std::move(t));
     w.origin.emplace(c, name);
     w.file.emplace(c, file_of[name]);
   }
+  if (styles.size() > 1) {
+    std::string list;
+    for (const auto& st : styles) list += (list.empty() ? "" : ", ") + st + ".*";
+    throw FormatError(file_of[top_name], std::nullopt, top_name, "mixes decoder layer names (" + list + ")");
+  }
+  if (top_layer >= layers) {
+    throw FormatError(file_of[top_name], std::nullopt, top_name,
+                      "is decoder layer " + std::to_string(top_layer) + ", but config.json says num_hidden_layers " +
+                          std::to_string(layers) + " (or names none: 1)");
+  }
   const std::string file = !safetensors ? "pytorch_model.bin"
                            : fs::exists(fs::path(dir) / "model.safetensors.index.json") ? "model.safetensors.index.json"
                                                                                        : "model.safetensors";
-  w.ours = safetensors && !layers0;
-  if (!safetensors) w.layout = "EAGLE-3 state dict (" + file + ", midlayer.*)";
-  else if (layers0) w.layout = "ModelOpt / vLLM names (" + file + ", layers.0.*)";
-  else w.layout = "eaglekit / EAGLE-3 layout (" + file + ", midlayer.*)";
+  const std::string style = styles.empty() ? "midlayer" : *styles.begin();
+  // eaglekit writes midlayer.* for one layer and layers.{i}.* for more (docs/export.md).
+  w.ours = safetensors && style == (layers == 1 ? "midlayer" : "layers.{i}");
+  if (!safetensors) w.layout = "EAGLE-3 state dict (" + file + ", " + style + ".*)";
+  else if (w.ours && layers == 1) w.layout = "eaglekit / EAGLE-3 layout (" + file + ", midlayer.*)";
+  else if (w.ours) w.layout = "eaglekit / vLLM layout (" + file + ", layers.{i}.*)";
+  else if (style == "layers.{i}") w.layout = "ModelOpt / vLLM names (" + file + ", layers.0.*)";
+  else w.layout = "deep EAGLE-3 names (" + file + ", " + style + ".*)";
   return w;
 }
 
@@ -190,7 +246,7 @@ DraftWeights read_draft_weights(const std::string& dir) {
 DraftModel load_draft(const std::string& dir, DraftSource* source) {
   if (!std::filesystem::is_directory(dir)) throw IoError(dir + ": not a folder (expected an exported draft)");
   const DraftConfig config = load_draft_config(dir);
-  const DraftWeights weights = read_draft_weights(dir);
+  const DraftWeights weights = read_draft_weights(dir, config.num_hidden_layers);
   auto read = [&](const std::string& name) -> std::optional<at::Tensor> {
     const auto it = weights.tensors.find(name);
     if (it == weights.tensors.end()) return std::nullopt;
@@ -245,7 +301,8 @@ DraftModel load_draft(const std::string& dir, DraftSource* source) {
   for (const auto& [name, t] : weights.tensors) {
     if (expected.count(name) || name == "d2t" || name == "t2d") continue;
     throw FormatError(file_of(name), std::nullopt, name_in_file(name),
-                      "not part of a one-layer EAGLE-3 draft (unexpected tensor)");
+                      "not part of a " + std::to_string(config.num_hidden_layers) +
+                          "-layer EAGLE-3 draft (unexpected tensor)");
   }
   if (source) {
     source->layout = weights.layout;

@@ -11,6 +11,8 @@
 //     midlayer.post_attention_layernorm.weight   [H]
 //     midlayer.mlp.{gate,up}_proj.weight         [I, H]
 //     midlayer.mlp.down_proj.weight              [H, I]
+//     (a draft of N > 1 layers: layers.0.* for midlayer.*, then layers.1..N-1.*, plain
+//     layers on H without hidden_norm)
 //     norm.weight                                [H]
 //     lm_head.weight                             [Vd, H]
 //     d2t                                        [Vd] int64  target id = i + d2t[i]
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "trainer/draft_model.h"
 
@@ -45,6 +48,10 @@ struct ExportOptions {
 // UsageError naming why no serving engine runs `config` as trained (ModelOpt's norm form),
 // unless allowed. `what` names the action ("export", "train").
 void check_servable(const DraftConfig& config, bool allow_unservable, const std::string& what);
+
+// What a user should know before serving `config` (docs/export.md): for a draft of more than
+// one decoder layer, that vLLM runs it as trained and SGLang does not. Empty otherwise.
+std::vector<std::string> serving_warnings(const DraftConfig& config);
 
 // Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created). For
 // a folder being filled before it is renamed into place (a checkpoint's temp folder).

@@ -29,6 +29,10 @@ opt::Group model_options(ModelOptions& m) {
               field("init_draft", "DIR", m.init_draft, "Start from an exported draft folder (its config wins)"),
               note(field("draft_vocab_size", "N", m.draft_vocab_size, "Draft vocabulary size Vd"),
                    "the d2t's size, else the base's vocab_size"),
+              note(field("draft_layers", "N", m.draft_layers,
+                         "Decoder layers of the draft: the first reads cat(emb, h), the others are plain "
+                         "Llama layers (docs/draft.md; N > 1 serves as trained in vLLM, not SGLang)"),
+                   "1 for a fresh draft, else the --init-draft's"),
               note(field("d2t", "FILE", m.d2t, "d2t.pt from eaglekit vocab"),
                    "counted over the train split when Vd < V"),
               note(field("aux_layer_ids", "IDS", m.aux_layer_ids,

@@ -33,6 +33,7 @@ struct ModelOptions {
   std::string base;                          // Hugging Face base model folder
   std::string init_draft;                    // start from an exported draft folder ("" fresh)
   std::int64_t draft_vocab_size = 0;         // 0: the base vocabulary
+  std::int64_t draft_layers = 0;             // decoder layers N; 0: 1 fresh, else the draft's
   std::string d2t;                           // d2t.pt (eaglekit vocab); "" count over the train split
   std::vector<std::int64_t> aux_layer_ids;   // as dumped (HF hidden_states indices)
   bool modelopt_norm = false;

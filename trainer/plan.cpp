@@ -35,25 +35,27 @@ std::string gib(double bytes) {
   return os.str();
 }
 
-// Trainable parameters of the draft (trainer/draft_model.h): fc, the decoder layer on
-// 2H-wide q/k/v inputs, its norms, the final norm and lm_head over Vd.
+// Trainable parameters of the draft (trainer/draft_model.h): fc, the first decoder layer on
+// 2H-wide q/k/v inputs with its three norms, N - 1 plain layers on H with two norms each,
+// the final norm and lm_head over Vd.
 std::int64_t draft_parameters(const DraftConfig& c) {
   const std::int64_t h = c.hidden_size, qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
-  return c.aux_width() * h + 2 * h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 4 * h +
-         c.draft_vocab_size * h;
+  const std::int64_t first = 2 * h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 3 * h;
+  const std::int64_t plain = h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 2 * h;
+  return c.aux_width() * h + first + (c.num_hidden_layers - 1) * plain + h + c.draft_vocab_size * h;
 }
 
-// Activations one micro-batch keeps for backward, float32, per TTT step: the row's
-// embeddings, inputs and norms (about 8H per token), q/k/v and the attention output,
-// the MLP's gate, up and product (3I), the draft logits and their softmax (2Vd), and per
-// head the masked scores and probabilities over the L keys of block 0 (2L); plus once the
+// Activations one micro-batch keeps for backward, float32, per TTT step: per decoder layer
+// the row's inputs and norms (about 8H per token), q/k/v and the attention output, the
+// MLP's gate, up and product (3I), and per head the masked scores and probabilities over
+// the L keys of block 0 (2L); the draft logits and their softmax (2Vd); plus once the
 // target distribution over Vd and the transient target logits over V.
 double activation_bytes(const DraftConfig& c, std::int64_t rows, std::int64_t length, std::int64_t steps) {
   const double tokens = static_cast<double>(rows) * static_cast<double>(length);
   const double qkv = static_cast<double>((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim);
-  const double per_token_step = 8.0 * c.hidden_size + qkv + c.num_attention_heads * c.head_dim +
-                                3.0 * c.intermediate_size + 2.0 * c.draft_vocab_size +
-                                2.0 * c.num_attention_heads * static_cast<double>(length);
+  const double per_layer = 8.0 * c.hidden_size + qkv + c.num_attention_heads * c.head_dim +
+                           3.0 * c.intermediate_size + 2.0 * c.num_attention_heads * static_cast<double>(length);
+  const double per_token_step = static_cast<double>(c.num_hidden_layers) * per_layer + 2.0 * c.draft_vocab_size;
   const double once = static_cast<double>(c.draft_vocab_size + c.vocab_size);
   return 4.0 * tokens * (per_token_step * static_cast<double>(steps) + once);
 }
@@ -104,12 +106,14 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
     c = load_draft_config(dir);
     p.draft_source = (o.resume ? "resume " : "--init-draft ") + dir;
     if (!o.aux_layer_ids.empty() && !o.resume) c.aux_layer_ids = o.aux_layer_ids;
+    check_draft_layers(o, c, dir);
     p.aux_layer_ids_source = !o.aux_layer_ids.empty() && !o.resume ? "--aux-layer-ids" : "the draft";
   } else {
     DraftOptions d;
     d.num_aux_layers = p.aux_layers;
     d.aux_layer_ids = o.aux_layer_ids;
     d.modelopt_norm = o.modelopt_norm;
+    d.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
     d.draft_vocab_size = o.draft_vocab_size;
     if (!o.d2t.empty()) d.draft_vocab_size = load_d2t(o.d2t).size(0);
     c = draft_config_from_base(bc, d);
@@ -131,6 +135,7 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
     p.rope = r.str();
   }
   p.parameters = draft_parameters(c);
+  p.draft_layers = c.num_hidden_layers;
 
   p.rows_per_step = o.batch_size * o.grad_accum * p.dp_size;
   p.steps_per_epoch = o.steps_per_epoch(loader.steps_in_epoch());
@@ -150,7 +155,8 @@ std::string TrainPlan::to_text() const {
   os << "split:       " << train_samples << " train, " << eval_samples << " eval samples; " << tokens_per_epoch
      << " train tokens per epoch\n";
   os << "dump:        hidden " << hidden << ", " << aux_layers << " aux layers\n";
-  os << "draft:       " << draft_source << "; " << parameters << " trainable parameters, draft vocab "
+  os << "draft:       " << draft_source << "; " << draft_layers << " decoder layer" << (draft_layers == 1 ? "" : "s")
+     << ", " << parameters << " trainable parameters, draft vocab "
      << draft_vocab_size << " of " << vocab_size << "\n";
   os << "aux ids:     " << ids_text(aux_layer_ids) << " (" << aux_layer_ids_source << ")\n";
   os << "rope:        " << rope << "\n";
@@ -178,6 +184,7 @@ std::string TrainPlan::to_json() const {
   j["draft_vocab_size"] = draft_vocab_size;
   j["vocab_size"] = vocab_size;
   j["parameters"] = parameters;
+  j["draft_layers"] = draft_layers;
   j["world_size"] = world_size;
   j["dp_size"] = dp_size;
   j["cp_size"] = cp_size;

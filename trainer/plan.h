@@ -35,6 +35,7 @@ struct TrainPlan {
   std::string rope;                  // "llama3 (factor 8, ...), theta 500000"
   std::int64_t draft_vocab_size = 0, vocab_size = 0;
   std::int64_t parameters = 0;       // trainable, of the draft
+  std::int64_t draft_layers = 1;     // its decoder layers
   int world_size = 1, dp_size = 1, cp_size = 1;
   std::int64_t rows_per_step = 0;    // global: batch x grad_accum x dp
   std::int64_t steps_per_epoch = 0;  // optimizer steps

@@ -451,6 +451,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     eo.allow_unservable = opts.allow_unservable;
     std::vector<std::string> warnings;
     eo.dtype = serving_export_dtype(opts.export_dtype, draft.config(), warnings);
+    for (auto& w : serving_warnings(draft.config())) warnings.push_back(std::move(w));
     for (const auto& w : warnings) say("final/: " + w);
     // final/ appears complete (config.json with model.safetensors) or not at all, and a rerun
     // replaces an older one in one step.

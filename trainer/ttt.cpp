@@ -527,19 +527,27 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   at::Tensor hidden = draft.fc(batch.aux_hidden_states.to(device, dtype));
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-  std::vector<at::Tensor> k_blocks, v_blocks, ce, mask_sums, counts;
+  // Each decoder layer keeps its own keys/values of every step (docs/ttt.md, deeper drafts).
+  const std::int64_t layers = draft.num_layers();
+  std::vector<std::vector<at::Tensor>> k_blocks(static_cast<std::size_t>(layers)),
+      v_blocks(static_cast<std::size_t>(layers));
+  std::vector<at::Tensor> ce, mask_sums, counts;
   at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
   at::Tensor prev_out;
   for (std::int64_t s = 0; s < steps; ++s) {
-    scope.begin("ttt.qkv");
     if (s > 0) hidden = cx.shift_right(prev_out);
-    Qkv qkv = draft.qkv(emb_normed, hidden, rope);
-    k_blocks.push_back(qkv.k);
-    v_blocks.push_back(qkv.v);
-    scope.begin("ttt.attention");
-    const at::Tensor attn = cx.attention(qkv.q, k_blocks, v_blocks, key_valid, s, scale, docs);
-    scope.begin("ttt.layer");
-    const at::Tensor out = draft.finish_layer(hidden, attn);
+    at::Tensor out = hidden;
+    for (std::int64_t layer = 0; layer < layers; ++layer) {
+      const auto li = static_cast<std::size_t>(layer);
+      scope.begin("ttt.qkv");
+      Qkv qkv = draft.qkv(emb_normed, out, rope, layer);
+      k_blocks[li].push_back(qkv.k);
+      v_blocks[li].push_back(qkv.v);
+      scope.begin("ttt.attention");
+      const at::Tensor attn = cx.attention(qkv.q, k_blocks[li], v_blocks[li], key_valid, s, scale, docs);
+      scope.begin("ttt.layer");
+      out = draft.finish_layer(out, attn, layer);
+    }
     scope.begin("ttt.lm_head_loss");
     const at::Tensor logits = draft.logits(out).to(at::kFloat);
     const at::Tensor logp = at::log_softmax(logits, -1);

@@ -174,6 +174,9 @@ inline trainer::TttOptions ttt_options(std::int64_t steps) {
 }
 
 struct ModelSetup {
+  ModelSetup() = default;
+  // A draft of `layers` decoder layers (docs/draft.md); base and d2t do not depend on it.
+  explicit ModelSetup(std::int64_t layers) { config.num_hidden_layers = layers; }
   trainer::DraftConfig config = trainer::fixtures::tiny_config();
   trainer::BaseModel base = trainer::fixtures::random_base(config, 7);
   at::Tensor d2t = trainer::fixtures::spread_d2t(config);

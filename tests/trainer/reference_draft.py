@@ -109,36 +109,46 @@ def forward(cfg, w, base, batch, steps, decay):
     def proj(x, name):
         return x @ w[name].T
 
+    # docs/draft.md: one layer is "midlayer"; a deeper draft names them layers.0 .. layers.N-1,
+    # layer 0 on cat(emb, h), the others plain Llama layers on the previous layer's output.
+    n_layers = cfg.get("num_hidden_layers", 1)
+    prefix = ["midlayer."] if n_layers == 1 else ["layers.%d." % i for i in range(n_layers)]
     h = proj(aux, "fc.weight")
-    emb_n = rms_norm(emb, w["midlayer.input_layernorm.weight"], eps)
-    ks, vs = [], []
+    emb_n = rms_norm(emb, w[prefix[0] + "input_layernorm.weight"], eps)
+    ks, vs = [[] for _ in prefix], [[] for _ in prefix]
     losses, correct, mask_sums, cond_correct, cond_total = [], [], [], [], []
     chain_right = []  # per step: [B, L-1-s] bool, masked-and-right, indexed by chain start u
     prev = None
     for s in range(steps):
         if s > 0:
             h = torch.roll(prev, 1, dims=1)
-        hin = rms_norm(h, w["midlayer.input_layernorm.weight"], eps) if modelopt else h
-        x = torch.cat([emb_n, rms_norm(hin, w["midlayer.hidden_norm.weight"], eps)], -1)
-        q = proj(x, "midlayer.self_attn.q_proj.weight").view(B, L, nh, hd).transpose(1, 2)
-        k = proj(x, "midlayer.self_attn.k_proj.weight").view(B, L, nkv, hd).transpose(1, 2)
-        v = proj(x, "midlayer.self_attn.v_proj.weight").view(B, L, nkv, hd).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        ks.append(k)
-        vs.append(v)
-        K = torch.cat(ks, 2).repeat_interleave(nh // nkv, dim=1)
-        V = torch.cat(vs, 2).repeat_interleave(nh // nkv, dim=1)
-        m = torch.tensor([[allowed(L, s, qi, j) for j in range(L * (s + 1))] for qi in range(L)])
-        m = m.unsqueeze(0) & key_valid.repeat(1, s + 1).unsqueeze(1)  # [B, L, L(s+1)]
-        scores = (q @ K.transpose(-1, -2)) / math.sqrt(hd)
-        scores = scores.masked_fill(~m.unsqueeze(1), -1e30)
-        attn = torch.softmax(scores, -1) @ V
-        o = proj(attn.transpose(1, 2).reshape(B, L, nh * hd), "midlayer.self_attn.o_proj.weight")
-        r = h + o
-        y = rms_norm(r, w["midlayer.post_attention_layernorm.weight"], eps)
-        mlp = proj(torch.nn.functional.silu(proj(y, "midlayer.mlp.gate_proj.weight")) *
-                   proj(y, "midlayer.mlp.up_proj.weight"), "midlayer.mlp.down_proj.weight")
-        out = r + mlp
+        out = h
+        for li, P in enumerate(prefix):
+            inp = out
+            if li == 0:
+                hin = rms_norm(inp, w[P + "input_layernorm.weight"], eps) if modelopt else inp
+                x = torch.cat([emb_n, rms_norm(hin, w[P + "hidden_norm.weight"], eps)], -1)
+            else:
+                x = rms_norm(inp, w[P + "input_layernorm.weight"], eps)
+            q = proj(x, P + "self_attn.q_proj.weight").view(B, L, nh, hd).transpose(1, 2)
+            k = proj(x, P + "self_attn.k_proj.weight").view(B, L, nkv, hd).transpose(1, 2)
+            v = proj(x, P + "self_attn.v_proj.weight").view(B, L, nkv, hd).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            ks[li].append(k)
+            vs[li].append(v)
+            K = torch.cat(ks[li], 2).repeat_interleave(nh // nkv, dim=1)
+            V = torch.cat(vs[li], 2).repeat_interleave(nh // nkv, dim=1)
+            m = torch.tensor([[allowed(L, s, qi, j) for j in range(L * (s + 1))] for qi in range(L)])
+            m = m.unsqueeze(0) & key_valid.repeat(1, s + 1).unsqueeze(1)  # [B, L, L(s+1)]
+            scores = (q @ K.transpose(-1, -2)) / math.sqrt(hd)
+            scores = scores.masked_fill(~m.unsqueeze(1), -1e30)
+            attn = torch.softmax(scores, -1) @ V
+            o = proj(attn.transpose(1, 2).reshape(B, L, nh * hd), P + "self_attn.o_proj.weight")
+            r = inp + o
+            y = rms_norm(r, w[P + "post_attention_layernorm.weight"], eps)
+            mlp = proj(torch.nn.functional.silu(proj(y, P + "mlp.gate_proj.weight")) *
+                       proj(y, P + "mlp.up_proj.weight"), P + "mlp.down_proj.weight")
+            out = r + mlp
         logits = proj(rms_norm(out, w["norm.weight"], eps), "lm_head.weight")
 
         logp = torch.log_softmax(logits, -1)[:, s:L - 1]

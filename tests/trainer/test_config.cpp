@@ -152,9 +152,16 @@ TEST_CASE("config: draft config.json writes both aux-layer conventions and reads
   CHECK(parse_draft_config(four.dump(), "p").num_aux_layers == 4);
   CHECK(j["num_aux_hidden_states"] == 3);
   CHECK(j["norm_before_residual"] == false);
+  // num_hidden_layers is the draft's depth, written and read back; absent means one layer.
   nlohmann::json two_layers = j;
   two_layers["num_hidden_layers"] = 2;
-  CHECK_THROWS_AS(parse_draft_config(two_layers.dump(), "p"), UnsupportedError);
+  CHECK(parse_draft_config(two_layers.dump(), "p").num_hidden_layers == 2);
+  CHECK(nlohmann::json::parse(draft_config_json(parse_draft_config(two_layers.dump(), "p")))["num_hidden_layers"] == 2);
+  nlohmann::json no_count = j;
+  no_count.erase("num_hidden_layers");
+  CHECK(parse_draft_config(no_count.dump(), "p").num_hidden_layers == 1);
+  two_layers["num_hidden_layers"] = 0;
+  CHECK_THROWS_AS(parse_draft_config(two_layers.dump(), "p"), FormatError);
 
   DraftConfig unknown = d;
   unknown.aux_layer_ids.clear();

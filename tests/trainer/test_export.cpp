@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 
 #include "formats/error.h"
 #include "formats/safetensors_format.h"
@@ -24,9 +27,9 @@ namespace {
 
 DraftModel trained_looking_draft(const DraftConfig& c, const BaseModel& base) {
   DraftModel d(c, fixtures::spread_d2t(c), base.lm_head, 91);
-  for (const char* n : {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-                        "midlayer.post_attention_layernorm.weight", "norm.weight"})
-    d.load_parameter(n, 1.0 + 0.3 * at::randn({c.hidden_size}));
+  // Norm weights away from 1 (every 1-D parameter, in export order).
+  for (const auto& [n, p] : d.named_parameters())
+    if (p.dim() == 1) d.load_parameter(n, 1.0 + 0.3 * at::randn({c.hidden_size}));
   return d;
 }
 
@@ -321,7 +324,10 @@ TEST_CASE("export: loading refuses broken folders with the file and tensor named
 
   const std::string extra = variant("extra", [](auto& t) { t.emplace_back("layers.1.mlp.up_proj.weight", at::zeros({2})); });
   CHECK(load_error<FormatError>(extra) == extra +
-        "/model.safetensors: layers.1.mlp.up_proj.weight: not part of a one-layer EAGLE-3 draft (unexpected tensor)");
+        "/model.safetensors: layers.1.mlp.up_proj.weight: mixes decoder layer names (layers.{i}.*, midlayer.*)");
+  const std::string unknown = variant("unknown", [](auto& t) { t.emplace_back("midlayer.rotary.inv_freq", at::zeros({2})); });
+  CHECK(load_error<FormatError>(unknown) == unknown +
+        "/model.safetensors: midlayer.rotary.inv_freq: not part of a 1-layer EAGLE-3 draft (unexpected tensor)");
 
   const std::string embed = variant("embed", [](auto& t) { t.emplace_back("embed_tokens.weight", at::zeros({40, 32})); });
   CHECK_NOTHROW(load_draft(embed));  // published drafts sometimes carry the embeddings
@@ -342,4 +348,72 @@ TEST_CASE("export: loading refuses broken folders with the file and tensor named
   unknown_ids.aux_layer_ids.clear();
   CHECK_THROWS_AS(export_draft(DraftModel(unknown_ids, fixtures::spread_d2t(c), at::Tensor()), dir / "no-ids"), UsageError);
   CHECK_FALSE(std::filesystem::exists(dir / "no-ids/model.safetensors"));
+}
+
+TEST_CASE("export: a two-layer draft round-trips under layers.{i}, midlayer.{i} and model. names; its depth is checked") {
+  test::TempDir dir("export-deep");
+  DraftConfig c = fixtures::tiny_config();
+  c.num_hidden_layers = 2;
+  const BaseModel base = fixtures::random_base(c, 96);
+  const DraftModel d = trained_looking_draft(c, base);
+  export_draft(d, dir / "ours");
+  const auto tensors = read_all(dir / "ours/model.safetensors");
+  std::set<std::string> names;
+  for (const auto& [n, t] : tensors) names.insert(n);
+  CHECK(names.count("layers.0.hidden_norm.weight"));
+  CHECK(names.count("layers.1.input_layernorm.weight"));
+  CHECK(!names.count("layers.1.hidden_norm.weight"));
+  CHECK(!names.count("midlayer.input_layernorm.weight"));
+  const std::string config = [&] {
+    std::ifstream f(dir / "ours/config.json");
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }();
+  CHECK(nlohmann::json::parse(config)["num_hidden_layers"] == 2);
+
+  auto variant = [&](const std::string& name, const std::string& config_text, auto rename) {
+    std::filesystem::create_directories(dir / name);
+    test::write_text(dir / (name + "/config.json"), config_text);
+    std::vector<std::pair<std::string, at::Tensor>> t;
+    for (const auto& [n, v] : tensors)
+      if (auto r = rename(n)) t.emplace_back(*r, v);
+    fixtures::write_tensors(dir / (name + "/model.safetensors"), t);
+    return dir / name;
+  };
+  auto same = [&](const DraftModel& got) {
+    const auto a = got.named_parameters(), b = d.named_parameters();
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(a[i].first);
+      CHECK(a[i].first == b[i].first);
+      CHECK(at::equal(a[i].second, b[i].second));
+    }
+  };
+  DraftSource src;
+  same(load_draft(dir / "ours", &src));
+  CHECK(src.layout == "eaglekit / vLLM layout (model.safetensors, layers.{i}.*)");
+  // Some deep ModelOpt exports say midlayer.{i}; vLLM checkpoints may carry model.
+  const std::string mid = variant("midlayer-i", config, [](const std::string& n) -> std::optional<std::string> {
+    return n.rfind("layers.", 0) == 0 ? "midlayer." + n.substr(7) : n;
+  });
+  same(load_draft(mid, &src));
+  CHECK(src.layout == "deep EAGLE-3 names (model.safetensors, midlayer.{i}.*)");
+  const std::string prefixed = variant("model-prefix", config, [](const std::string& n) -> std::optional<std::string> {
+    return n == "lm_head.weight" || n == "d2t" || n == "t2d" ? n : "model." + n;
+  });
+  same(load_draft(prefixed));
+
+  const std::string missing = variant("missing", config, [](const std::string& n) -> std::optional<std::string> {
+    if (n == "layers.1.mlp.up_proj.weight") return std::nullopt;
+    return n;
+  });
+  CHECK(load_error<FormatError>(missing) == missing + ": layers.1.mlp.up_proj.weight: missing");
+  // A config that names no layer count means one layer: the second layer's tensors are refused.
+  auto cfg = nlohmann::json::parse(config);
+  cfg.erase("num_hidden_layers");
+  const std::string shallow = variant("no-count", cfg.dump(), [](const std::string& n) -> std::optional<std::string> {
+    return n;
+  });
+  CHECK(load_error<FormatError>(shallow) ==
+        shallow + "/model.safetensors: layers.1.input_layernorm.weight: is decoder layer 1, but config.json says "
+                  "num_hidden_layers 1 (or names none: 1)");
 }

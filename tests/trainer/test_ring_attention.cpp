@@ -147,6 +147,10 @@ ScenarioRegistration ring_job("ring", [] {
     const ModelRun run = mesh_run(mesh, m, steps_of(i), batch, /*overlap=*/i % 2 == 0, ro);
     if (mesh.is_main()) save_tensors(dir + "/model_" + std::to_string(i) + ".pt", run.to_tensors());
   }
+  // A two-layer draft: each layer's own kept keys/values go round the ring.
+  const ModelSetup deep(2);
+  const ModelRun run = mesh_run(mesh, deep, 3, model_batch(deep.config, 13, 600), /*overlap=*/true, {});
+  if (mesh.is_main()) save_tensors(dir + "/model_deep.pt", run.to_tensors());
 });
 
 void check_ring_job(int cp_size) {
@@ -182,6 +186,14 @@ void check_ring_job(int cp_size) {
     const ModelRun want = single_process_run(m, steps_of(i), batch);
     const ModelRun got = ModelRun::from_tensors(load_tensors(d / ("model_" + std::to_string(i) + ".pt")));
     check_same_run(got, want, names);
+  }
+  {
+    INFO("two-layer draft, S = 3, L = 13");
+    const ModelSetup deep(2);
+    const auto deep_names = deep.fresh_draft().named_parameters();
+    REQUIRE(deep_names.size() == names.size() + 9);
+    const ModelRun want = single_process_run(deep, 3, model_batch(deep.config, 13, 600));
+    check_same_run(ModelRun::from_tensors(load_tensors(d / "model_deep.pt")), want, deep_names);
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <set>
 
 #include "formats/error.h"
@@ -187,16 +188,29 @@ TEST_CASE("ttt: loss, accuracies and gradients agree with the independent Python
 
   nlohmann::json manifest = {{"cases", nlohmann::json::array()}};
   std::vector<nlohmann::json> ours;
-  for (const bool modelopt : {false, true}) {
-    for (const std::int64_t steps : {1, 3}) {
-      const std::string name = std::string(modelopt ? "modelopt" : "serving") + "-S" + std::to_string(steps);
+  struct Case {
+    bool modelopt;
+    std::int64_t steps, layers;
+  };
+  // One layer in both norm forms; deeper drafts (docs/draft.md) of 2 and 3 layers.
+  const std::vector<Case> cases = {{false, 1, 1}, {false, 3, 1}, {true, 1, 1}, {true, 3, 1}, {false, 3, 2}, {false, 2, 3}};
+  std::map<std::string, std::int64_t> tensors_of;
+  for (const Case& k : cases) {
+    {
+      const bool modelopt = k.modelopt;
+      const std::int64_t steps = k.steps;
+      const std::string name = std::string(modelopt ? "modelopt" : "serving") + "-S" + std::to_string(steps) + "-N" +
+                               std::to_string(k.layers);
       DraftConfig c = base_cfg;
       c.modelopt_norm = modelopt;
+      c.num_hidden_layers = k.layers;
       DraftModel draft(c, fixtures::spread_d2t(c), base.lm_head, 23);
       // Norm weights away from 1 so that every weight matters.
-      for (const char* n : {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-                            "midlayer.post_attention_layernorm.weight", "norm.weight"})
-        draft.load_parameter(n, 1.0 + 0.3 * at::randn({c.hidden_size}));
+      for (const auto& [n, p] : draft.named_parameters())
+        if (p.dim() == 1) draft.load_parameter(n, 1.0 + 0.3 * at::randn({c.hidden_size}));
+      // 13 tensors in the first layer, fc, norm and lm_head; 9 in each further layer.
+      tensors_of[name] = 13 + 9 * (k.layers - 1);
+      CHECK(static_cast<std::int64_t>(draft.named_parameters().size()) == tensors_of[name]);
       export_draft(draft, dir / name);
       TttUnroll unroll(base, load_draft(dir / name), TttOptions{steps, 0.8, std::nullopt});
       const TttResult r = unroll.forward(batch);
@@ -221,14 +235,15 @@ TEST_CASE("ttt: loss, accuracies and gradients agree with the independent Python
   INFO(py.err);
   REQUIRE(py.exit_code == 0);
   const auto out = nlohmann::json::parse(py.out);
-  REQUIRE(out["cases"].size() == 4);
+  REQUIRE(out["cases"].size() == cases.size());
   for (const auto& c : out["cases"]) {
     INFO(c.dump());
+    const std::int64_t tensors = tensors_of.at(c["name"].get<std::string>());
     CHECK(c["loss_rel"].get<double>() < 1e-5);
     CHECK(c["loss_per_step_rel"].get<double>() < 1e-5);
     CHECK(c["grad_rel_max"].get<double>() < 1e-5);
-    CHECK(c["grads_compared"] == 13);
-    CHECK(c["grads_expected"] == 13);
+    CHECK(c["grads_compared"] == tensors);
+    CHECK(c["grads_expected"] == tensors);
     CHECK(c["acc_equal"] == true);
     CHECK(c["cond_acc_equal"] == true);
     CHECK(c["correct_equal"] == true);
