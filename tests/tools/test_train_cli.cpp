@@ -330,3 +330,55 @@ TEST_CASE("train cli: pack mode gives the pooled metrics of pad mode on the same
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.err.find("2 quarantined") != std::string::npos);
 }
+
+TEST_CASE("train cli: a two-layer draft trains, resumes exactly, exports layers.{i} and keeps its depth") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() +
+                             " --max-length 24 --batch-size 4 --schedule constant --lr 0.005 --jobs 2 --log-every 1"
+                             " --eval-every -1 --draft-vocab-size 32 --draft-layers 2";
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/plan") + " --max-steps 4 --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto plan = nlohmann::json::parse(r.out);
+  CHECK(plan["draft_config"]["num_hidden_layers"] == 2);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/whole") + " --max-steps 4");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("final/: a draft of 2 decoder layers serves as trained in vLLM") != std::string::npos, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 2");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train" + job->data_args() +
+                     " --max-length 24 --batch-size 4 --schedule constant --lr 0.005 --jobs 2 --log-every 1"
+                     " --eval-every -1 --draft-vocab-size 32 --out " + test::quote(d + "/split") + " --max-steps 4 --resume");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(max_rel_diff(d + "/split/checkpoint-4/model.safetensors", d + "/whole/checkpoint-4/model.safetensors") < 1e-6);
+
+  // The export names its layers as vLLM does, the second one plain (H-wide q/k/v, no hidden_norm).
+  const auto cfg = nlohmann::json::parse(std::ifstream(d + "/whole/final/config.json"));
+  CHECK(cfg["num_hidden_layers"] == 2);
+  const auto st = SafetensorsFile::open(d + "/whole/final/model.safetensors");
+  CHECK(!st->find("midlayer.self_attn.q_proj.weight"));
+  REQUIRE(st->find("layers.0.self_attn.q_proj.weight"));
+  REQUIRE(st->find("layers.1.self_attn.q_proj.weight"));
+  CHECK(st->get("layers.0.self_attn.q_proj.weight")->shape == std::vector<std::int64_t>{32, 64});
+  CHECK(st->get("layers.1.self_attn.q_proj.weight")->shape == std::vector<std::int64_t>{32, 32});
+  CHECK(st->find("layers.0.hidden_norm.weight"));
+  CHECK(!st->find("layers.1.hidden_norm.weight"));
+  std::int64_t parameters = 0;
+  for (const auto& e : st->entries())
+    if (e.name != "d2t" && e.name != "t2d") parameters += st->get(e.name)->numel();
+  CHECK(plan["parameters"] == parameters);
+
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/whole/final") +
+                     " --split all --max-length 24 --batch-size 4 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["acc"].size() == 3);
+
+  // A draft keeps its depth: a contradicting --draft-layers is refused, naming both.
+  r = test::eaglekit("train" + job->data_args() + " --max-length 24 --out " + test::quote(d + "/again") +
+                     " --init-draft " + test::quote(d + "/whole/final") + " --draft-layers 1 --max-steps 1");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--draft-layers 1 differs from the 2 decoder layer(s)") != std::string::npos, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 6 --resume --draft-layers 3");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--draft-layers 3 differs") != std::string::npos, r.err);
+}
