@@ -643,6 +643,11 @@ CollateReport write_batches(Loader& loader, const std::string& out_dir, std::int
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) throw IoError(out_dir + ": cannot create folder: " + ec.message());
+  // The temp files of a killed earlier collate into DIR (docs/crash-consistency.md).
+  remove_stale_temp_files(out_dir, [](const std::string& name) {
+    return name == "batches.jsonl" || (name.rfind("batch_", 0) == 0 && name.size() > 3 &&
+                                       name.compare(name.size() - 3, 3, ".pt") == 0);
+  });
   CollateReport report;
   std::string manifest;
   int ends = 0;  // end-of-epoch marks in a row: two mean the loader is finished

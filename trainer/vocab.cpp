@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <numeric>
 
@@ -91,6 +92,12 @@ void save_d2t(const std::string& path, const at::Tensor& d2t) {
   if (!d2t.defined() || d2t.dim() != 1 || d2t.scalar_type() != at::kLong)
     throw UsageError("d2t must be a 1-D int64 tensor");
   const std::vector<char> bytes = torch::jit::pickle_save(d2t.cpu().contiguous());
+  // The temp files of a save of the same file that was killed before its rename
+  // (docs/crash-consistency.md).
+  const std::filesystem::path target(path);
+  const std::string name = target.filename().string();
+  remove_stale_temp_files(target.has_parent_path() ? target.parent_path().string() : ".",
+                          [&](const std::string& n) { return n == name; });
   write_file_atomic(path, bytes.data(), bytes.size());
 }
 

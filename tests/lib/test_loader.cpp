@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "formats/codec.h"
 #include "formats/error.h"
 #include "formats/pt_format.h"
 #include "lib/index.h"
@@ -284,6 +286,96 @@ TEST_CASE("loader: batches are identical whatever the thread count and prefetch 
     }
     if (mode == CollateMode::kLongest)
       for (const auto& x : ba) CHECK(x.length % 8 == 0);
+  }
+}
+
+namespace {
+
+// How far a batch tensor read from fp8 shards is from the source's, in units of the bound
+// docs/formats.md gives: each token row r of hidden (and aux) states is quantized as
+// e4m3(x / scale_r), scale_r = max |x| of that row / 448, and read back rounded to the
+// source dtype. So |q - x| <= max(|x| / 16, scale_r * 2^-10) (half an e4m3 ulp of 3
+// mantissa bits, or half its smallest subnormal step 2^-9) + one ulp of the source dtype.
+// Returns the worst |q - x| / bound over the tensor ([B, W, C]; rows are the last dim).
+double fp8_error_ratio(const at::Tensor& got, const at::Tensor& source) {
+  REQUIRE(got.sizes() == source.sizes());
+  const at::Tensor x = source.to(at::kDouble), q = got.to(at::kDouble);
+  const double ulp = source.scalar_type() == at::kHalf       ? std::ldexp(1.0, -10)
+                     : source.scalar_type() == at::kBFloat16 ? std::ldexp(1.0, -7)
+                                                             : std::ldexp(1.0, -23);
+  const at::Tensor scale = std::get<0>(x.abs().max(-1, /*keepdim=*/true)) / 448.0;
+  const at::Tensor bound = at::maximum(x.abs() / 16.0, scale * std::ldexp(1.0, -10)) + x.abs() * ulp + 1e-30;
+  return ((q - x).abs() / bound).max().item<double>();
+}
+
+// The source quantized as a broken codec would: e4m3 of x itself, no per-row scale.
+at::Tensor e4m3_without_scale(const at::Tensor& source) {
+  const at::Tensor f = source.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(f);
+  const float* in = f.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (std::int64_t i = 0; i < f.numel(); ++i) o[i] = codec::e4m3_to_float(codec::float_to_e4m3(in[i]));
+  return out.to(source.scalar_type());
+}
+
+}  // namespace
+
+TEST_CASE("loader: batches from `pack --codec fp8` shards are the source's within the e4m3 bound (fp16, bf16, fp32)") {
+  for (const std::string dtype : {"fp16", "bf16", "fp32"}) {
+    CAPTURE(dtype);
+    test::TempDir dir("fp8");
+    const std::string d = dir.path();
+    // Pre-norm hidden states: a different scale per token, so each row's scale matters.
+    auto r = test::eaglekit("synth --out " + test::quote(d + "/src") + " --conversations 12 --hidden 32 --vocab 64"
+                            " --min-tokens 8 --max-tokens 40 --seed 3 --hidden-states-norm pre --jobs 2 --dtype " + dtype);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    r = test::eaglekit("pack " + test::quote(d + "/src/records") + " --out " + test::quote(d + "/fp8") +
+                       " --codec fp8 --jobs 2 --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["records"] == 12);
+    for (const auto& [root, index] : {std::pair<std::string, std::string>{d + "/src/records", d + "/src.eki"},
+                                      {d + "/fp8", d + "/fp8.eki"}}) {
+      r = test::eaglekit("index " + test::quote(root) + " --out " + test::quote(index) + " --jobs 2");
+      REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    }
+    auto batches = [&](const std::string& index) {
+      DataSelection sel;
+      sel.data = d + "/src/conversations.jsonl";
+      sel.index = index;
+      sel.split = "all";
+      const SelectedData data = select_data(sel);
+      REQUIRE(data.samples.size() == 12);
+      Loader loader(data.dataset, data.samples, options(4, 48));
+      return drain(loader);
+    };
+    const std::vector<Batch> want = batches(d + "/src.eki"), got = batches(d + "/fp8.eki");
+    REQUIRE(want.size() == 3);
+    REQUIRE(got.size() == want.size());
+    double worst = 0, scale_twice = 0, no_scale = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i].conversation_ids == want[i].conversation_ids);
+      for (const char* exact : {"input_ids", "attention_mask", "loss_mask", "labels"}) {
+        const auto g = got[i].named_tensors(), w = want[i].named_tensors();
+        for (std::size_t k = 0; k < w.size(); ++k)
+          if (w[k].first == exact) CHECK_MESSAGE(at::equal(g[k].second, w[k].second), exact);
+      }
+      for (auto pick : {&Batch::hidden_states, &Batch::aux_hidden_states}) {
+        const at::Tensor& g = got[i].*pick;
+        const at::Tensor& w = want[i].*pick;
+        CHECK((g.scalar_type() == w.scalar_type()));  // read back in the source dtype
+        worst = std::max(worst, fp8_error_ratio(g, w));
+        // Must-fail twins: a scale off by 2, and no scale at all, leave the bound.
+        scale_twice = std::max(scale_twice, fp8_error_ratio(g * 2, w));
+        no_scale = std::max(no_scale, fp8_error_ratio(e4m3_without_scale(w), w));
+      }
+    }
+    MESSAGE(dtype << ": worst fp8 error " << worst << " of the bound; scale x2: " << scale_twice
+                  << ", no scale: " << no_scale);
+    CHECK(worst <= 1.0);
+    CHECK(worst > 0.05);  // lossy: had pack stored the source bytes (codec skipped), 0
+    CHECK(scale_twice > 1.0);
+    CHECK(no_scale > 1.0);
   }
 }
 

@@ -411,3 +411,84 @@ TEST_CASE("launch cli: --help and usage errors exit 2") {
   }
   CHECK(!fs::exists(d + "/never"));
 }
+
+TEST_CASE("launch cli: DP edge cases and CP=2 in pack mode equal one process; another --cp cannot resume") {
+  // 24 conversations, the last 3 for evaluation: 21 train samples, one epoch.
+  //   dp-last: DP=2 x 2 rows = one process x 4 rows: steps of 4 samples, the 6th holds 1,
+  //            so rank 1 gets no row at all in it (a partial global batch, a zero-row rank).
+  //   dp-accum: DP=2 x 2 rows x --grad-accum 2 = one process x 8 rows: steps of 8, 8 and 5
+  //            samples; the last micro-batch holds 1 sample (rank 1: none).
+  //   cp-pack: --mode pack with CP=2 = one process in pack mode: packed documents cut into
+  //            chunks, document and position ids through the ring attention.
+  // The references save every step, for the AdamW bound (tests/adamw_bound.h); the cosine
+  // schedule with warmup also checks that each mesh plans the same number of steps.
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path() + "/edge";
+  fs::create_directories(d);
+  const std::string base = " --data " + test::quote(f.data) + " --index " + test::quote(f.index) + " --base " +
+                           test::quote(f.base) +
+                           " --max-length 24 --lr 0.005 --warmup-steps 1 --jobs 1 --threads 1 --log-every 1"
+                           " --eval-every -1 --eval-fraction 0.125 --aux-layer-ids 2,16,29 --timeout 60";
+  const std::string pack = " --mode pack --max-length 40 --batch-size 2 --max-steps 3";
+  struct Pair {
+    const char* name;
+    std::string single, mesh;  // the options of the reference and of the 2-rank job
+    std::int64_t steps;
+  };
+  const std::vector<Pair> pairs = {
+      {"dp-last", " --batch-size 4 --epochs 1", " --batch-size 2 --epochs 1", 6},
+      {"dp-accum", " --batch-size 8 --epochs 1", " --batch-size 2 --grad-accum 2 --epochs 1", 3},
+      {"cp-pack", pack, pack + " --cp 2", 3},
+  };
+  std::vector<std::string> cmds;
+  for (const auto& p : pairs) {
+    const std::string ref = d + "/" + p.name + "-single";
+    cmds.push_back(test::quote(exe()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
+                   " > " + test::quote(ref + ".out") + " 2> " + test::quote(ref + ".err"));
+    cmds.push_back(launch(2, d + "/logs-" + p.name, "train" + base + p.mesh + " --json --out " + test::quote(d + "/" + p.name)));
+  }
+  const auto codes = run_concurrently(cmds);
+  for (std::size_t i = 0; i < pairs.size(); ++i) {
+    const std::string ref = d + "/" + pairs[i].name + "-single";
+    REQUIRE_MESSAGE(codes[2 * i] == 0, read_text(ref + ".err"));
+    REQUIRE_MESSAGE(codes[2 * i + 1] == 0, logs_of(d + "/logs-" + pairs[i].name, 2));
+  }
+
+  for (const auto& p : pairs) {
+    CAPTURE(p.name);
+    const std::string ref = d + "/" + p.name + "-single", run = d + "/" + p.name;
+    const auto one = printed_json(read_text(ref + ".out"));
+    const auto two = printed_json(read_text(d + "/logs-" + p.name + "/rank_0.log"));
+    CHECK(one["steps"] == p.steps);
+    CHECK(two["steps"] == p.steps);
+    REQUIRE(fs::exists(ref + "/checkpoint-" + std::to_string(p.steps)));
+    const test::AdamWBound bound = test::AdamWBound::from_run(ref, p.steps, 1e-4);
+    const auto w = test::agreement(run + "/final/model.safetensors", ref + "/final/model.safetensors", bound);
+    CHECK_MESSAGE(w.holds(), p.name << ": " << w.text());
+    // One step less is outside the bound: the last (partial) step counts, and the bound
+    // can tell it.
+    const std::string before = ref + "/checkpoint-" + std::to_string(p.steps - 1) + "/model.safetensors";
+    CHECK_FALSE(test::agreement(before, ref + "/checkpoint-" + std::to_string(p.steps) + "/model.safetensors", bound).holds());
+    // The logged losses and token counts of every step are the single process's.
+    const auto want = read_jsonl(ref + "/metrics.jsonl"), got = read_jsonl(run + "/metrics.jsonl");
+    REQUIRE(got.size() == want.size());
+    REQUIRE(want.size() == static_cast<std::size_t>(p.steps));
+    for (std::size_t s = 0; s < want.size(); ++s) {
+      CAPTURE(s);
+      CHECK(got[s]["step"] == want[s]["step"]);
+      CHECK(got[s]["tokens"] == want[s]["tokens"]);
+      CHECK(rel(got[s]["loss"], want[s]["loss"]) < 1e-5);
+      CHECK(rel(got[s]["lr"], want[s]["lr"]) < 1e-12);
+    }
+  }
+
+  // A CP=2 checkpoint resumed on the same 2 ranks without --cp (DP=2): refused before
+  // anything is written, naming both layouts.
+  const std::string logs = d + "/logs-cp-resume";
+  CHECK(run_concurrently({launch(2, logs, "train" + base + " --mode pack --max-length 40 --batch-size 2 --max-steps 5"
+                                           " --resume --out " + test::quote(d + "/cp-pack"))})[0] == 2);
+  const std::string rank0 = read_text(logs + "/rank_0.log");
+  CHECK_MESSAGE(rank0.find("--resume: " + d + "/cp-pack/checkpoint-3 was saved by 2 ranks with cp 2; resume with the "
+                           "same world size and cp (now 2 ranks, cp 1)") != std::string::npos, rank0);
+  CHECK_FALSE(fs::exists(d + "/cp-pack/checkpoint-4"));
+}

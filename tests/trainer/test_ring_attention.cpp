@@ -1,7 +1,8 @@
 // trainer/ring_attention.h: context-parallel TTT attention, boundary rows and the unroll on
 // cp ranks, against the single-rank computation: in process (a group of one) and over
 // 2 and 4 real processes, for TTT steps 0..3 (S = 1..4), lengths that are and are not
-// multiples of the cp size, padding and packed documents.
+// multiples of the cp size, padding and packed documents (attention alone, and the whole
+// unroll on packed rows: document_ids and position_ids through every chunk).
 #include "trainer/ring_attention.h"
 
 #include <cmath>
@@ -122,6 +123,45 @@ void check_attention_chunk(const std::vector<at::Tensor>& got, const std::vector
 }
 
 std::int64_t steps_of(int i) { return 1 + i % 4; }
+
+// Packed rows as the pack collator writes them: several documents back to back, positions
+// restarting at 0 in each, the row's tail padding with document -1. Row 0 holds three
+// documents (7, L-10, 3 tokens), row 1 two (9, L-12) and 3 padding tokens; lengths 16 and
+// 13 (not a multiple of 2 or 4), so on 2 and 4 ranks documents cross chunk boundaries.
+std::int64_t packed_length(int i) { return i == 0 ? 16 : 13; }
+trainer::TttBatch packed_batch(const trainer::DraftConfig& c, std::int64_t length, std::uint64_t seed) {
+  trainer::TttBatch b = trainer::fixtures::random_batch(c, 2, length, {length, length - 3}, seed);
+  const std::vector<std::vector<std::int64_t>> docs = {{7, length - 10, 3}, {9, length - 12}};
+  b.document_ids = at::full({2, length}, -1, at::kLong);
+  b.position_ids = at::zeros({2, length}, at::kLong);
+  for (std::int64_t r = 0; r < 2; ++r) {
+    std::int64_t first = 0;
+    for (std::size_t d = 0; d < docs[static_cast<std::size_t>(r)].size(); ++d) {
+      const std::int64_t n = docs[static_cast<std::size_t>(r)][d];
+      b.document_ids[r].narrow(0, first, n).fill_(static_cast<std::int64_t>(d));
+      b.position_ids[r].narrow(0, first, n).copy_(at::arange(n, at::kLong));
+      // Each document's first two tokens are not scored, as in its own row.
+      b.loss_mask[r].narrow(0, first, std::min<std::int64_t>(2, n)).zero_();
+      first += n;
+    }
+  }
+  return b;
+}
+
+// The same rows with the documents forgotten: one sequence per row, positions 0..L-1.
+trainer::TttBatch without_documents(trainer::TttBatch b) {
+  b.document_ids = at::Tensor();
+  b.position_ids = at::Tensor();
+  return b;
+}
+
+// check_same_run's comparisons as one verdict, for the must-fail twin.
+bool same_run(const ModelRun& got, const ModelRun& want) {
+  if (!close(got.loss, want.loss) || got.stats.correct != want.stats.correct) return false;
+  for (std::size_t i = 0; i < want.grads.size(); ++i)
+    if (!close(got.grads[i], want.grads[i])) return false;
+  return true;
+}
 std::int64_t length_of(int i) { return i < 4 ? 16 : 13; }  // 13: not a multiple of 2 or 4
 
 // Every case on this rank; rank files attn_<i>_<rank>.pt and model_<i>.pt.
@@ -151,6 +191,12 @@ ScenarioRegistration ring_job("ring", [] {
   const ModelSetup deep(2);
   const ModelRun run = mesh_run(mesh, deep, 3, model_batch(deep.config, 13, 600), /*overlap=*/true, {});
   if (mesh.is_main()) save_tensors(dir + "/model_deep.pt", run.to_tensors());
+  // Packed documents (document_ids and position_ids through the chunks, the boundary rolls
+  // and the ring attention's document mask), 3 TTT steps.
+  for (int i = 0; i < 2; ++i) {
+    const ModelRun run = mesh_run(mesh, m, 3, packed_batch(m.config, packed_length(i), 520 + i), /*overlap=*/i == 0);
+    if (mesh.is_main()) save_tensors(dir + "/packed_" + std::to_string(i) + ".pt", run.to_tensors());
+  }
 });
 
 void check_ring_job(int cp_size) {
@@ -194,6 +240,16 @@ void check_ring_job(int cp_size) {
     REQUIRE(deep_names.size() == names.size() + 9);
     const ModelRun want = single_process_run(deep, 3, model_batch(deep.config, 13, 600));
     check_same_run(ModelRun::from_tensors(load_tensors(d / "model_deep.pt")), want, deep_names);
+  }
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(packed_length(i));
+    const auto batch = packed_batch(m.config, packed_length(i), 520 + i);
+    const ModelRun want = single_process_run(m, 3, batch);
+    const ModelRun got = ModelRun::from_tensors(load_tensors(d / ("packed_" + std::to_string(i) + ".pt")));
+    check_same_run(got, want, names);
+    // The must-fail: the same rows with their documents ignored (attention across document
+    // boundaries, positions running on) give other losses and gradients.
+    CHECK_FALSE(same_run(got, single_process_run(m, 3, without_documents(batch))));
   }
 }
 
@@ -275,10 +331,10 @@ TEST_CASE("ring: RingContext on one rank is the single-rank context; misuse is r
                        "ring attention: rank 0 holds 4 rows, but its chunk of 5 rows has 5", UsageError);
 }
 
-TEST_CASE("ring: CP=2 on 2 processes equals one rank (attention, loss, accuracy, every gradient)") {
+TEST_CASE("ring: CP=2 on 2 processes equals one rank (attention, loss, accuracy, every gradient; packed documents)") {
   check_ring_job(2);
 }
 
-TEST_CASE("ring: CP=4 on 4 processes equals one rank (attention, loss, accuracy, every gradient)") {
+TEST_CASE("ring: CP=4 on 4 processes equals one rank (attention, loss, accuracy, every gradient; packed documents)") {
   check_ring_job(4);
 }
