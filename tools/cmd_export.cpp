@@ -26,25 +26,40 @@ int run_export(int argc, char** argv) {
                  "the dtype the draft is served in, the base's torch_dtype"),
        opt::field("allow_unservable", "", o.allow_unservable,
                   "Write a draft vLLM and SGLang do not compute (--modelopt-norm) anyway"),
-       opt::field("json", "", json, "Print {\"source\", \"out\", \"parameters\", \"dtype\", \"aux_layer_ids\"}")}}};
+       opt::choice("format", o.format,
+                   {{trainer::ExportFormat::kEaglekit, "eaglekit"}, {trainer::ExportFormat::kSpeculators, "speculators"}},
+                   "Layout: eaglekit (vLLM and SGLang) or speculators (vLLM's speculators format)"),
+       opt::note(opt::field("speculative_tokens", "N", o.speculative_tokens,
+                            "speculators: tokens proposed per step (speculators_config)"),
+                 "the --ttt-steps the draft was trained with"),
+       opt::note(opt::field("verifier", "NAME_OR_PATH", o.verifier,
+                            "speculators: the target model as vLLM loads it"),
+                 "the run's --base"),
+       opt::field("json", "", json,
+                  "Print {\"source\", \"layout\", \"out\", \"format\", \"parameters\", \"dtype\", "
+                  "\"aux_layer_ids\", \"notes\", \"warnings\"} (speculators: \"speculative_tokens\", \"verifier\")")}}};
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " CHECKPOINT --out DIR [OPTIONS]",
       "Export a checkpoint as a draft folder (config.json + model.safetensors) for vLLM and "
-      "SGLang. CHECKPOINT: a checkpoint-STEP folder, any exported draft, or a training output "
-      "folder (its newest complete checkpoint).", 1);
+      "SGLang (docs/export.md). CHECKPOINT: a checkpoint-STEP folder, a training output folder "
+      "(its newest complete checkpoint), or a draft folder in any layout load_draft reads "
+      "(eaglekit, ModelOpt, speculators, SpecForge, the EAGLE authors').", 1);
   if (!cl) return 0;
   cl->apply();
   if (cl->positionals.empty()) throw UsageError("give the CHECKPOINT folder to export");
   if (out.empty()) throw UsageError("--out is required");
   const trainer::ExportReport r =
       trainer::export_checkpoint(cl->positionals[0], out, o);
+  for (const auto& n : r.notes) std::cerr << "eaglekit export: " << n << "\n";
   for (const auto& w : r.warnings) std::cerr << "eaglekit export: warning: " << w << "\n";
   if (json) {
     std::cout << r.to_json() << "\n";
   } else {
-    std::cout << "exported " << r.source << " -> " << r.out << " (" << r.parameters << " parameters, " << r.dtype
-              << ", aux layers";
+    std::cout << "exported " << r.source << " [" << r.layout << "] -> " << r.out << " (" << r.format << " layout, "
+              << r.parameters << " parameters, " << r.dtype << ", aux layers";
     for (auto id : r.aux_layer_ids) std::cout << " " << id;
+    if (r.format == "speculators")
+      std::cout << ", " << r.speculative_tokens << " speculative tokens, verifier " << r.verifier;
     std::cout << ")\n";
   }
   return 0;

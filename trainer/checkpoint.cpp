@@ -306,6 +306,13 @@ std::string ExportReport::to_json() const {
   j["parameters"] = parameters;
   j["dtype"] = dtype;
   j["aux_layer_ids"] = aux_layer_ids;
+  j["layout"] = layout;
+  j["format"] = format;
+  if (format == "speculators") {
+    j["speculative_tokens"] = speculative_tokens;
+    j["verifier"] = verifier;
+  }
+  j["notes"] = notes;
   j["warnings"] = warnings;
   return j.dump();
 }
@@ -328,6 +335,84 @@ c10::ScalarType serving_export_dtype(const std::string& requested, const DraftCo
   return dtype;
 }
 
+namespace {
+
+// The TrainOptions JSON of the run that trained the draft in `source`: its own
+// train_options.json (a checkpoint), else the newest checkpoint's beside it (OUT/final).
+std::optional<std::pair<std::string, json>> run_options_of(const std::string& source) {
+  std::error_code ec;
+  fs::path file = fs::path(source) / "train_options.json";
+  if (!fs::exists(file, ec)) {
+    const fs::path parent = fs::absolute(source, ec).lexically_normal().parent_path();
+    const auto latest = find_latest_checkpoint(parent.string());
+    if (!latest) return std::nullopt;
+    file = fs::path(*latest) / "train_options.json";
+  }
+  std::ifstream f(file);
+  if (!f) return std::nullopt;
+  try {
+    json j = json::parse(std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()));
+    if (!j.is_object()) return std::nullopt;
+    return std::make_pair(file.string(), std::move(j));
+  } catch (const json::exception& e) {
+    throw FormatError(file.string(), std::nullopt, "train_options", std::string("not valid JSON: ") + e.what());
+  }
+}
+
+// The proposal and the verifier of a speculators export (see ExportCheckpointOptions).
+SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found,
+                                     const ExportCheckpointOptions& o, std::vector<std::string>& notes) {
+  if (o.speculative_tokens < 0) throw UsageError("--speculative-tokens must be at least 1");
+  SpeculatorsInfo info;
+  const auto run = run_options_of(source);
+  if (o.speculative_tokens > 0) {
+    info.speculative_tokens = o.speculative_tokens;
+  } else if (run && run->second.contains("ttt_steps") && run->second["ttt_steps"].is_number_integer()) {
+    info.speculative_tokens = run->second["ttt_steps"].get<std::int64_t>();
+    notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +
+                    ", the --ttt-steps the draft was trained with (" + run->first + "); --speculative-tokens sets it");
+  } else if (found.speculators.speculative_tokens > 0) {
+    info.speculative_tokens = found.speculators.speculative_tokens;
+    notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +
+                    ", the source draft's speculators_config; --speculative-tokens sets it");
+  } else {
+    throw UsageError(source + ": no training run or speculators config says how many tokens the draft was trained "
+                     "to propose; pass --speculative-tokens N (the --ttt-steps it was trained with)");
+  }
+  if (!o.verifier.empty()) {
+    info.verifier = o.verifier;
+  } else if (run && run->second.contains("base") && run->second["base"].is_string() &&
+             !run->second["base"].get<std::string>().empty()) {
+    info.verifier = run->second["base"].get<std::string>();
+    notes.push_back("verifier: " + info.verifier + ", the run's --base (" + run->first +
+                    "); --verifier names the target as the server finds it");
+  } else if (!found.speculators.verifier.empty()) {
+    info.verifier = found.speculators.verifier;
+    info.verifier_architectures = found.speculators.verifier_architectures;
+    notes.push_back("verifier: " + info.verifier + ", the source draft's speculators_config; --verifier sets it");
+    return info;
+  } else {
+    throw UsageError(source + ": no training run or speculators config names the target model; pass --verifier "
+                     "NAME_OR_PATH (what vLLM loads as the target)");
+  }
+  // The verifier's architectures, when its config.json is here to read.
+  std::error_code ec;
+  const fs::path base_config = fs::path(info.verifier) / "config.json";
+  if (fs::exists(base_config, ec)) {
+    std::ifstream f(base_config);
+    const json j = json::parse(std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()),
+                               nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("architectures") && j["architectures"].is_array())
+      for (const auto& a : j["architectures"])
+        if (a.is_string()) info.verifier_architectures.push_back(a.get<std::string>());
+  } else {
+    notes.push_back("verifier architectures: [] (" + base_config.string() + " is not here to read; vLLM does not use them)");
+  }
+  return info;
+}
+
+}  // namespace
+
 ExportReport export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                                const ExportCheckpointOptions& options) {
   std::string source = checkpoint;
@@ -342,7 +427,11 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   if (out_dir.empty()) throw UsageError("--out is required");
   if (fs::weakly_canonical(source, ec) == fs::weakly_canonical(out_dir, ec))
     throw UsageError("--out must differ from the checkpoint folder");
-  DraftModel draft = load_draft(source);
+  const std::optional<ExportFormat> format = options.format;
+  if (*format != ExportFormat::kSpeculators && (options.speculative_tokens != 0 || !options.verifier.empty()))
+    throw UsageError("--speculative-tokens and --verifier are part of the speculators layout: add --format speculators");
+  DraftSource found;
+  DraftModel draft = load_draft(source, &found);
   if (!options.aux_layer_ids.empty()) {
     DraftConfig config = draft.config();
     config.aux_layer_ids = options.aux_layer_ids;
@@ -356,8 +445,16 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   eo.dtype = serving_export_dtype(options.dtype, draft.config(), r.warnings);
   for (auto& w : serving_warnings(draft.config())) r.warnings.push_back(std::move(w));
   eo.allow_unservable = options.allow_unservable;
+  eo.format = *format;
+  if (*format == ExportFormat::kSpeculators) {
+    eo.speculators = speculators_info_for(source, found, options, r.notes);
+    r.speculative_tokens = eo.speculators.speculative_tokens;
+    r.verifier = eo.speculators.verifier;
+  }
   export_draft_folder(draft, out_dir, eo);
   r.source = source;
+  r.layout = found.layout;
+  r.format = std::string(export_format_name(*format));
   r.out = out_dir;
   for (const auto& p : draft.parameters()) r.parameters += p.numel();
   r.dtype = std::string(dtype_name(to_dtype(*eo.dtype)));

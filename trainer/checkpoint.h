@@ -32,6 +32,7 @@
 
 #include "lib/sampler.h"
 #include "trainer/draft_model.h"
+#include "trainer/speculators_format.h"
 
 namespace eaglekit::trainer {
 
@@ -88,18 +89,34 @@ void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& st
 // or an output folder: its newest checkpoint) re-exported, with the aux layer ids replaced
 // when given (the ids the dump used) and the weights cast to `dtype` ("" keep; "bfloat16",
 // "bf16", "float16", "fp16", "float32", "fp32").
+//
+// format "speculators" writes vLLM's speculators layout (trainer/speculators_format.h). Its
+// speculative token count is `speculative_tokens`, else the --ttt-steps of the run that
+// trained the draft (train_options.json of the checkpoint, or of the newest checkpoint
+// beside the folder, as for OUT/final), else the source's own when it is a speculators
+// draft; its verifier is `verifier`, else the run's --base, else the source's. Neither is
+// guessed: UsageError naming the option when none applies. Which one applied is in the
+// report's notes.
 struct ExportCheckpointOptions {
   std::vector<std::int64_t> aux_layer_ids;
   std::string dtype;  // "": the draft's serving dtype (the base's torch_dtype)
   bool allow_unservable = false;  // write a modelopt_norm draft anyway
+  ExportFormat format = ExportFormat::kEaglekit;
+  std::int64_t speculative_tokens = 0;  // speculators: 0 = derived as above
+  std::string verifier;                 // speculators: "" = derived as above
 };
 struct ExportReport {
   std::string source;  // the folder read
+  std::string layout;  // what load_draft recognised in it
   std::string out;
+  std::string format;  // "eaglekit", "speculators"
   std::int64_t parameters = 0;
   std::string dtype;
   std::vector<std::int64_t> aux_layer_ids;
-  std::vector<std::string> warnings;  // for the user (a float32 export, ...)
+  std::int64_t speculative_tokens = 0;  // speculators only
+  std::string verifier;                 // speculators only
+  std::vector<std::string> notes;       // which default applied, for the user
+  std::vector<std::string> warnings;    // for the user (a float32 export, ...)
   std::string to_json() const;
 };
 // The dtype a serving export is written in: `requested` if given, else the draft's serving

@@ -5,8 +5,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <variant>
@@ -18,6 +21,7 @@
 #include "lib/collate.h"
 #include "trainer/base_model.h"
 #include "trainer/config.h"
+#include "trainer/speculators_format.h"
 
 namespace eaglekit::trainer {
 
@@ -45,13 +49,22 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   // served in the dtype it holds.
   DraftConfig config = draft.config();
   if (options.serving) config.torch_dtype = weights_dtype;
-  const std::string config_text = draft_config_json(config, weights_dtype);  // throws before anything is written
+  const bool speculators = options.format == ExportFormat::kSpeculators;
+  // Both throw before anything is written.
+  const std::string config_text = speculators ? speculators_config_json(config, options.speculators, weights_dtype)
+                                              : draft_config_json(config, weights_dtype);
 
   std::vector<NamedTensor> tensors;
-  for (const auto& [name, param] : draft.named_parameters())
-    tensors.push_back({name, to_host_tensor(param.detach().to(at::kCPU, dtype).contiguous())});
-  tensors.push_back({"d2t", to_host_tensor(draft.d2t().to(at::kCPU).contiguous())});
-  tensors.push_back({"t2d", to_host_tensor(draft.t2d().to(at::kCPU).contiguous())});
+  for (const auto& [name, param] : draft.named_parameters()) {
+    tensors.push_back({speculators ? speculators_tensor_name(name) : name,
+                       to_host_tensor(param.detach().to(at::kCPU, dtype).contiguous())});
+  }
+  // The speculators layout carries the mapping only for a reduced vocabulary (its model
+  // has no d2t/t2d buffers otherwise); vLLM reads the absent d2t as the identity.
+  if (!speculators || config.draft_vocab_size < config.vocab_size) {
+    tensors.push_back({"d2t", to_host_tensor(draft.d2t().to(at::kCPU).contiguous())});
+    tensors.push_back({"t2d", to_host_tensor(draft.t2d().to(at::kCPU).contiguous())});
+  }
 
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -128,6 +141,7 @@ struct DraftWeights {
   std::map<std::string, std::string> origin;  // canonical name -> the name in the file
   std::map<std::string, std::string> file;    // canonical name -> the file holding it
   bool ours = true;                           // eaglekit's own names and files
+  std::string file_name;                      // model.safetensors, its index, pytorch_model.bin
   std::vector<std::string> skipped;           // names in the file that are not the draft's
 };
 
@@ -238,15 +252,97 @@ DraftWeights read_draft_weights(const std::string& dir, std::int64_t layers) {
   else if (w.ours) w.layout = "eaglekit / vLLM layout (" + file + ", layers.{i}.*)";
   else if (style == "layers.{i}") w.layout = "ModelOpt / vLLM names (" + file + ", layers.0.*)";
   else w.layout = "deep EAGLE-3 names (" + file + ", " + style + ".*)";
+  w.file_name = file;
   return w;
+}
+
+// config.json of a draft folder in any layout, read as the engines read it.
+struct FolderConfig {
+  DraftConfig config;
+  bool speculators = false;  // speculators_model_type: vLLM's speculators layout
+  bool ours = false;         // written by eaglekit (its own keys)
+  SpeculatorsInfo info;
+};
+
+FolderConfig read_folder_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw IoError::from_errno(path, "open", errno);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  FolderConfig out;
+  out.speculators = is_speculators_config(text);
+  if (out.speculators) {
+    out.config = parse_draft_config(speculators_to_draft_config(text, path, &out.info), path);
+  } else {
+    check_draft_variant_keys(text, path);
+    out.config = parse_draft_config(text, path);
+  }
+  out.ours = text.find("\"eaglekit_num_aux_layers\"") != std::string::npos;
+  return out;
+}
+
+// SpecForge keeps the vocabulary mapping apart from the weights, as vocab_mapping.pt
+// ({"d2t": [Vd] int64, "t2d": [V] bool}); copied beside a draft it supplies a d2t/t2d the
+// weights lack and must agree with the ones they hold (the lm_head rows follow one mapping).
+bool apply_vocab_mapping(const std::string& dir, DraftWeights& w) {
+  const std::string path = (std::filesystem::path(dir) / "vocab_mapping.pt").string();
+  if (!std::filesystem::exists(path)) return false;
+  const PtContents pt = read_pt(path);
+  bool used = false;
+  for (const char* key : {"d2t", "t2d"}) {
+    const HostTensor* t = pt.tensor(key);
+    if (t == nullptr) throw FormatError(path, std::nullopt, key, "missing (expected SpecForge's {\"d2t\", \"t2d\"})");
+    const auto it = w.tensors.find(key);
+    if (it == w.tensors.end()) {
+      w.tensors.emplace(key, *t);
+      w.origin.emplace(key, key);
+      w.file.emplace(key, path);
+      used = true;
+      continue;
+    }
+    const at::Tensor mine = tensor_from_host(it->second).to(at::kLong);
+    const at::Tensor theirs = tensor_from_host(*t).to(at::kLong);
+    if (mine.sizes() != theirs.sizes() || !at::equal(mine, theirs)) {
+      throw FormatError(path, std::nullopt, key,
+                        std::string("differs from the ") + key + " in " + w.file[key] +
+                            ": the draft's lm_head rows follow one mapping; remove the file that does not belong");
+    }
+  }
+  return used;
+}
+
+// What the user is told the folder was: from the config and the files beside the weights.
+void name_layout(const std::string& dir, const FolderConfig& fc, DraftWeights& w) {
+  namespace fs = std::filesystem;
+  const std::string& file = w.file_name;
+  const bool mapping = apply_vocab_mapping(dir, w);
+  if (fc.speculators) {
+    w.layout = "speculators (config.json speculators_config, " + file + ", layers.*)";
+    w.ours = false;
+  } else if (w.layout.rfind("eaglekit", 0) == 0) {  // our names in safetensors
+    const bool deep = fc.config.num_hidden_layers > 1;
+    const std::string names = deep ? "layers.{i}.*" : "midlayer.*";
+    if (fc.ours && !mapping) {
+      w.layout = "eaglekit (" + file + ", " + names + ")";
+    } else if (mapping || fs::exists(fs::path(dir) / "training_state.pt")) {
+      // A SpecForge checkpoint folder holds its optimizer state in training_state.pt.
+      w.layout = "SpecForge (" + file + ", " + names + (mapping ? ", d2t/t2d from vocab_mapping.pt" : "") + ")";
+      w.ours = false;
+    } else {
+      w.layout = (deep ? "vLLM / ModelOpt names (" : "EAGLE-3 layout (") + file + ", " + names + ")";
+      w.ours = false;
+    }
+  }
 }
 
 }  // namespace
 
 DraftModel load_draft(const std::string& dir, DraftSource* source) {
   if (!std::filesystem::is_directory(dir)) throw IoError(dir + ": not a folder (expected an exported draft)");
-  const DraftConfig config = load_draft_config(dir);
-  const DraftWeights weights = read_draft_weights(dir, config.num_hidden_layers);
+  const FolderConfig fc = read_folder_config(dir);
+  const DraftConfig& config = fc.config;
+  DraftWeights weights = read_draft_weights(dir, config.num_hidden_layers);
+  name_layout(dir, fc, weights);
   auto read = [&](const std::string& name) -> std::optional<at::Tensor> {
     const auto it = weights.tensors.find(name);
     if (it == weights.tensors.end()) return std::nullopt;
@@ -307,6 +403,7 @@ DraftModel load_draft(const std::string& dir, DraftSource* source) {
   if (source) {
     source->layout = weights.layout;
     source->path = weights.path;
+    source->speculators = fc.info;
   }
   return draft;
 }

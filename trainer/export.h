@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "trainer/draft_model.h"
+#include "trainer/speculators_format.h"
 
 namespace eaglekit::trainer {
 
@@ -43,6 +44,11 @@ struct ExportOptions {
   // (modelopt_norm) is refused with the reason unless allow_unservable.
   bool serving = false;
   bool allow_unservable = false;
+  // kSpeculators: vLLM's speculators layout instead (trainer/speculators_format.h): layers.0.*
+  // for midlayer.*, d2t and t2d only when Vd < V, config.json from speculators_config_json
+  // with `speculators` (the speculative token count and the verifier).
+  ExportFormat format = ExportFormat::kEaglekit;
+  SpeculatorsInfo speculators;
 };
 
 // UsageError naming why no serving engine runs `config` as trained (ModelOpt's norm form),
@@ -72,6 +78,8 @@ void export_draft_folder(const DraftModel& draft, const std::string& dir,
 struct DraftSource {
   std::string layout;  // e.g. "ModelOpt / vLLM names (model.safetensors, layers.0.*)"
   std::string path;    // the weights file read
+  // A speculators draft's proposal and verifier (speculative_tokens 0 for other layouts).
+  SpeculatorsInfo speculators;
 };
 
 // Reads a draft folder written by eaglekit or by another trainer: config.json (ours, or a
@@ -80,8 +88,12 @@ struct DraftSource {
 // dict pytorch_model.bin (the EAGLE authors' drafts; read by formats/pickle.h's whitelist
 // unpickler, never by Python code). Names are taken as eaglekit's (midlayer.*), ModelOpt's
 // and vLLM's (layers.0.*, an optional model. prefix) or SpecForge's; an embed_tokens in the
-// file is ignored (the draft uses the target's). d2t is used as stored (identity when absent
-// and Vd == V); a stored t2d must agree with it. The draft is float32 on the CPU.
+// file is ignored (the draft uses the target's). A config.json with speculators_model_type
+// is read as vLLM reads the speculators layout (speculators_to_draft_config). A
+// vocab_mapping.pt beside the weights (SpecForge's {"d2t", "t2d"}) supplies d2t and t2d
+// when the weights have none and must agree with them when they have. d2t is used as stored
+// (identity when absent and Vd == V); a stored t2d must agree with it. The draft is float32
+// on the CPU.
 // `source` (optional) gets what was recognised.
 DraftModel load_draft(const std::string& dir, DraftSource* source = nullptr);
 

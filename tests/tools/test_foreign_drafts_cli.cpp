@@ -1,7 +1,9 @@
 // Drafts trained elsewhere, as users download them: the EAGLE authors' pytorch_model.bin
-// (midlayer.*, a config naming no aux layers) and ModelOpt's HF export (layers.0.*, aux ids
-// only under eagle_config), written by tests/tools/foreign_drafts.py from a draft trained
-// here. Each evaluates exactly as the original, starts a fine-tuning run, and exports.
+// (midlayer.*, a config naming no aux layers), ModelOpt's HF export (layers.0.*, aux ids
+// only under eagle_config), the speculators layout and a SpecForge checkpoint folder (its
+// mapping in vocab_mapping.pt), written by tests/tools/foreign_drafts.py from a draft
+// trained here. Each evaluates exactly as the original, starts a fine-tuning run, and
+// exports; `export --format speculators` loads back as the same draft.
 #include <doctest/doctest.h>
 
 #include <filesystem>
@@ -14,7 +16,7 @@
 using namespace eaglekit;
 namespace fs = std::filesystem;
 
-TEST_CASE("foreign drafts: EAGLE-3 pytorch_model.bin and ModelOpt layouts evaluate as the original, train, export") {
+TEST_CASE("foreign drafts: EAGLE-3 pytorch_model.bin, ModelOpt, speculators and SpecForge layouts evaluate as the original, train, export") {
   test::require_python("torch");
   test::TempDir dir("foreign-drafts");
   const std::string d = dir.path();
@@ -47,6 +49,63 @@ TEST_CASE("foreign drafts: EAGLE-3 pytorch_model.bin and ModelOpt layouts evalua
   CHECK(said.find("EAGLE-3 state dict (pytorch_model.bin, midlayer.*)") != std::string::npos);
   CHECK(evaluate(d + "/foreign/modelopt", &said) == ours);
   CHECK(said.find("ModelOpt / vLLM names (model.safetensors, layers.0.*)") != std::string::npos);
+  CHECK(evaluate(d + "/foreign/speculators", &said) == ours);
+  CHECK(said.find("speculators (config.json speculators_config, model.safetensors, layers.*)") != std::string::npos);
+  CHECK(evaluate(d + "/foreign/specforge", &said) == ours);
+  CHECK(said.find("SpecForge (model.safetensors, midlayer.*, d2t/t2d from vocab_mapping.pt)") != std::string::npos);
+  // Must fail: a vocab_mapping.pt that is another mapping than the weights' own d2t.
+  {
+    const auto e = test::eaglekit("evaluate" + data + " --draft " + test::quote(d + "/foreign/specforge-bad") +
+                                  " --split all --json");
+    CHECK(e.exit_code == 1);
+    CHECK_MESSAGE(e.err.find("vocab_mapping.pt: d2t") != std::string::npos, e.err);
+    CHECK(e.err.find("differs from the d2t in") != std::string::npos);
+  }
+  // Fine-tuning from a SpecForge folder with SpecForge's mapping file as --d2t: the same
+  // mapping is accepted, another one refused (its lm_head rows belong to its own).
+  r = test::eaglekit("train" + data + " --init-draft " + test::quote(d + "/foreign/specforge") + " --d2t " +
+                     test::quote(d + "/foreign/specforge/vocab_mapping.pt") + " --out " + test::quote(d + "/tuned-sf") +
+                     " --max-steps 1 --threads 2 --eval-every -1");
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train" + data + " --init-draft " + test::quote(d + "/foreign/specforge") + " --d2t " +
+                     test::quote(d + "/foreign/specforge-bad/vocab_mapping.pt") + " --out " +
+                     test::quote(d + "/refused-sf") + " --max-steps 1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("differs from the d2t of --init-draft") != std::string::npos);
+
+  // Our speculators export: what vLLM reads, back to the same draft; and back to our layout.
+  r = test::eaglekit("export " + test::quote(d + "/run/final") + " --out " + test::quote(d + "/spec") +
+                     " --format speculators --dtype fp32 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("speculative tokens: 3, the --ttt-steps the draft was trained with") != std::string::npos);
+  {
+    const auto report = nlohmann::json::parse(r.out);
+    CHECK(report["format"] == "speculators");
+    CHECK(report["speculative_tokens"] == 3);
+    CHECK(report["verifier"] == d + "/base");
+    const auto sc = nlohmann::json::parse(std::ifstream(d + "/spec/config.json"));
+    CHECK(sc["speculators_model_type"] == "eagle3");
+    CHECK(sc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3);
+    CHECK(sc["speculators_config"]["verifier"]["name_or_path"] == d + "/base");
+    CHECK(sc["norm_before_residual"] == false);
+    CHECK(sc["transformer_layer_config"]["num_aux_hidden_states"] == 3);
+  }
+  CHECK(evaluate(d + "/spec", &said) == ours);
+  CHECK(said.find("speculators (config.json") != std::string::npos);
+  r = test::eaglekit("export " + test::quote(d + "/spec") + " --out " + test::quote(d + "/spec-back") + " --dtype fp32");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(evaluate(d + "/spec-back") == ours);
+  // A folder with no run beside it and no speculators config: the token count is asked for.
+  r = test::eaglekit("export " + test::quote(d + "/foreign/modelopt") + " --out " + test::quote(d + "/spec2") +
+                     " --format speculators");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("pass --speculative-tokens N") != std::string::npos);
+  // ... and a speculators source keeps its own (5), said.
+  r = test::eaglekit("export " + test::quote(d + "/foreign/speculators") + " --out " + test::quote(d + "/spec3") +
+                     " --format speculators --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["speculative_tokens"] == 5);
+  CHECK(r.err.find("speculative tokens: 5, the source draft's speculators_config") != std::string::npos);
 
   // Fine-tuning from the published form: its d2t is kept, its missing aux ids defaulted and said.
   r = test::eaglekit("train" + data + " --init-draft " + test::quote(d + "/foreign/eagle3") + " --out " +

@@ -390,7 +390,7 @@ TEST_CASE("export: a two-layer draft round-trips under layers.{i}, midlayer.{i} 
   };
   DraftSource src;
   same(load_draft(dir / "ours", &src));
-  CHECK(src.layout == "eaglekit / vLLM layout (model.safetensors, layers.{i}.*)");
+  CHECK(src.layout == "eaglekit (model.safetensors, layers.{i}.*)");
   // Some deep ModelOpt exports say midlayer.{i}; vLLM checkpoints may carry model.
   const std::string mid = variant("midlayer-i", config, [](const std::string& n) -> std::optional<std::string> {
     return n.rfind("layers.", 0) == 0 ? "midlayer." + n.substr(7) : n;
