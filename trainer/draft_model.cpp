@@ -273,6 +273,10 @@ at::Tensor DraftModel::finish_layer(const at::Tensor& hidden, const at::Tensor& 
   return residual + l.mlp->forward(l.post_attention_layernorm->forward(residual));
 }
 
+at::Tensor DraftModel::final_norm(const at::Tensor& layer_out) const { return impl_->module->norm->forward(layer_out); }
+
+const at::Tensor& DraftModel::lm_head_weight() const { return impl_->module->lm_head->weight; }
+
 at::Tensor DraftModel::logits(const at::Tensor& layer_out) const {
   return impl_->module->lm_head(impl_->module->norm->forward(layer_out));
 }

@@ -107,6 +107,9 @@ class DraftModel {
   // attn: [B, num_attention_heads, L, head_dim].
   at::Tensor finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer = 0) const;
   at::Tensor logits(const at::Tensor& layer_out) const;  // lm_head(norm(x)): [B, L, Vd]
+  // The two halves of logits(), for a loss that applies lm_head in chunks (trainer/soft_ce.h).
+  at::Tensor final_norm(const at::Tensor& layer_out) const;  // norm(x): [B, L, H]
+  const at::Tensor& lm_head_weight() const;                 // [Vd, H], the parameter itself
 
  private:
   struct Impl;

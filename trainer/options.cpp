@@ -105,6 +105,10 @@ opt::Group run_options(RunOptions& r) {
               note(field("tensorboard", "DIR", r.tensorboard, "Folder of the TensorBoard event files"), "OUT/tensorboard"),
               field("no_tensorboard", "", r.no_tensorboard, "Write no TensorBoard event files"),
               field("progress", "", r.progress, "A progress line on stderr when it is a terminal"),
+              note(field("loss_chunk_tokens", "N", r.loss_chunk_tokens,
+                         "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
+                         "logits are never whole (0: all at once; docs/ttt.md)"),
+                   "-1: auto, chunks only when a step's logits would exceed 2^26 values (256 MiB)"),
           }};
 }
 

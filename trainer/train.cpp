@@ -202,6 +202,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   to.loss_decay = opts.loss_decay;
   to.autocast = autocast;
   to.prenorm_hidden_states = opts.hidden_states_norm == HiddenStatesNorm::kPre;
+  to.loss_chunk_rows = opts.loss_chunk_tokens;
   TttUnroll unroll(base, draft, to);
   const auto named = draft.named_parameters();
   std::vector<at::Tensor> params;

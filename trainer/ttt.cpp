@@ -11,6 +11,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "trainer/soft_ce.h"
 
 namespace eaglekit::trainer {
 
@@ -532,6 +533,11 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   std::vector<std::vector<at::Tensor>> k_blocks(static_cast<std::size_t>(layers)),
       v_blocks(static_cast<std::size_t>(layers));
   std::vector<at::Tensor> ce, mask_sums, counts;
+  const std::int64_t loss_chunk = impl_->options.loss_chunk_rows < 0
+                                      ? auto_loss_chunk_rows(b * n, c.draft_vocab_size)
+                                      : impl_->options.loss_chunk_rows;
+  // What autocast would run lm_head in (the chunked loss casts explicitly).
+  const c10::ScalarType compute_dtype = impl_->options.autocast.value_or(dtype);
   at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
   at::Tensor prev_out;
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -549,17 +555,29 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       out = draft.finish_layer(out, attn, layer);
     }
     scope.begin("ttt.lm_head_loss");
-    const at::Tensor logits = draft.logits(out).to(at::kFloat);
-    const at::Tensor logp = at::log_softmax(logits, -1);
     // Draft position t predicts the target at t + 1, from step s on (docs/ttt.md: logp[:, s:L-1]).
     const at::Tensor weight = loss_weight * (positions >= s).to(at::kFloat);
-    ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
+    at::Tensor draft_argmax;
+    if (loss_chunk > 0) {
+      // lm_head and the loss a chunk of rows at a time, never the step's whole logits.
+      const SoftCeResult r = chunked_soft_ce(draft.final_norm(out).reshape({b * n, c.hidden_size}),
+                                             draft.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
+                                             weight.reshape({b * n}), loss_chunk, compute_dtype);
+      ce.push_back(r.ce_sum);
+      draft_argmax = r.argmax.view({b, n});
+    } else {
+      const at::Tensor logits = draft.logits(out).to(at::kFloat);
+      const at::Tensor logp = at::log_softmax(logits, -1);
+      ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
+      at::NoGradGuard no_grad;
+      draft_argmax = logits.argmax(-1);
+    }
     mask_sums.push_back(weight.sum());
     {
       scope.begin("ttt.metrics");
       at::NoGradGuard no_grad;
       const at::Tensor counted = weight != 0;
-      const at::Tensor right = (logits.argmax(-1) == target_argmax) & counted;
+      const at::Tensor right = (draft_argmax == target_argmax) & counted;
       counts.push_back(right.sum());
       counts.push_back((right & chain_ok).sum());
       counts.push_back((counted & chain_ok).sum());

@@ -158,6 +158,9 @@ struct TttOptions {
   // that RMSNorm (BaseModel::final_norm, eps rms_norm_eps) before lm_head. The base must
   // hold the norm's weight.
   bool prenorm_hidden_states = false;
+  // Rows of a step's lm_head + soft cross-entropy computed at a time (trainer/soft_ce.h):
+  // -1 auto (auto_loss_chunk_rows), 0 all at once (the logits of the step kept whole).
+  std::int64_t loss_chunk_rows = -1;
 };
 
 // Poolable sums over the masked positions of one or many batches; add them up over a split

@@ -11,6 +11,7 @@
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
 #include "trainer/export.h"
+#include "trainer/soft_ce.h"
 #include "trainer/ttt.h"
 
 using namespace eaglekit;
@@ -451,4 +452,54 @@ TEST_CASE("ttt: pre-norm hidden states with the base's final RMSNorm give the po
                        "--hidden-states-norm pre: the base in memory holds no final norm weight (model.norm.weight); "
                        "it is needed to turn pre-norm hidden states into the base's logits",
                        UsageError);
+}
+
+TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (loss, metrics, every gradient)") {
+  // trainer/soft_ce.h: the step's logits never whole; chunks of 1 row, uneven chunks, one
+  // chunk larger than the batch, for a one- and a two-layer draft, fp32 and bf16 autocast.
+  CHECK(auto_loss_chunk_rows(2048, 32000) == 0);  // 65.5M logits: under 2^26, kept whole
+  CHECK(auto_loss_chunk_rows(4096, 32000) == (std::int64_t{1} << 26) / 32000);
+  CHECK_THROWS_AS(chunked_soft_ce(at::zeros({2, 4}), at::zeros({3, 4}), at::zeros({2, 3}), at::zeros({2}), 0, at::kFloat),
+                  UsageError);
+  for (const std::int64_t layers : {1, 2}) {
+    for (const bool bf16 : {false, true}) {
+      CAPTURE(layers);
+      CAPTURE(bf16);
+      DraftConfig c = fixtures::tiny_config();
+      c.num_hidden_layers = layers;
+      const BaseModel base = fixtures::random_base(c, 41);
+      const TttBatch batch = fixtures::random_batch(c, 3, 12, {12, 9, 7}, 42);
+      auto run = [&](std::int64_t chunk) {
+        TttOptions o{3, 0.8, std::nullopt};
+        if (bf16) o.autocast = at::kBFloat16;
+        o.loss_chunk_rows = chunk;
+        TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 43), o);
+        TttResult r = unroll.forward(batch);
+        r.loss.backward();
+        std::vector<at::Tensor> grads;
+        for (const auto& [name, p] : unroll.draft().named_parameters()) grads.push_back(p.grad().clone());
+        return std::make_pair(r, grads);
+      };
+      const auto whole = run(0);
+      for (const std::int64_t chunk : {1, 5, 7, 40}) {
+        CAPTURE(chunk);
+        const auto part = run(chunk);
+        // bf16: the whole step's dW is one bf16 matmul, the chunked one sums chunks in fp32,
+        // so they differ by bf16 rounding (2^-8 of the scale, a few ulps after the sums).
+        const double tol = bf16 ? 3e-2 : 1e-5;
+        CHECK(std::abs(part.first.loss.item<double>() - whole.first.loss.item<double>()) <=
+              tol * std::abs(whole.first.loss.item<double>()));
+        CHECK(part.first.stats.correct == whole.first.stats.correct);
+        CHECK(part.first.stats.cond_correct == whole.first.stats.cond_correct);
+        CHECK(part.first.stats.mask_sum == whole.first.stats.mask_sum);
+        REQUIRE(part.second.size() == whole.second.size());
+        for (std::size_t i = 0; i < whole.second.size(); ++i) {
+          CAPTURE(i);
+          const double scale = whole.second[i].abs().max().item<double>();
+          REQUIRE(scale > 0);  // every parameter gets a gradient, lm_head included
+          CHECK((part.second[i] - whole.second[i]).abs().max().item<double>() <= tol * scale);
+        }
+      }
+    }
+  }
 }
