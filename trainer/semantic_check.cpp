@@ -152,8 +152,8 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
         rec.agree_post += pp[r] == n[r];
         if (pr) {
           rec.agree_pre += pr[r] == n[r];
-          rep.post_only += pp[r] == n[r] && pr[r] != n[r];
-          rep.pre_only += pr[r] == n[r] && pp[r] != n[r];
+          rec.post_only += pp[r] == n[r] && pr[r] != n[r];
+          rec.pre_only += pr[r] == n[r] && pp[r] != n[r];
         }
         // Shifted ids: either form's argmax equal to ids[t] or to ids[t + 2].
         const std::int64_t a = pp[r], c = pr ? pr[r] : pp[r];
@@ -169,6 +169,8 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
     rep.positions += per[i].positions;
     rep.agree_post += per[i].agree_post;
     rep.agree_pre += per[i].agree_pre;
+    rep.post_only += per[i].post_only;
+    rep.pre_only += per[i].pre_only;
   }
   rep.records = static_cast<std::int64_t>(samples.size());
   const double n = static_cast<double>(std::max<std::int64_t>(rep.positions, 1));
@@ -209,15 +211,22 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
     const std::int64_t k = use_pre ? r.agree_pre : r.agree_post;
     rates.push_back(static_cast<double>(k) / static_cast<double>(r.positions));
     if (!rep.problems.empty()) continue;  // the whole dump disagrees: no per-record outliers
-    if (r.stated && has_norm) {
-      // A stated form the states contradict: the other form right clearly more often.
-      const std::int64_t other = use_pre ? r.agree_post : r.agree_pre;
-      const double z = static_cast<double>(other - k) / std::sqrt(static_cast<double>(std::max<std::int64_t>(other + k, 1)));
+    if ((r.stated || o.unstated_form >= 0) && has_norm) {
+      // A form named for it (its flag, or the option) that its states contradict: the other
+      // form right clearly more often on the positions where exactly one is (McNemar).
+      const std::int64_t only_this = use_pre ? r.pre_only : r.post_only;
+      const std::int64_t only_other = use_pre ? r.post_only : r.pre_only;
+      const double z = static_cast<double>(only_other - only_this) /
+                       std::sqrt(static_cast<double>(std::max<std::int64_t>(only_other + only_this, 1)));
       if (z > 4) {
+        const char* named = use_pre ? "pre" : "post";
+        const char* other = use_pre ? "post" : "pre";
         std::ostringstream os;
-        os << "it states " << (use_pre ? "pre" : "post") << "-norm hidden states, but they predict the next token on "
-           << other << " of " << r.positions << " sampled positions as " << (use_pre ? "post" : "pre") << "-norm and on "
-           << k << " as stated: its hidden_states_prenorm flag is wrong";
+        os << (r.stated ? "it states " : "it is read as ") << named << "-norm hidden states"
+           << (r.stated ? "" : " (--hidden-states-norm)") << ", but of " << r.positions
+           << " sampled positions " << only_other << " predict the next token only as " << other << "-norm and "
+           << only_this << " only as " << named << "-norm: "
+           << (r.stated ? "its hidden_states_prenorm flag is wrong" : "it is in the other form");
         r.reason = os.str();
         rep.suspects.push_back(r);
         continue;

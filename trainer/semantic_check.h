@@ -43,8 +43,9 @@ struct SemanticOptions {
   std::string device = "cpu";   // where the head runs
   // The form each record is measured in: its stated one (SampleRef::hidden_states_prenorm)
   // when it states one; else this: -1 the form detected over the dataset (post when
-  // unclear), 0 post, 1 pre. A record whose states predict clearly better in the other form
-  // than the one it states (z > 4 over its positions) is a suspect.
+  // unclear), 0 post, 1 pre. A record read in a form its flag or this option names whose
+  // states predict clearly better in the other form (McNemar's z > 4 over its own
+  // positions) is a suspect.
   int unstated_form = -1;
 };
 
@@ -54,6 +55,7 @@ struct SemanticRecord {
   std::int64_t agree_post = 0, agree_pre = 0;
   std::int64_t agree_same = 0;   // argmax == input_ids[t] (ids shifted one way)
   std::int64_t agree_skip = 0;   // argmax == input_ids[t + 2] (the other way)
+  std::int64_t post_only = 0, pre_only = 0;  // positions only that form gets right
   std::optional<bool> stated;    // the record's stated form (true pre-norm)
   bool measured_pre = false;     // the form its agreement is read in
   std::string reason;            // for suspects, in words

@@ -113,7 +113,11 @@ TEST_CASE("validate --base: finds planted defects and flags no clean record; tel
 TEST_CASE("validate --base: stated norm forms are checked; a wrong flag is a suspect; no --data needed") {
   test::require_python("torch");
   Dump d;
-  synth(d, "pre", "--hidden-states-norm pre --base-out " + test::quote(d.dir / "base"));
+  // Long records, many positions each: the per-record test of a named form needs them.
+  const auto sr = test::eaglekit("synth --out " + test::quote(d.dir / "pre") +
+                                 " --conversations 40 --hidden 32 --vocab 48 --min-tokens 210 --max-tokens 210 --seed 4"
+                                 " --hidden-states-norm pre --base-out " + test::quote(d.dir / "base"));
+  REQUIRE_MESSAGE(sr.exit_code == 0, sr.err);
   const char* flag = R"PY(
 import glob, sys, torch
 for path in glob.glob(sys.argv[1] + "/records/**/*.pt", recursive=True):
@@ -129,7 +133,7 @@ for path in glob.glob(sys.argv[1] + "/records/**/*.pt", recursive=True):
   index(d, "pre");
   auto run = [&](const std::string& extra, int expected_exit) {
     const auto r = test::eaglekit("validate --index " + test::quote(d.index("pre")) + " --base " +
-                                  test::quote(d.dir / "base") + " --json" + extra);
+                                  test::quote(d.dir / "base") + " --positions 200 --json" + extra);
     CHECK_MESSAGE(r.exit_code == expected_exit, r.err);
     return nlohmann::json::parse(r.out);
   };
