@@ -23,6 +23,9 @@ namespace {
 constexpr char kMagic[8] = {'E', 'K', 'S', 'H', 'A', 'R', 'D', '1'};
 constexpr char kTrailerMagic[8] = {'E', 'K', 'S', 'I', 'N', 'D', 'E', 'X'};
 constexpr std::uint16_t kVersion = 1;
+// Header flag: every index entry holds a hidden_norm byte after its codec byte. Set only
+// when some record states its norm form, so other shards stay readable by older builds.
+constexpr std::uint16_t kFlagHiddenNorm = 1;
 constexpr std::uint64_t kBlockEntryBytes = 20;
 // id_len + data_offset + data_size + tokens + codec + tensor_count.
 constexpr std::uint64_t kMinRecordEntryBytes = 2 + 8 + 8 + 8 + 1 + 1;
@@ -269,6 +272,7 @@ EksEncodedRecord encode_eks_record(const Record& r, const EksEncodeOptions& opts
   rec.entry.conversation_id = r.conversation_id;
   rec.entry.tokens = r.tokens();
   rec.entry.codec = opts.codec;
+  rec.entry.hidden_states_prenorm = r.hidden_states_prenorm;
   encode_tensor(EksRole::kInputIds, r.input_ids, opts, rec);
   encode_tensor(EksRole::kHiddenStates, r.hidden_states, opts, rec);
   encode_tensor(EksRole::kAuxHiddenStates, r.aux_hidden_states, opts, rec);
@@ -319,6 +323,9 @@ void EksWriter::add_encoded(EksEncodedRecord rec) {
 
 void EksWriter::finish() {
   if (impl_->finished) throw Error(impl_->path + ": finish() called twice");
+  const bool norm_bytes =
+      std::any_of(impl_->entries.begin(), impl_->entries.end(),
+                  [](const EksRecordEntry& e) { return e.hidden_states_prenorm.has_value(); });
   ByteWriter w;
   w.u32(static_cast<std::uint32_t>(impl_->entries.size()));
   for (const auto& e : impl_->entries) {
@@ -328,6 +335,7 @@ void EksWriter::finish() {
     w.u64(e.data_size);
     w.i64(e.tokens);
     w.u8(static_cast<std::uint8_t>(e.codec));
+    if (norm_bytes) w.u8(!e.hidden_states_prenorm ? 0 : *e.hidden_states_prenorm ? 2 : 1);
     w.u8(static_cast<std::uint8_t>(e.tensors.size()));
     for (const auto& t : e.tensors) {
       w.u8(static_cast<std::uint8_t>(t.role));
@@ -352,6 +360,11 @@ void EksWriter::finish() {
   t.u64(codec::xxh3_64(w.data(), w.size()));
   t.bytes(kTrailerMagic, 8);
   impl_->file->write(t.data(), t.size());
+  if (norm_bytes) {
+    ByteWriter f;
+    f.u16(kFlagHiddenNorm);
+    impl_->file->pwrite(f.data(), f.size(), 10);
+  }
   impl_->file->commit();
   impl_->finished = true;
 }
@@ -412,8 +425,9 @@ void EksReader::Impl::parse() {
                            ".eks version " + std::to_string(version) +
                                " (this build reads version 1)");
   const std::uint16_t flags = load_le16(h + 10);
-  if (flags != 0)
+  if ((flags & ~kFlagHiddenNorm) != 0)
     throw UnsupportedError(name, 10, "flags", "unknown header flags " + std::to_string(flags));
+  const bool norm_bytes = (flags & kFlagHiddenNorm) != 0;
 
   const std::uint64_t trailer_at = size - kEksTrailerSize;
   const std::uint8_t* t = s.at(trailer_at, kEksTrailerSize, "trailer");
@@ -461,6 +475,11 @@ void EksReader::Impl::parse() {
     const std::uint8_t codec_code = c.u8(where + " codec");
     if (codec_code > 1) note(where + " codec", "unknown codec " + std::to_string(codec_code));
     else e.codec = static_cast<EksCodec>(codec_code);
+    if (norm_bytes) {
+      const std::uint8_t norm = c.u8(where + " hidden_norm");
+      if (norm > 2) note(where + " hidden_norm", "unknown value " + std::to_string(norm) + " (0, 1 or 2)");
+      else if (norm > 0) e.hidden_states_prenorm = norm == 2;
+    }
     const std::uint8_t ntensors = c.u8(where + " tensor_count");
     if (ntensors > c.left() / kMinTensorEntryBytes)
       throw FormatError(name, c.pos(), where + " tensor_count",
@@ -629,6 +648,7 @@ Record EksReader::Impl::read(std::size_t i, std::int64_t max_rows, bool verify) 
       max_rows < 0 ? tokens : std::min<std::uint64_t>(tokens, static_cast<std::uint64_t>(max_rows));
   Record r;
   r.conversation_id = e.conversation_id;
+  r.hidden_states_prenorm = e.hidden_states_prenorm;
   for (const auto& t : e.tensors) {
     HostTensor h = decode(i, e, t, rows, verify);
     switch (t.role) {
@@ -662,6 +682,7 @@ RecordInfo EksReader::info(std::size_t i) const {
   if (const auto* t = e.tensor(EksRole::kAuxHiddenStates))
     info.aux_width = t->shape.size() == 2 ? t->shape[1] : 0;
   info.has_loss_mask = e.tensor(EksRole::kLossMask) != nullptr;
+  info.hidden_states_prenorm = e.hidden_states_prenorm;
   info.codec = std::string(eks_codec_name(e.codec));
   info.byte_offset = e.data_offset;
   info.byte_size = e.data_size;

@@ -11,7 +11,10 @@
 //   ------------  ----  --------------------------------------------------------------
 //   0             8     magic "EKSHARD1"
 //   8             2     u16 version (1)
-//   10            2     u16 flags (0; a reader refuses other values)
+//   10            2     u16 flags: bit 0 (1) = index entries hold hidden_norm; a reader
+//                       refuses other bits. Set only when some record states its norm
+//                       form, so shards without that are byte for byte what older
+//                       builds wrote and read.
 //   12            4     u32 reserved (0)
 //   16            ...   data: the zstd frames of every block, record after record, no
 //                       padding. A frame records its content size in its header.
@@ -29,6 +32,8 @@
 //     u64 data_size      bytes of its frames (data_offset + data_size <= index_offset)
 //     i64 tokens         T
 //     u8  codec          0 "zstd" (lossless), 1 "fp8" (hidden/aux lossy, rest lossless)
+//     u8  hidden_norm    only when header flag 1 is set: 0 not stated, 1 post-norm,
+//                        2 pre-norm (Record::hidden_states_prenorm)
 //     u8  tensor_count   3 or 4
 //     tensor_count times, in role order:
 //       u8  role         0 input_ids, 1 hidden_states, 2 aux_hidden_states, 3 loss_mask
@@ -125,6 +130,7 @@ struct EksRecordEntry {
   std::uint64_t data_size = 0;
   std::int64_t tokens = 0;
   EksCodec codec = EksCodec::kZstd;
+  std::optional<bool> hidden_states_prenorm;  // hidden_norm: nullopt 0, false 1, true 2
   std::vector<EksTensorEntry> tensors;  // in role order
 
   const EksTensorEntry* tensor(EksRole r) const;  // nullptr when absent

@@ -453,6 +453,42 @@ std::vector<std::int64_t> read_int64s(hid_t dset, hsize_t n, const std::string& 
   return out;
 }
 
+// A yes/no attribute as h5py writes a Python or numpy bool (an enum over int8 with FALSE = 0
+// and TRUE = 1), or an integer 0 / 1. nullopt when absent.
+std::optional<bool> read_bool_attr(hid_t obj, const char* name, const std::string& path,
+                                   const std::string& field) {
+  if (!attr_exists(obj, name, path, field)) return std::nullopt;
+  const std::string what = std::string("attribute ") + name;
+  Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  if (!attr.valid()) fail_h5(path, field, "cannot open " + what);
+  Hid type(H5Aget_type(attr.get()), H5Tclose);
+  Hid space(H5Aget_space(attr.get()), H5Sclose);
+  if (!type.valid() || !space.valid()) fail_h5(path, field, "cannot read " + what);
+  const H5T_class_t cls = H5Tget_class(type.get());
+  if ((cls != H5T_ENUM && cls != H5T_INTEGER) || H5Tget_size(type.get()) > 8)
+    fail(path, field, what + " is " + describe_type(type.get()) + ", expected a bool (or 0 / 1)");
+  if (H5Sget_simple_extent_npoints(space.get()) != 1)
+    fail(path, field, what + " must hold exactly one value");
+  std::int64_t v = 0;
+  if (cls == H5T_INTEGER) {
+    if (H5Aread(attr.get(), H5T_NATIVE_INT64, &v) < 0) fail_h5(path, field, "cannot read " + what);
+  } else {
+    // libhdf5 converts integers but not enums to int64: the raw bytes of the enum's base
+    // integer type, little- or big-endian as that type says.
+    Hid base(H5Tget_super(type.get()), H5Tclose);
+    unsigned char raw[8] = {0};
+    if (!base.valid() || H5Aread(attr.get(), type.get(), raw) < 0) fail_h5(path, field, "cannot read " + what);
+    const std::size_t n = H5Tget_size(type.get());
+    const bool big = H5Tget_order(base.get()) == H5T_ORDER_BE;
+    std::uint64_t u = 0;
+    for (std::size_t k = 0; k < n; ++k) u |= static_cast<std::uint64_t>(raw[big ? n - 1 - k : k]) << (8 * k);
+    if (H5Tget_sign(base.get()) == H5T_SGN_2 && n < 8 && ((u >> (8 * n - 1)) & 1)) u |= ~0ull << (8 * n);
+    v = static_cast<std::int64_t>(u);
+  }
+  if (v != 0 && v != 1) fail(path, field, what + " holds " + std::to_string(v) + ", expected 0 or 1");
+  return v == 1;
+}
+
 herr_t collect_groups(hid_t, const char* name, const H5O_info_t* info, void* data) {
   if (info->type == H5O_TYPE_GROUP)
     static_cast<std::vector<std::string>*>(data)->emplace_back(name);
@@ -656,6 +692,21 @@ void Hdf5Reader::open_shard(hid_t root) {
   }
 
   const std::vector<std::string> ids = read_strings(ids_ds.get(), n, p, "/conversation_ids");
+  // Optional per-record norm form: -1 not stated, 0 post-norm, 1 pre-norm.
+  std::vector<std::int64_t> norms;
+  if (Hid nd = open_dataset(file_.get(), "/hidden_states_prenorm", false, p, needs); nd.valid()) {
+    const auto dims = dataset_dims(nd.get(), p, "/hidden_states_prenorm");
+    expect_rank(dims, 1, "[N]", p, "/hidden_states_prenorm");
+    if (dims[0] != n)
+      fail(p, "/hidden_states_prenorm",
+           std::to_string(dims[0]) + " entries but the shard holds " + std::to_string(n) + " records");
+    norms = read_int64s(nd.get(), n, p, "/hidden_states_prenorm");
+    for (hsize_t i = 0; i < n; ++i)
+      if (norms[i] < -1 || norms[i] > 1)
+        fail(p, "/hidden_states_prenorm",
+             "entry " + std::to_string(i) + " is " + std::to_string(norms[i]) +
+                 ", expected -1 (not stated), 0 (post-norm) or 1 (pre-norm)");
+  }
   const std::size_t row_bytes = dtype_size(ids_.dtype) + h * dtype_size(hidden_.dtype) + kh * dtype_size(aux_.dtype) +
                                 (mask_.dset.valid() ? dtype_size(mask_.dtype) : 0);
   entries_.resize(n);
@@ -674,6 +725,7 @@ void Hdf5Reader::open_shard(hid_t root) {
     e.hidden_stored = hidden_.dtype;
     e.aux_stored = aux_.dtype;
     info.has_loss_mask = mask_.dset.valid();
+    if (!norms.empty() && norms[i] >= 0) info.hidden_states_prenorm = norms[i] == 1;
     info.codec = codec;
     info.byte_size = codec == "raw" ? static_cast<std::uint64_t>(info.tokens) * row_bytes : 0;
   }
@@ -750,6 +802,12 @@ void Hdf5Reader::add_group_record(const std::string& group, const std::string& i
   e.aux_stored = stored_dtype(aux.get(), Role::kHidden, p, f_aux);
   info.hidden_dtype = common_hidden_dtype(e.hidden_stored, e.aux_stored);
   info.has_loss_mask = mask.valid();
+  {
+    Hid g(H5Gopen2(file_.get(), group.c_str(), H5P_DEFAULT), H5Gclose);
+    if (!g.valid()) fail_h5(p, group, "cannot open the group");
+    info.hidden_states_prenorm =
+        read_bool_attr(g.get(), "hidden_states_prenorm", p, group + " attribute hidden_states_prenorm");
+  }
   if (mask.valid()) e.mask_dtype = stored_dtype(mask.get(), Role::kMask, p, f_mask);
   std::string codec = "raw";
   const std::initializer_list<std::pair<hid_t, const std::string*>> datasets = {
@@ -789,6 +847,7 @@ Record Hdf5Reader::read_prefix(std::size_t i, std::int64_t max_rows) const {
   const auto kh = static_cast<hsize_t>(info.aux_width);
   Record r;
   r.conversation_id = info.conversation_id;
+  r.hidden_states_prenorm = info.hidden_states_prenorm;
   Hdf5Lock lock;
   if (shard_) {
     r.input_ids = read_rows(ids_.dset.get(), info.ids_dtype, 1, 1, e.row0, n, path_, ids_.field);
@@ -864,6 +923,7 @@ class Hdf5Writer final : public RecordWriter {
   std::int64_t aux_width_ = 0;
   std::vector<std::string> conversation_ids_;
   std::vector<std::int64_t> offsets_{0};
+  std::vector<std::int8_t> prenorm_;  // per record: -1 not stated, 0 post-norm, 1 pre-norm
   std::unordered_set<std::string> seen_;
 };
 
@@ -1125,6 +1185,7 @@ void Hdf5Writer::add(const Record& in) {
   }
   seen_.insert(r.conversation_id);
   conversation_ids_.push_back(r.conversation_id);
+  prenorm_.push_back(!r.hidden_states_prenorm ? -1 : *r.hidden_states_prenorm ? 1 : 0);
   offsets_.push_back(offsets_.back() + static_cast<std::int64_t>(t));
 }
 
@@ -1175,6 +1236,17 @@ void Hdf5Writer::finish() {
       if (!d.valid() ||
           H5Dwrite(d.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets_.data()) < 0)
         fail_write("cannot write /offsets");
+    }
+    if (std::any_of(prenorm_.begin(), prenorm_.end(), [](std::int8_t v) { return v >= 0; })) {
+      Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+      Hid dcpl = untimed_dcpl();
+      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), "/hidden_states_prenorm", H5T_STD_I8LE, space.get(),
+                                      H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
+                         : H5I_INVALID_HID,
+            H5Dclose);
+      if (!d.valid() ||
+          H5Dwrite(d.get(), H5T_NATIVE_INT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, prenorm_.data()) < 0)
+        fail_write("cannot write /hidden_states_prenorm");
     }
     {
       Hid root(H5Gopen2(file_.get(), "/", H5P_DEFAULT), H5Gclose);

@@ -6,12 +6,15 @@
 //   aux_layers; datasets conversation_ids [N] (variable-length UTF-8), offsets [N+1] int64
 //   (offsets[0] = 0, non-decreasing, offsets[N] = total_T), input_ids [total_T] int64,
 //   loss_mask [total_T] uint8 (optional), hidden_states [total_T, H],
-//   aux_hidden_states [total_T, k*H]. Per-token datasets are chunked along tokens; gzip and
-//   shuffle filters are read transparently. Record i is rows [offsets[i], offsets[i+1]).
+//   aux_hidden_states [total_T, k*H], hidden_states_prenorm [N] int8 (optional: -1 not
+//   stated, 0 post-norm, 1 pre-norm; written when some record states its norm form).
+//   Per-token datasets are chunked along tokens; gzip and shuffle filters are read
+//   transparently. Record i is rows [offsets[i], offsets[i+1]).
 //
 //   Groups: any group (the root included, nested to any depth) holding datasets input_ids
 //   and hidden_states is one record; it must also hold aux_hidden_states and may hold
-//   loss_mask. The conversation id is the group's name (the file stem for the root).
+//   loss_mask, and an attribute hidden_states_prenorm (a bool, as h5py writes one, or 0 /
+//   1). The conversation id is the group's name (the file stem for the root).
 //
 //   Dtypes in both: bf16 is stored as 16-bit unsigned integers with the dataset attribute
 //   dtype = "bfloat16"; fp16, fp32 (and fp64) as IEEE floats. input_ids int64 or int32

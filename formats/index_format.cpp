@@ -33,6 +33,8 @@ constexpr std::size_t kMaxErrorLength = 4096;
 constexpr std::uint8_t kFlagBad = 1;
 constexpr std::uint8_t kFlagLossMask = 2;
 constexpr std::uint8_t kFlagIdFromFileName = 4;
+constexpr std::uint8_t kFlagNormStated = 8;   // the record states its norm form (version 2)
+constexpr std::uint8_t kFlagPrenorm = 16;     // ... and it is pre-norm
 
 // Stable on-disk codes, independent of the enums' order in the headers.
 std::uint8_t format_code(Format f) {
@@ -222,7 +224,7 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
     throw FormatError(path, 12, "header",
                       "record sizes " + std::to_string(header_size) + "/" +
                           std::to_string(entry_size) + "/" + std::to_string(file_entry_size) +
-                          " differ from version 1's " +
+                          " differ from version " + std::to_string(kVersion) + "'s " +
                           std::to_string(kHeaderSize) + "/" + std::to_string(kEntrySize) + "/" +
                           std::to_string(kFileEntrySize));
   if (total != size)
@@ -316,6 +318,7 @@ IndexEntry DatasetIndex::entry(std::size_t i) const {
   e.ok = (flags & kFlagBad) == 0;
   e.has_loss_mask = (flags & kFlagLossMask) != 0;
   e.id_from_file_name = (flags & kFlagIdFromFileName) != 0;
+  if ((flags & kFlagNormStated) != 0) e.hidden_states_prenorm = (flags & kFlagPrenorm) != 0;
   if (kind > static_cast<std::uint8_t>(EntryError::kOther))
     throw FormatError(m.path, at + 76, "entry error kind", "unknown code " + std::to_string(kind));
   e.error_kind = static_cast<EntryError>(kind);
@@ -461,6 +464,7 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
       if (!r.error.empty()) flags |= kFlagBad;
       if (info.has_loss_mask) flags |= kFlagLossMask;
       if (r.id_from_file_name) flags |= kFlagIdFromFileName;
+      if (info.hidden_states_prenorm) flags |= kFlagNormStated | (*info.hidden_states_prenorm ? kFlagPrenorm : 0);
       EntryError kind = r.error_kind;
       if (r.error.empty()) kind = EntryError::kNone;
       else if (kind == EntryError::kNone) kind = EntryError::kOther;

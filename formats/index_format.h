@@ -5,7 +5,7 @@
 // the layout, all integers little-endian:
 //
 //   header (128 bytes)
-//     0  magic "EKINDEX\0"        8  u32 version (1)        12 u32 header size (128)
+//     0  magic "EKINDEX\0"        8  u32 version (2)        12 u32 header size (128)
 //     16 u32 entry size (80)      20 u32 file entry size (48)
 //     24 u64 entry count          32 u64 file count         40 u64 root count
 //     48 u64 roots offset         56 u64 files offset       64 u64 entries offset
@@ -23,7 +23,8 @@
 //   entry (80): 0 conversation id ref, 8 key ref, 16 codec ref, 24 error ref,
 //     32 i64 tokens, 40 u64 byte offset, 48 u64 byte size, 56 u32 file, 60 u32 record,
 //     64 u32 hidden size, 68 u32 aux width, 72 u8 format code, 73 u8 ids dtype code,
-//     74 u8 hidden dtype code, 75 u8 flags (1 bad, 2 has loss mask, 4 id from file name),
+//     74 u8 hidden dtype code, 75 u8 flags (1 bad, 2 has loss mask, 4 id from file name,
+//     8 norm form stated, 16 pre-norm: Record::hidden_states_prenorm),
 //     76 u8 error kind (EntryError), 77..79 zero
 //
 // A string ref is one u64: offset into the strings section in the low 40 bits, length in
@@ -88,6 +89,7 @@ struct IndexEntry {
   DType hidden_dtype = DType::kBFloat16;
   bool has_loss_mask = false;
   bool id_from_file_name = false;    // the record holds no id; it came from the file stem
+  std::optional<bool> hidden_states_prenorm;  // as the record states it (nullopt: not stated)
   bool ok = true;
   EntryError error_kind = EntryError::kNone;
 };
@@ -104,7 +106,9 @@ struct IndexFile {
 
 class DatasetIndex {
  public:
-  static constexpr std::uint32_t kVersion = 1;
+  // 2: entries carry the records' stated norm form (flags 8, 16). A version 1 index cannot
+  // say it, so it is refused (rebuild it) rather than read as "not stated".
+  static constexpr std::uint32_t kVersion = 2;
 
   static DatasetIndex load(const std::string& path);
   // Same, from bytes already in memory (name is used in messages).

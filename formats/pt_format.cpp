@@ -388,6 +388,32 @@ const Value* pick(const Value& dict, std::initializer_list<const char*> names,
   return nullptr;
 }
 
+// The optional `hidden_states_prenorm` key (ModelOpt's reader takes bool(value), absent
+// meaning post-norm; we keep absent as "not stated"): a bool, an int 0/1, or a tensor of
+// one such element. None counts as absent.
+std::optional<bool> prenorm_flag(const Archive& a, const Value& root) {
+  const Value* v = root.get("hidden_states_prenorm");
+  if (v == nullptr || v->kind == Kind::kNone) return std::nullopt;
+  auto fail = [&](const std::string& what) -> std::optional<bool> {
+    throw FormatError(a.path(), v->offset, "hidden_states_prenorm", what);
+  };
+  if (v->kind == Kind::kBool) return v->b;
+  if (v->kind == Kind::kInt) {
+    if (v->i == 0 || v->i == 1) return v->i == 1;
+    return fail("is the int " + std::to_string(v->i) + ", expected a bool (or 0 / 1)");
+  }
+  if (v->kind == Kind::kTensor) {
+    const HostTensor t = tensor_view(a, *v, "hidden_states_prenorm");
+    if (t.numel() != 1 || is_floating(t.dtype))
+      return fail("is a " + std::string(dtype_name(t.dtype)) + " tensor of shape " + t.shape_string() +
+                  ", expected a bool (or a one-element bool / integer tensor)");
+    const double x = t.contiguous().get(0);
+    if (x == 0 || x == 1) return x == 1;
+    return fail("holds " + std::to_string(static_cast<long long>(x)) + ", expected 0 or 1");
+  }
+  return fail("is a " + std::string(pickle::kind_name(v->kind)) + ", expected a bool");
+}
+
 Record normalize(const Archive& a, const std::string& id_path) {
   const std::string& path = a.path();
   const Value* root = &a.pk.root();
@@ -437,6 +463,7 @@ Record normalize(const Archive& a, const std::string& id_path) {
   else
     throw FormatError(path, id->offset, root->get("conversation_id") ? "conversation_id" : "id",
                       "is a " + std::string(pickle::kind_name(id->kind)) + ", expected str or int");
+  r.hidden_states_prenorm = prenorm_flag(a, *root);
   r.check(path);
   return r;
 }
@@ -493,6 +520,7 @@ void PtWriter::finish() {
   e.push_back({"aux_hidden_states", r.aux_hidden_states});
   e.push_back({"conversation_id", r.conversation_id});
   if (r.loss_mask) e.push_back({"loss_mask", *r.loss_mask});
+  if (r.hidden_states_prenorm) e.push_back({"hidden_states_prenorm", *r.hidden_states_prenorm});
   write_pt(path_, e, opts_);
   finished_ = true;
   record_.reset();

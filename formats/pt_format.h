@@ -80,8 +80,9 @@ void write_pt(const std::string& path, const std::vector<PtEntry>& entries,
 // One record per file. Accepts a dict, or a list/tuple holding one dict, with keys
 // input_ids; hidden_states | hidden_state; aux_hidden_states | aux_hidden_state |
 // hidden_state_features; loss_mask (optional); conversation_id (int or str; when absent
-// the file stem: "a/b/123.pt" -> "123", "7.ckpt.gz" -> "7"). A leading batch dimension of
-// 1 is dropped. The record passes Record::check.
+// the file stem: "a/b/123.pt" -> "123", "7.ckpt.gz" -> "7"); hidden_states_prenorm
+// (optional: a bool, 0 / 1, or a one-element tensor of those; absent or None: not stated).
+// A leading batch dimension of 1 is dropped. The record passes Record::check.
 class PtReader final : public RecordReader {
  public:
   explicit PtReader(const std::string& path);
@@ -106,7 +107,8 @@ class PtReader final : public RecordReader {
 std::string conversation_id_from_path(const std::string& path);
 
 // Writes one record per file in the ModelOpt schema (input_ids, hidden_states,
-// aux_hidden_states, conversation_id as str, loss_mask when present), tensors as stored
+// aux_hidden_states, conversation_id as str, loss_mask and hidden_states_prenorm (a bool)
+// when present), tensors as stored
 // (dtype preserved). add() once, then finish().
 class PtWriter final : public RecordWriter {
  public:

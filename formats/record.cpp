@@ -11,6 +11,7 @@ Record Record::prefix(std::int64_t n) const {
   r.hidden_states = hidden_states.rows(n);
   r.aux_hidden_states = aux_hidden_states.rows(n);
   if (loss_mask) r.loss_mask = loss_mask->rows(n);
+  r.hidden_states_prenorm = hidden_states_prenorm;
   return r;
 }
 
@@ -89,6 +90,7 @@ RecordInfo info_of(const Record& r) {
   info.ids_dtype = r.input_ids.dtype;
   info.hidden_dtype = common_hidden_dtype(r.hidden_states.dtype, r.aux_hidden_states.dtype);
   info.has_loss_mask = r.loss_mask.has_value();
+  info.hidden_states_prenorm = r.hidden_states_prenorm;
   return info;
 }
 

@@ -16,6 +16,10 @@ struct Record {
   HostTensor hidden_states;      // [T, H] bf16 / fp16 / fp32
   HostTensor aux_hidden_states;  // [T, k*H], floating; may differ from hidden_states' dtype
   std::optional<HostTensor> loss_mask;  // [T] int64 / bool / uint8; absent = all ones
+  // Whether hidden_states were taken before the base's final norm, as the producer stated
+  // it (ModelOpt's `hidden_states_prenorm`; docs/data.md, pre- and post-norm dumps):
+  // true pre-norm, false post-norm, nullopt when the record does not say.
+  std::optional<bool> hidden_states_prenorm;
 
   std::int64_t tokens() const { return input_ids.shape.empty() ? 0 : input_ids.shape[0]; }
   std::int64_t hidden_size() const { return hidden_states.dim() == 2 ? hidden_states.shape[1] : 0; }
@@ -51,6 +55,7 @@ struct RecordInfo {
   DType ids_dtype = DType::kInt64;
   DType hidden_dtype = DType::kBFloat16;  // of both hidden and aux, as read (common_hidden_dtype)
   bool has_loss_mask = false;
+  std::optional<bool> hidden_states_prenorm;  // as Record::hidden_states_prenorm
   std::string codec = "raw";       // "raw", "zstd", "fp8", "gzip", "hdf5-gzip", ...
   std::uint64_t byte_offset = 0;   // where the record starts in its file (0 if unknown)
   std::uint64_t byte_size = 0;     // bytes it takes on disk (0 if unknown)

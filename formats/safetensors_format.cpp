@@ -583,6 +583,13 @@ Record safetensors_record(const SafetensorsFile& file, std::int64_t max_rows) {
     r.aux_hidden_states = unbatch(file.tensor(*aux));
   }
   if (const auto* mask = file.find("loss_mask")) r.loss_mask = unbatch(file.tensor(*mask));
+  const auto norm = file.metadata().find("hidden_states_prenorm");
+  if (norm != file.metadata().end()) {
+    if (norm->second != "true" && norm->second != "false")
+      throw FormatError(path, 8, "__metadata__.hidden_states_prenorm",
+                        "is \"" + norm->second.substr(0, 32) + "\", expected \"true\" or \"false\"");
+    r.hidden_states_prenorm = norm->second == "true";
+  }
   r.check(path);
   return max_rows < 0 ? r : r.prefix(max_rows);
 }
@@ -644,6 +651,8 @@ class SafetensorsRecordWriter final : public RecordWriter {
     if (record_->loss_mask) ts.push_back({"loss_mask", *record_->loss_mask});
     SafetensorsMetadata meta = default_safetensors_metadata();
     meta["conversation_id"] = record_->conversation_id;
+    if (record_->hidden_states_prenorm)
+      meta["hidden_states_prenorm"] = *record_->hidden_states_prenorm ? "true" : "false";
     write_safetensors(path_, ts, meta);
     record_.reset();
     finished_ = true;

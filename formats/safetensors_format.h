@@ -142,10 +142,12 @@ class SafetensorsWeights {
 //  - our names: input_ids [T], hidden_states [T, H], aux_hidden_states [T, k*H]
 //    (aliases hidden_state, aux_hidden_state, hidden_state_features);
 //  - either: optional loss_mask [T]; a leading batch dimension of 1 is dropped.
-// The conversation id is __metadata__["conversation_id"], else the file stem.
+// The conversation id is __metadata__["conversation_id"], else the file stem;
+// __metadata__["hidden_states_prenorm"] ("true" / "false"; absent: not stated) is
+// Record::hidden_states_prenorm.
 std::unique_ptr<RecordReader> open_safetensors_reader(const std::string& path);
-// Writes our key names plus {"format": "pt", "conversation_id": ID} metadata; takes exactly
-// one add().
+// Writes our key names plus {"format": "pt", "conversation_id": ID} metadata (and
+// "hidden_states_prenorm" when the record states it); takes exactly one add().
 std::unique_ptr<RecordWriter> create_safetensors_writer(const std::string& path,
                                                         const WriterOptions& opts);
 // The record a parsed file holds (views into it), cut to max_rows rows (< 0: all).

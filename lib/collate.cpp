@@ -56,6 +56,7 @@ std::vector<std::pair<std::string, at::Tensor>> Batch::named_tensors() const {
   };
   if (document_ids.defined()) out.emplace_back("document_ids", document_ids);
   if (position_ids.defined()) out.emplace_back("position_ids", position_ids);
+  if (hidden_states_prenorm.defined()) out.emplace_back("hidden_states_prenorm", hidden_states_prenorm);
   return out;
 }
 
@@ -539,6 +540,21 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
     tbb::parallel_for(std::int64_t{0}, out_rows, pad_row);
   } else {
     for (std::int64_t r = 0; r < out_rows; ++r) pad_row(r);
+  }
+
+  const bool any_stated = std::any_of(placements.begin(), placements.end(), [](const Placement& p) {
+    return p.record && p.record->hidden_states_prenorm.has_value();
+  });
+  if (any_stated) {
+    b.hidden_states_prenorm = at::full({out_rows, width}, -1, at::TensorOptions().dtype(at::kChar));
+    auto* flags = b.hidden_states_prenorm.data_ptr<std::int8_t>();
+    for (std::size_t i = 0; i < placements.size(); ++i) {
+      const auto& p = placements[i];
+      if (!p.record || !p.record->hidden_states_prenorm || spans[i].end <= spans[i].begin) continue;
+      const std::int64_t r = out_row[static_cast<std::size_t>(p.row)];
+      std::fill(flags + r * width + spans[i].begin, flags + r * width + spans[i].end,
+                static_cast<std::int8_t>(*p.record->hidden_states_prenorm ? 1 : 0));
+    }
   }
 
   for (std::size_t i = 0; i < placements.size(); ++i) {

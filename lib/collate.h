@@ -59,6 +59,10 @@ struct Batch {
   // pack mode only (undefined otherwise):
   at::Tensor document_ids;  // [B, W] int64: 0, 1, ... per document of a row; -1 on padding
   at::Tensor position_ids;  // [B, W] int64: restarts at 0 for each document; 0 on padding
+  // Each token's stated norm form (Record::hidden_states_prenorm), [B, W] int8: 1 pre-norm,
+  // 0 post-norm, -1 not stated (and padding). Undefined when no record of the batch states
+  // one. Per token, not per row, because a packed row may mix records of both forms.
+  at::Tensor hidden_states_prenorm;
 
   CollateMode mode = CollateMode::kPad;
   std::int64_t length = 0;       // L: full row length (max_length; longest: this batch's)
@@ -74,7 +78,8 @@ struct Batch {
   SamplerState state;  // restore this to continue right after this batch
 
   std::int64_t rows() const { return input_ids.defined() ? input_ids.size(0) : 0; }
-  // The tensors in the reference's key order (pack adds document_ids, position_ids).
+  // The tensors in the reference's key order (pack adds document_ids, position_ids; a
+  // batch with stated norm forms adds hidden_states_prenorm).
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
 };
 

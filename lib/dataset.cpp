@@ -380,7 +380,7 @@ Dataset match_keys(const std::vector<Conversation>& conversations, const std::ve
     }
     auto [slot, added] = file_slot.try_emplace(e.file, static_cast<std::uint32_t>(d.files.size()));
     if (added) d.files.emplace_back(index.file(e.file).path);
-    d.samples.push_back({c.id, slot->second, e.record, e.tokens});
+    d.samples.push_back({c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm});
   }
   d.duplicate_ids.assign(duplicates.begin(), duplicates.end());
   return d;

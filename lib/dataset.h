@@ -42,6 +42,7 @@ struct SampleRef {
   std::uint32_t file = 0;    // into Dataset::files
   std::uint32_t record = 0;  // record number inside that file (RecordReader::read(record))
   std::int64_t tokens = 0;
+  std::optional<bool> hidden_states_prenorm;  // as the record states it (index entry)
 };
 
 struct Dataset {

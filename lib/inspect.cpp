@@ -187,6 +187,18 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
   return res;
 }
 
+namespace {
+
+nlohmann::ordered_json prenorm_json(const std::optional<bool>& v) {
+  return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
+}
+
+std::string norm_text(const std::optional<bool>& v) {
+  return !v ? "not stated" : *v ? "pre-norm (stated by the record)" : "post-norm (stated by the record)";
+}
+
+}  // namespace
+
 std::string inspect_json(const InspectResult& r) {
   nlohmann::ordered_json j;
   j["format"] = std::string(format_name(r.format));
@@ -211,6 +223,7 @@ std::string inspect_json(const InspectResult& r) {
     }
     j["tensors"] = std::move(tensors);
     j["codec"] = s.info.codec;
+    j["hidden_states_prenorm"] = prenorm_json(s.info.hidden_states_prenorm);
     return j.dump(2) + "\n";
   }
   j["record_count"] = r.record_count;
@@ -223,6 +236,7 @@ std::string inspect_json(const InspectResult& r) {
     e["aux_width"] = s.info.aux_width;
     e["dtype"] = std::string(dtype_name(s.info.hidden_dtype));
     e["loss_mask"] = s.info.has_loss_mask;
+    e["hidden_states_prenorm"] = prenorm_json(s.info.hidden_states_prenorm);
     e["codec"] = s.info.codec;
     e["byte_offset"] = s.info.byte_offset;
     e["byte_size"] = s.info.byte_size;
@@ -240,6 +254,7 @@ std::string inspect_text(const InspectResult& r) {
     const RecordSummary& s = r.records[0];
     out += "conversation_id: " + s.info.conversation_id + "\n";
     out += "codec:           " + s.info.codec + "\n";
+    out += "norm form:       " + norm_text(s.info.hidden_states_prenorm) + "\n";
     out += "tensors:\n";
     for (const auto& t : s.tensors) {
       char line[512];
@@ -262,12 +277,13 @@ std::string inspect_text(const InspectResult& r) {
          " (FILE#conversation_id shows one)\n";
   for (const auto& s : r.records) {
     char line[512];
-    std::snprintf(line, sizeof line, "  %-24s tokens %-7lld H %-6lld aux %-7lld %-9s %s%s\n",
+    std::snprintf(line, sizeof line, "  %-24s tokens %-7lld H %-6lld aux %-7lld %-9s %s%s%s\n",
                   s.info.conversation_id.c_str(), static_cast<long long>(s.info.tokens),
                   static_cast<long long>(s.info.hidden_size),
                   static_cast<long long>(s.info.aux_width),
                   std::string(dtype_name(s.info.hidden_dtype)).c_str(), s.info.codec.c_str(),
-                  s.info.has_loss_mask ? " loss_mask" : "");
+                  s.info.has_loss_mask ? " loss_mask" : "",
+                  !s.info.hidden_states_prenorm ? "" : *s.info.hidden_states_prenorm ? " pre-norm" : " post-norm");
     out += line;
   }
   return out;

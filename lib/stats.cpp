@@ -77,6 +77,19 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
   }
   s.records = tokens.size();
   s.files = files.size();
+  if (!opts.skip_padding) {
+    std::vector<std::size_t> candidates;
+    for (std::size_t i = 0; i < index.size(); ++i)
+      if (padding_candidate(index.entry(i), false)) candidates.push_back(i);
+    s.padding = scan_padding(
+        index, candidates,
+        [&](std::size_t i) {
+          const std::string_view id = index.conversation_id(i);
+          return id.empty() ? std::string(index.file_path(i)) : std::string(id);
+        },
+        opts.jobs);
+    s.padding_scanned = true;
+  }
   std::sort(tokens.begin(), tokens.end());
   if (!tokens.empty()) {
     s.min_tokens = tokens.front();
@@ -151,6 +164,7 @@ std::string stats_to_json(const DatasetStats& s) {
             {"per_dtype", s.per_dtype},
             {"per_codec", s.per_codec},
             {"per_hidden_size", hidden}};
+  j["padding"] = s.padding_scanned ? json::parse(padding_to_json(s.padding)) : json(nullptr);
   if (s.has_plan)
     j["plan"] = {{"conversations", s.plan_conversations},
                  {"tokens_per_conversation", s.plan_tokens},
@@ -203,6 +217,7 @@ std::string stats_to_text(const DatasetStats& s) {
     if (s.per_hidden_size.size() > 1)
       os << "warning: mixed hidden sizes; `eaglekit validate` lists the odd records\n";
   }
+  if (s.padding_scanned) os << padding_text(s.padding);
   if (s.has_plan) {
     os << "plan: " << s.plan_conversations << " conversations x " << fixed(s.plan_tokens, 1)
        << " tokens = " << human_bytes(s.plan_bytes_raw) << " raw, about "

@@ -1,6 +1,8 @@
-// `eaglekit stats`: what a dataset index holds in numbers, from the index alone (no record
-// is opened): the token-count distribution, bytes on disk per token, records per format and
-// dtype, and a disk estimate for a planned dump of the same width.
+// `eaglekit stats`: what a dataset index holds in numbers, from the index (every ok record
+// of it; no conversations): the token-count distribution, bytes on disk per token, records
+// per format and dtype, and a disk estimate for a planned dump of the same width. The one
+// thing not in the index, SpecForge's batch padding (lib/validate.h scan_padding), is
+// measured by reading the torch.save records that hold a loss mask, unless skip_padding.
 //
 // Thread safety: pure functions of their arguments.
 // Throws: UsageError for bad options; what DatasetIndex accessors throw on a damaged index.
@@ -12,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "lib/validate.h"
+
 namespace eaglekit {
 
 class DatasetIndex;
@@ -19,6 +23,8 @@ class DatasetIndex;
 struct StatsOptions {
   std::int64_t plan_conversations = 0;  // > 0 (or plan_tokens > 0): estimate a planned dump
   double plan_tokens = 0;               // tokens per conversation; 0: the dataset's mean
+  bool skip_padding = false;            // true: open no record (no padding figures)
+  int jobs = 0;                         // threads reading records for the padding; 0: all cores
 };
 
 struct HistogramBin {
@@ -54,6 +60,8 @@ struct DatasetStats {
   double plan_tokens = 0;           // per conversation
   double plan_bytes_raw = 0;        // uncompressed, at the dataset's width and dtype
   double plan_bytes_on_disk = 0;    // at this dataset's measured bytes per token
+  bool padding_scanned = false;
+  PaddingReport padding;
 };
 
 DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts = {});

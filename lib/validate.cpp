@@ -164,6 +164,80 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
 
 }  // namespace
 
+bool padding_candidate(const IndexEntry& e, bool all_formats) {
+  return e.ok && e.has_loss_mask && e.tokens > 0 &&
+         (all_formats || e.format == Format::kPt || e.format == Format::kPtGzip);
+}
+
+PaddingReport scan_padding(const DatasetIndex& index, const std::vector<std::size_t>& entries,
+                           const std::function<std::string(std::size_t)>& name, int jobs) {
+  struct One {
+    std::int64_t tokens = 0, padding = 0;
+    std::string error;
+  };
+  std::vector<One> got(entries.size());
+  tbb::task_arena arena(jobs > 0 ? jobs : tbb::task_arena::automatic);
+  arena.execute([&] {
+    tbb::parallel_for(std::size_t{0}, entries.size(), [&](std::size_t k) {
+      const IndexEntry e = index.entry(entries[k]);
+      try {
+        const Record r = open_reader(std::string(index.file(e.file).path))->read(e.record);
+        got[k].tokens = r.tokens();
+        if (!r.loss_mask) return;
+        std::int64_t t = r.tokens();
+        while (t > 0 && r.input_ids.get(t - 1) == 0 && r.loss_mask->get(t - 1) == 0) --t;
+        got[k].padding = r.tokens() - t;
+      } catch (const std::exception& ex) {
+        got[k].error = ex.what();
+      }
+    });
+  });
+  PaddingReport p;
+  for (std::size_t k = 0; k < entries.size(); ++k) {
+    if (!got[k].error.empty()) {
+      p.unreadable.push_back(got[k].error);
+      continue;
+    }
+    ++p.scanned;
+    p.scanned_tokens += got[k].tokens;
+    if (got[k].padding == 0) continue;
+    p.padding_tokens += got[k].padding;
+    p.padded.push_back({name(entries[k]), got[k].tokens, got[k].padding});
+  }
+  return p;
+}
+
+std::string padding_text(const PaddingReport& p) {
+  if (p.padded.empty()) return "";
+  std::ostringstream os;
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.1f%%",
+                p.scanned_tokens > 0 ? 100.0 * static_cast<double>(p.padding_tokens) / static_cast<double>(p.scanned_tokens)
+                                     : 0.0);
+  os << "padded: " << p.padded.size() << " of " << p.scanned << " records read end in padding (input_ids 0 with "
+     << "loss_mask 0, as SpecForge pads a dump batch to its longest sample): " << p.padding_tokens
+     << " padding tokens, " << pct << " of their " << p.scanned_tokens << "\n";
+  for (std::size_t i = 0; i < p.padded.size() && i < kShow; ++i)
+    os << "  " << p.padded[i].id << ": " << p.padded[i].padding << " of " << p.padded[i].tokens << " tokens\n";
+  if (p.padded.size() > kShow) os << "  ... " << p.padded.size() - kShow << " more (--json lists all)\n";
+  os << "  hint: they train correctly (loss_mask keeps the padding out of the loss) but the padding costs "
+        "compute; `eaglekit convert` does not remove it\n";
+  return os.str();
+}
+
+static nlohmann::json padding_json(const PaddingReport& p) {
+  nlohmann::json padded = nlohmann::json::array();
+  for (const auto& r : p.padded) padded.push_back({{"id", r.id}, {"tokens", r.tokens}, {"padding", r.padding}});
+  return {{"scanned", p.scanned},
+          {"scanned_tokens", p.scanned_tokens},
+          {"padded_records", p.padded.size()},
+          {"padding_tokens", p.padding_tokens},
+          {"records", padded},
+          {"unreadable", p.unreadable}};
+}
+
+std::string padding_to_json(const PaddingReport& p) { return padding_json(p).dump(); }
+
 void write_validate_quarantine(ValidateReport& rep, const std::string& path) {
   write_quarantine(path, rep.quarantine_groups);
   std::unordered_set<std::string> ids;
@@ -173,52 +247,89 @@ void write_validate_quarantine(ValidateReport& rep, const std::string& path) {
 }
 
 ValidateReport validate_dataset(const ValidateOptions& o) {
-  if (o.data.empty()) throw UsageError("validate: --data CONVERSATIONS is required");
   if (o.index.empty()) throw UsageError("validate: --index INDEX is required");
   if (o.max_length < 0) throw UsageError("validate: --max-length must be >= 0");
   if (o.jobs < 0) throw UsageError("validate: --jobs must be >= 0");
 
   ValidateReport rep;
-  const std::vector<Conversation> convs = load_conversations(o.data);
+  const bool has_data = !o.data.empty();
+  const std::vector<Conversation> convs = has_data ? load_conversations(o.data) : std::vector<Conversation>{};
   const DatasetIndex index = DatasetIndex::load(o.index);
   rep.conversations = convs.size();
   rep.records = index.size();
   rep.deep = o.deep;
   rep.max_length = o.max_length;
 
-  const Dataset d = match_records(convs, index);
+  // The samples train would take: matched to the conversations (by id or row, as
+  // match_records decides), or without --data every usable record of the index.
+  Dataset d;
+  if (has_data) {
+    d = match_records(convs, index, {}, o.match_by);
+  } else {
+    try {
+      d = index_dataset(index);
+    } catch (const Error&) {
+      d.matched_by = "index";  // nothing usable: said below
+    }
+  }
+  rep.matched_by = d.matched_by;
+  const bool by_row = d.matched_by == "row";
   rep.matched = d.samples.size();
-  std::unordered_set<std::string_view> matched_ids;
-  matched_ids.reserve(d.samples.size());
+  // Matched entries by (file path, record): ids alone do not say which entry a row matched.
+  std::set<std::pair<std::string, std::uint32_t>> matched_at;
   for (const auto& s : d.samples) {
-    matched_ids.insert(s.conversation_id);
+    matched_at.emplace(d.files.at(s.file), s.record);
     rep.matched_tokens += s.tokens;
     if (o.max_length > 0 && s.tokens > o.max_length) {
       ++rep.truncated_records;
       rep.truncated_tokens += s.tokens - o.max_length;
     }
   }
+  std::vector<bool> matched_entry(index.size(), false);
+  for (std::size_t i = 0; i < index.size(); ++i)
+    matched_entry[i] = matched_at.count({std::string(index.file_path(i)), index.entry(i).record}) != 0;
 
-  std::unordered_map<std::string_view, std::size_t> conv_count, entry_count;
-  conv_count.reserve(convs.size());
-  for (const auto& c : convs) ++conv_count[c.id];
+  // The key an entry and a conversation meet on: the id, or with row matching the row
+  // (record data_12 is conversation 12). Without --data the records are the conversations.
+  std::vector<std::string> entry_key(index.size());
   for (std::size_t i = 0; i < index.size(); ++i) {
     const std::string_view id = index.conversation_id(i);
-    if (!id.empty()) ++entry_count[id];
+    if (!by_row) entry_key[i] = std::string(id);
+    else if (const auto row = row_of(id)) entry_key[i] = std::to_string(*row);
   }
+  std::vector<std::string> conv_key(convs.size());
+  for (std::size_t c = 0; c < convs.size(); ++c) conv_key[c] = by_row ? std::to_string(c) : convs[c].id;
+  std::unordered_map<std::string, std::size_t> conv_count, entry_count;
+  std::unordered_map<std::string, std::size_t> conv_of_key;  // key -> first conversation
+  conv_count.reserve(convs.size());
+  for (std::size_t c = 0; c < convs.size(); ++c) {
+    ++conv_count[conv_key[c]];
+    conv_of_key.emplace(conv_key[c], c);
+  }
+  for (std::size_t i = 0; i < index.size(); ++i)
+    if (!entry_key[i].empty()) ++entry_count[entry_key[i]];
+  // The id the loader knows an entry's sample by (what a quarantine file must name): the
+  // record's id, or with row matching its conversation's.
+  auto sample_id = [&](std::size_t i) -> std::string {
+    if (by_row) {
+      const auto it = conv_of_key.find(entry_key[i]);
+      if (it != conv_of_key.end()) return convs[it->second].id;
+    }
+    return std::string(index.conversation_id(i));
+  };
 
   // Conversations without any record, each id once, in conversation order.
   {
-    std::unordered_set<std::string_view> listed;
-    for (const auto& c : convs)
-      if (entry_count.count(c.id) == 0 && listed.insert(c.id).second) rep.missing.push_back(c.id);
+    std::unordered_set<std::string> listed;
+    for (std::size_t c = 0; c < convs.size(); ++c)
+      if (entry_count.count(conv_key[c]) == 0 && listed.insert(convs[c].id).second) rep.missing.push_back(convs[c].id);
   }
   {
     std::set<std::string> dups;
-    for (const auto& [id, n] : conv_count)
-      if (n > 1) dups.emplace(id);
-    for (const auto& [id, n] : entry_count)
-      if (n > 1) dups.emplace(id);
+    for (std::size_t c = 0; c < convs.size(); ++c)
+      if (conv_count[conv_key[c]] > 1) dups.emplace(convs[c].id);
+    for (std::size_t i = 0; i < index.size(); ++i)
+      if (!entry_key[i].empty() && entry_count[entry_key[i]] > 1) dups.emplace(sample_id(i));
     rep.duplicate_ids.assign(dups.begin(), dups.end());
   }
 
@@ -228,7 +339,7 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   auto tally = [&](bool matched_only) {
     for (std::size_t i = 0; i < index.size(); ++i) {
       const IndexEntry e = index.entry(i);
-      if (!e.ok || (matched_only && matched_ids.count(e.conversation_id) == 0)) continue;
+      if (!e.ok || (matched_only && !matched_entry[i])) continue;
       ++hidden_counts[e.hidden_size];
       ++aux_counts[e.aux_width];
       ++dtype_counts[e.hidden_dtype];
@@ -247,9 +358,9 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
 
   for (std::size_t i = 0; i < index.size(); ++i) {
     const IndexEntry e = index.entry(i);
-    const std::string id(e.conversation_id);
+    const std::string id = sample_id(i);
     const std::string name = id.empty() ? location(index, e) : id;
-    const bool matched = !id.empty() && matched_ids.count(e.conversation_id) != 0;
+    const bool matched = matched_entry[i];
     if (!e.ok) {
       if (e.error_kind == EntryError::kShape) {
         rep.shape_mismatch.push_back({name, std::string(e.error)});
@@ -260,7 +371,7 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
       }
       continue;
     }
-    if (id.empty() || conv_count.count(e.conversation_id) == 0) rep.orphans.push_back(name);
+    if (has_data && (entry_key[i].empty() || conv_count.count(entry_key[i]) == 0)) rep.orphans.push_back(name);
 
     std::string shape;
     if (e.hidden_size <= 0 || e.aux_width <= 0 || e.aux_width % e.hidden_size != 0)
@@ -334,7 +445,7 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
       const DeepResult& r = results[i];
       if (r.outcome == DeepOutcome::kOk) continue;
       const IndexEntry e = index.entry(i);
-      const std::string id(e.conversation_id);
+      const std::string id = sample_id(i);
       switch (r.outcome) {
         case DeepOutcome::kUnreadable:
           rep.unreadable.push_back({location(index, e), r.detail, id});
@@ -357,13 +468,22 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
     }
   }
 
+  {
+    std::vector<std::size_t> candidates;
+    for (std::size_t i = 0; i < index.size(); ++i)
+      if (matched_entry[i] && padding_candidate(index.entry(i), o.deep)) candidates.push_back(i);
+    rep.padding = scan_padding(index, candidates, sample_id, o.jobs);
+  }
+
   if (rep.matched == 0) {
     try {
-      match_dataset(convs, index);
+      if (has_data) match_dataset(convs, index, {}, o.match_by);
+      else index_dataset(index);
     } catch (const Error& e) {
       rep.fatal.push_back(e.what());
     }
-    if (rep.fatal.empty()) rep.fatal.push_back("no conversation matched a usable record");
+    if (rep.fatal.empty())
+      rep.fatal.push_back(has_data ? "no conversation matched a usable record" : "the index holds no usable record");
   }
   if (fatal_shape > 0)
     rep.fatal.push_back(std::to_string(fatal_shape) + " matched records do not have the dataset's shape (hidden size " +
@@ -410,6 +530,8 @@ std::string validate_report_to_json(const ValidateReport& r) {
             {"nonfinite", ids(r.nonfinite)},
             {"too_short", ids(r.too_short)},
             {"fatal", r.fatal}};
+  j["matched_by"] = r.matched_by;
+  j["padding"] = padding_json(r.padding);
   if (r.max_length > 0)
     j["truncation"] = {{"max_length", r.max_length},
                        {"records", r.truncated_records},
@@ -421,8 +543,12 @@ std::string validate_report_to_json(const ValidateReport& r) {
 
 std::string validate_report_to_text(const ValidateReport& r) {
   std::ostringstream os;
-  os << "conversations: " << r.conversations << ", records: " << r.records
-     << ", matched: " << r.matched << " (trainable samples)\n";
+  if (r.matched_by == "index")
+    os << "records: " << r.records << ", usable: " << r.matched
+       << " (trainable samples; no --data: every usable record of the index)\n";
+  else
+    os << "conversations: " << r.conversations << ", records: " << r.records << ", matched: " << r.matched
+       << " (trainable samples, matched by " << r.matched_by << ")\n";
   if (r.hidden_size > 0)
     os << "dataset: hidden size " << r.hidden_size << ", aux width " << r.aux_width << " ("
        << r.aux_width / r.hidden_size << " layers), " << dtype_name(r.dtype) << "\n";
@@ -468,6 +594,10 @@ std::string validate_report_to_text(const ValidateReport& r) {
           "they would turn the loss into NaN: re-dump them, or exclude them with --quarantine FILE");
   section("too_short", r.too_short.size(), "records have fewer than 2 tokens",
           lines_of(r.too_short), "nothing to predict in them; the loader skips them");
+  if (!r.padding.padded.empty()) {
+    ++warnings;
+    os << "\n" << padding_text(r.padding);
+  }
   if (r.max_length > 0) {
     os << "\ntruncation: --max-length " << r.max_length << " cuts " << r.truncated_records
        << " of " << r.matched << " matched records, dropping " << r.truncated_tokens << " of "

@@ -16,20 +16,56 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "formats/dtype.h"
+#include "formats/index_format.h"
+#include "lib/dataset.h"
 
 namespace eaglekit {
 
+// SpecForge pads each record to its dump batch's longest sample: after the last real token
+// come input_ids 0 with loss_mask 0 (its collator's zeros; docs/data.md, SpecForge
+// padding). Such records train correctly (the mask keeps the padding out of the loss) but
+// carry tokens that cost compute. A record counts as padded when it ends in at least one
+// token with input_id 0 and loss_mask 0; the padding is that trailing run.
+struct PaddedRecord {
+  std::string id;
+  std::int64_t tokens = 0;   // the record's, padding included
+  std::int64_t padding = 0;  // trailing tokens with input_id 0 and loss_mask 0
+};
+struct PaddingReport {
+  std::size_t scanned = 0;         // records read for it
+  std::int64_t scanned_tokens = 0;
+  std::int64_t padding_tokens = 0;
+  std::vector<PaddedRecord> padded;  // in index order
+  std::vector<std::string> unreadable;  // records that could not be read ("PATH: error")
+};
+// Reads index entries `entries` (those with a loss mask; others cannot be told) on `jobs`
+// threads (0: all cores) and measures their trailing padding. `name(i)` names entry i.
+PaddingReport scan_padding(const DatasetIndex& index, const std::vector<std::size_t>& entries,
+                           const std::function<std::string(std::size_t)>& name, int jobs = 0);
+// The entries scan_padding reads by default: ok records with a loss mask in the torch.save
+// formats (SpecForge writes .ckpt and .ckpt.gz), where reading costs little more than the
+// index did. `all_formats`: every format (validate --deep, which reads records anyway).
+bool padding_candidate(const IndexEntry& e, bool all_formats);
+// The text section both `stats` and `validate` print ("" when nothing is padded), and the
+// JSON object both carry: {"scanned", "scanned_tokens", "padded_records", "padding_tokens",
+// "records": [{"id", "tokens", "padding"}], "unreadable"}.
+std::string padding_text(const PaddingReport& p);
+std::string padding_to_json(const PaddingReport& p);
+
 struct ValidateOptions {
-  std::string data;         // conversations: .jsonl, folder of them, or a JSON array file
+  std::string data;         // conversations: .jsonl, folder of them, or a JSON array file;
+                            // empty: every usable record of the index (lib/dataset.h)
   std::string index;        // built by `eaglekit index`
   bool deep = false;        // read every value of every matched record (NaN/Inf, checksums)
   std::int64_t max_length = 0;  // > 0: report what truncation to this many tokens drops
   std::string quarantine;   // non-empty: write the ids to exclude here
+  MatchBy match_by = MatchBy::kAuto;  // with data: by id, by row (lib/dataset.h)
   int jobs = 0;             // threads for --deep; 0: all cores
   int progress = -1;        // -1: a progress line when stderr is a terminal
 };
@@ -52,6 +88,7 @@ struct ValidateReport {
   std::size_t conversations = 0;
   std::size_t records = 0;          // index entries, ok and bad
   std::size_t matched = 0;          // samples the loader would train on
+  std::string matched_by = "id";    // "id", "row", or "index" (no conversations)
   std::vector<std::string> missing;       // conversation ids with no record
   std::vector<std::string> orphans;       // records with no conversation (id, or path)
   std::vector<std::string> duplicate_ids; // twice in the conversations or in the records
@@ -72,6 +109,7 @@ struct ValidateReport {
   std::size_t truncated_records = 0;
   std::int64_t truncated_tokens = 0;
   std::int64_t matched_tokens = 0;
+  PaddingReport padding;            // over the matched records (padding_candidate)
   std::vector<std::string> fatal;   // why the dataset is not trainable (empty when ok)
   std::string quarantine_path;      // written when non-empty
   std::size_t quarantined = 0;      // ids written to it

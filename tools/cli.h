@@ -16,6 +16,7 @@
 #include "lib/data_options.h"
 #include "lib/options.h"
 #include "lib/validate.h"
+#include "trainer/options.h"
 
 namespace eaglekit {
 class Loader;
@@ -105,6 +106,7 @@ struct ValidateCli {
   std::string base;
   std::int64_t positions = 32;
   std::string device = "cpu";
+  trainer::HiddenStatesNorm hidden_states_norm = trainer::HiddenStatesNorm::kAuto;
   opt::Groups groups();
 };
 

@@ -1,4 +1,5 @@
-// eaglekit stats: token distribution, disk use and a disk estimate, from an index alone.
+// eaglekit stats: token distribution, disk use and a disk estimate from an index, and the
+// SpecForge batch padding of its torch.save records.
 #include <iostream>
 #include <optional>
 #include <string>
@@ -23,6 +24,10 @@ int run_stats(int argc, char** argv) {
                         "Estimate the disk a dump of N conversations takes"),
                   opt::note(field("plan_tokens", "T", o.plan_tokens, "Tokens per conversation in that dump"),
                             "this dataset's mean"),
+                  field("skip_padding", "", o.skip_padding,
+                        "Open no record: leave out the count of SpecForge batch padding (read from the "
+                        "torch.save records that hold a loss mask)"),
+                  opt::short_named(field("jobs", "N", o.jobs, "Threads reading records (0: all cores)"), 'j'),
                   field("json", "", json, "Machine-readable output")}}};
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " --index FILE [OPTIONS]",

@@ -14,7 +14,7 @@ namespace eaglekit::tools {
 
 opt::Groups ValidateCli::groups() {
   using opt::field;
-  return {data_options(data).only({"data", "index"}),
+  return {data_options(data).only({"data", "index", "match_by"}),
           opt::Group{"Validate",
                      {field("deep", "", options.deep, "Read every value of every matched record: NaN/Inf, checksums, shapes"),
                       field("max_length", "L", options.max_length,
@@ -29,6 +29,11 @@ opt::Groups ValidateCli::groups() {
                             "measure how often argmax equals the next token, as post- and pre-norm states; report "
                             "the dump's norm form and the records that agree far less than the rest"),
                       field("positions", "N", positions, "Positions sampled per record for --base"),
+                      opt::choice("hidden_states_norm", hidden_states_norm,
+                                  {{trainer::HiddenStatesNorm::kPost, "post"}, {trainer::HiddenStatesNorm::kPre, "pre"},
+                                   {trainer::HiddenStatesNorm::kAuto, "auto"}},
+                                  "The form --base reads records that state none in (a record's stored "
+                                  "hidden_states_prenorm wins): post, pre, or auto: the form the dataset measures as"),
                       field("device", "NAME", device, "Where --base's head runs: cpu, cuda or cuda:N")}}};
 }
 
@@ -36,17 +41,17 @@ int run_validate(int argc, char** argv) {
   ValidateCli v;
   const opt::Groups groups = v.groups();
   const std::optional<CommandLine> cl = parse_or_help(
-      argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE [--base DIR] [OPTIONS]",
-      "Check records against the conversations and against each other. Exit 0: trainable as "
-      "is (warnings listed); 1: not trainable.");
+      argc, argv, groups, std::string(argv[0]) + " [--data PATH] --index FILE [--base DIR] [OPTIONS]",
+      "Check records against the conversations (without --data: every usable record of the index) and "
+      "against each other. Exit 0: trainable as is (warnings listed); 1: not trainable.");
   if (!cl) return 0;
-  if (!cl->given("data")) throw UsageError("--data CONVERSATIONS is required");
   if (!cl->given("index")) throw UsageError("--index INDEX is required (build one with eaglekit index)");
   cl->apply();
   if (!v.base.empty()) throw UsageError("--base runs in eaglekit-torch: call it through eaglekit");
   ValidateOptions& o = v.options;
   o.data = v.data.data;
   o.index = v.data.index;
+  o.match_by = v.data.match_by;
   o.progress = stderr_is_tty() ? 1 : 0;
   const ValidateReport report = validate_dataset(o);
   std::cout << (v.json ? validate_report_to_json(report) : validate_report_to_text(report));

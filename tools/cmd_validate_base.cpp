@@ -22,12 +22,12 @@ int run_validate_base(int argc, char** argv) {
   const opt::Groups groups = v.groups();
   const CommandLine cl = parse_command_line(argc, argv, groups);
   if (cl.help || !cl.given("base")) return run_validate(argc, argv);
-  if (!cl.given("data")) throw UsageError("--data CONVERSATIONS is required");
   if (!cl.given("index")) throw UsageError("--index INDEX is required (build one with eaglekit index)");
   cl.apply();
   ValidateOptions o = v.options;
   o.data = v.data.data;
   o.index = v.data.index;
+  o.match_by = v.data.match_by;
   o.quarantine.clear();  // written below, with the semantic suspects
   o.progress = stderr_is_tty() ? 1 : 0;
   ValidateReport report = validate_dataset(o);
@@ -48,6 +48,9 @@ int run_validate_base(int argc, char** argv) {
     so.positions = v.positions;
     so.jobs = o.jobs;
     so.device = v.device;
+    so.unstated_form = v.hidden_states_norm == trainer::HiddenStatesNorm::kAuto  ? -1
+                       : v.hidden_states_norm == trainer::HiddenStatesNorm::kPre ? 1
+                                                                                 : 0;
     const trainer::SemanticReport s = trainer::semantic_check(data.dataset, data.samples, base, so);
     std::vector<std::string> suspects;
     for (const auto& r : s.suspects) suspects.push_back(r.id);

@@ -162,9 +162,10 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   if (data.samples.empty())
     throw UsageError("the " + o.split + " split is empty (" + data.summary + "); try --split all");
 
+  const NormPlan norm = plan_hidden_states_norm(o.hidden_states_norm, data.samples);
   BaseLoadOptions bo;
   bo.device = device;
-  bo.final_norm = o.hidden_states_norm == HiddenStatesNorm::kPre;
+  bo.final_norm = norm.any_pre;
   const BaseModel base = load_base_model(o.base, bo);
   DraftSource source;
   DraftModel draft = load_draft(draft_dir, &source);
@@ -191,13 +192,15 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   to.steps = o.ttt_steps;
   to.loss_decay = o.loss_decay;
   to.autocast = autocast;
-  to.prenorm_hidden_states = o.hidden_states_norm == HiddenStatesNorm::kPre;
+  to.prenorm_hidden_states = norm.default_pre;
   TttUnroll unroll(base, draft, to);
 
   Progress progress("evaluate", loader.steps_in_epoch(), o.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;
   report.loss_decay = o.loss_decay;
   report.summary = data.summary + "\ndraft: " + draft_dir + " (" + source.layout + ")";
+  for (const auto& w : norm.warnings) report.summary += "\nwarning: " + w;
+  report.summary += "\n" + norm.said;
   report.samples = static_cast<std::int64_t>(data.samples.size());
   report.stats = evaluate_loader(unroll, loader, &m, o.max_batches, [&](const TttStats&) { progress.add(1); });
   progress.finish();

@@ -46,11 +46,14 @@ opt::Group model_options(ModelOptions& m) {
               field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
               field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
               opt::choice("hidden_states_norm", m.hidden_states_norm,
-                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}},
+                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"},
+                           {HiddenStatesNorm::kAuto, "auto"}},
                           "Whether the dump's hidden_states come after the base's final norm (post: HF "
                           "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
-                          "layer's output; the base's final RMSNorm is applied before lm_head). eaglekit "
-                          "validate --base measures which one a dump is"),
+                          "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
+                          "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
+                          "auto: the stated forms, post when no record states one (said), an error when only "
+                          "some do. eaglekit validate --base measures which one a dump is"),
           }};
 }
 

@@ -27,7 +27,9 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // Where a dump took the last layer's hidden states (the targets' input): after the base's
 // final norm (post: what Hugging Face's output_hidden_states[-1] holds, ModelOpt's HF
 // dumper, SpecForge) or before it (pre: the last decoder layer's output).
-enum class HiddenStatesNorm { kPost, kPre };
+// auto: the form each record states, else post-norm when none states one (trainer/run_setup.h
+// plan_hidden_states_norm).
+enum class HiddenStatesNorm { kPost, kPre, kAuto };
 
 struct ModelOptions {
   std::string base;                          // Hugging Face base model folder
@@ -40,7 +42,7 @@ struct ModelOptions {
   bool allow_unservable = false;             // train (and write final/ for) a draft no engine computes
   std::int64_t ttt_steps = 3;
   double loss_decay = 0.9;
-  HiddenStatesNorm hidden_states_norm = HiddenStatesNorm::kPost;
+  HiddenStatesNorm hidden_states_norm = HiddenStatesNorm::kAuto;
 };
 
 struct OptimOptions {

@@ -12,6 +12,7 @@
 #include "lib/loader.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
+#include "trainer/run_setup.h"
 #include "trainer/draft_setup.h"
 #include "trainer/export.h"
 #include "trainer/train.h"
@@ -76,16 +77,21 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.notes = bc.defaults_applied;
   for (auto& n : p.notes) n = o.base + "/config.json: " + n;
   p.vocab_size = bc.vocab_size;
-  p.notes.push_back(o.hidden_states_norm == HiddenStatesNorm::kPre
-                        ? "hidden states taken as pre-norm (--hidden-states-norm pre)"
-                        : "hidden states taken as post-norm (--hidden-states-norm post, the default)");
 
   DataSelection sel = o;
   sel.split = "train";
   const SelectedData train = select_data(sel);
   if (train.samples.empty()) throw UsageError("the train split is empty (" + train.summary + ")");
   sel.split = "eval";
-  p.eval_samples = static_cast<std::int64_t>(select_data(sel).samples.size());
+  const SelectedData eval = select_data(sel);
+  p.eval_samples = static_cast<std::int64_t>(eval.samples.size());
+  {
+    std::vector<SampleRef> all = train.samples;
+    all.insert(all.end(), eval.samples.begin(), eval.samples.end());
+    const NormPlan norm = plan_hidden_states_norm(o.hidden_states_norm, all);
+    for (const auto& w : norm.warnings) p.notes.push_back("warning: " + w);
+    p.notes.push_back(norm.said);
+  }
   p.summary = train.summary;
   p.train_samples = static_cast<std::int64_t>(train.samples.size());
   for (const auto& s : train.samples) p.tokens_per_epoch += std::min(s.tokens, o.max_length);

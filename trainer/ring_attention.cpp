@@ -477,6 +477,7 @@ TttBatch shard_batch(const TttBatch& full, int cp_size, int cp_rank) {
   b.aux_hidden_states = cut(full.aux_hidden_states);
   b.document_ids = cut(full.document_ids);
   b.position_ids = cut(full.position_ids);
+  b.hidden_states_prenorm = cut(full.hidden_states_prenorm);
   return b;
 }
 

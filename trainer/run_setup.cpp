@@ -31,6 +31,59 @@ std::optional<c10::ScalarType> autocast_type(ComputeDType dtype) {
   return std::nullopt;
 }
 
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples) {
+  NormPlan p;
+  const SampleRef* first_pre = nullptr;
+  const SampleRef* first_post = nullptr;
+  const SampleRef* first_unstated = nullptr;
+  for (const auto& s : samples) {
+    if (!s.hidden_states_prenorm) {
+      ++p.unstated;
+      if (!first_unstated) first_unstated = &s;
+    } else if (*s.hidden_states_prenorm) {
+      ++p.stated_pre;
+      if (!first_pre) first_pre = &s;
+    } else {
+      ++p.stated_post;
+      if (!first_post) first_post = &s;
+    }
+  }
+  const std::int64_t stated = p.stated_pre + p.stated_post;
+  const std::string counts = std::to_string(p.stated_pre) + " pre-norm, " + std::to_string(p.stated_post) +
+                             " post-norm, " + std::to_string(p.unstated) + " not stated";
+  if (option == HiddenStatesNorm::kAuto) {
+    if (stated > 0 && p.unstated > 0)
+      throw UsageError("--hidden-states-norm auto: " + std::to_string(stated) + " records state their norm form but " +
+                       std::to_string(p.unstated) + " do not (e.g. '" + first_unstated->conversation_id +
+                       "'; " + counts + "): pass --hidden-states-norm post or pre for the ones that do not "
+                       "(stated forms still win; `eaglekit validate --base` measures which)");
+    p.default_pre = false;
+    p.said = stated > 0 ? "hidden states in the form each record states (" + counts +
+                              "): the base's final RMSNorm is applied before lm_head to the pre-norm ones"
+                        : "hidden states taken as post-norm (--hidden-states-norm auto and no record states its "
+                          "form; pass --hidden-states-norm pre for a dump taken before the base's final norm, e.g. "
+                          "ModelOpt's vLLM path; `eaglekit validate --base` measures which)";
+  } else {
+    p.default_pre = option == HiddenStatesNorm::kPre;
+    const char* name = p.default_pre ? "pre" : "post";
+    const std::int64_t against = p.default_pre ? p.stated_post : p.stated_pre;
+    if (against > 0) {
+      const SampleRef* e = p.default_pre ? first_post : first_pre;
+      p.warnings.push_back(std::string("--hidden-states-norm ") + name + " contradicts " + std::to_string(against) +
+                           " of " + std::to_string(samples.size()) + " records, which state " +
+                           (p.default_pre ? "post" : "pre") + "-norm (e.g. '" + e->conversation_id +
+                           "'): they are trained in their stated form, and the option applies only to the " +
+                           std::to_string(p.unstated) + " that state none");
+    }
+    p.said = std::string("hidden states taken as ") + name + "-norm (--hidden-states-norm " + name + ")" +
+             (stated > 0 ? " where the record states no form (" + counts + ")" : std::string()) +
+             (p.default_pre || p.stated_pre > 0 ? ": the base's final RMSNorm is applied before lm_head to the pre-norm ones"
+                                                : "");
+  }
+  p.any_pre = p.stated_pre > 0 || (p.default_pre && p.unstated > 0);
+  return p;
+}
+
 TttBatch to_ttt_batch(const Batch& batch) {
   TttBatch t;
   t.input_ids = batch.input_ids;
@@ -40,6 +93,7 @@ TttBatch to_ttt_batch(const Batch& batch) {
   t.aux_hidden_states = batch.aux_hidden_states;
   t.document_ids = batch.document_ids;
   t.position_ids = batch.position_ids;
+  t.hidden_states_prenorm = batch.hidden_states_prenorm;
   return t;
 }
 

@@ -33,6 +33,23 @@ c10::Device parse_device(const std::string& name);
 // kFloat32 -> nullopt (no autocast); kBFloat16 -> kBFloat16 (autocast).
 std::optional<c10::ScalarType> autocast_type(ComputeDType dtype);
 
+// How a run takes its records' norm forms (docs/data.md, pre- and post-norm dumps). A
+// record's stated form (SampleRef::hidden_states_prenorm, from the index) always wins;
+// --hidden-states-norm gives the form of the records that state none:
+// - post / pre: that form; records that state the other one are named in `warnings`
+//   (counts and an example id) and still trained in their stated form;
+// - auto: the stated forms when every record states one; post-norm (what Hugging Face's
+//   hidden_states[-1] and ModelOpt's reader default to), said in `said`, when none does;
+//   a UsageError when some do and some do not, saying what to pass.
+struct NormPlan {
+  bool default_pre = false;  // TttOptions::prenorm_hidden_states: records that state no form
+  bool any_pre = false;      // some record is taken as pre-norm: load the base's final norm
+  std::int64_t stated_pre = 0, stated_post = 0, unstated = 0;
+  std::string said;                   // one line for the user
+  std::vector<std::string> warnings;  // contradictions between the option and stated forms
+};
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples);
+
 // The loader's batch as the unroll takes it (tensors shared, not copied).
 TttBatch to_ttt_batch(const Batch& batch);
 

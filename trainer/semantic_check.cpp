@@ -152,8 +152,8 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
         rec.agree_post += pp[r] == n[r];
         if (pr) {
           rec.agree_pre += pr[r] == n[r];
-          rep.post_only += pp[r] == n[r] && pr[r] != n[r];
-          rep.pre_only += pr[r] == n[r] && pp[r] != n[r];
+          rec.post_only += pp[r] == n[r] && pr[r] != n[r];
+          rec.pre_only += pr[r] == n[r] && pp[r] != n[r];
         }
         // Shifted ids: either form's argmax equal to ids[t] or to ids[t + 2].
         const std::int64_t a = pp[r], c = pr ? pr[r] : pp[r];
@@ -164,9 +164,13 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   }
   for (std::size_t i = 0; i < samples.size(); ++i) {
     per[i].id = samples[i].conversation_id;
+    per[i].stated = samples[i].hidden_states_prenorm;
+    if (per[i].stated) ++(*per[i].stated ? rep.stated_pre : rep.stated_post);
     rep.positions += per[i].positions;
     rep.agree_post += per[i].agree_post;
     rep.agree_pre += per[i].agree_pre;
+    rep.post_only += per[i].post_only;
+    rep.pre_only += per[i].pre_only;
   }
   rep.records = static_cast<std::int64_t>(samples.size());
   const double n = static_cast<double>(std::max<std::int64_t>(rep.positions, 1));
@@ -179,9 +183,19 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   else if (z > 4) rep.norm_form = "post";
   else if (z < -4) rep.norm_form = "pre";
   else rep.norm_form = "unclear";
-  const bool use_pre = rep.norm_form == "pre";
-  // Per-record counts are read in the named form (post when unclear), against that form's rate.
-  const double rate = use_pre ? r_pre : r_post;
+  // Each record is read in its stated form, else in the one the options name, else in the
+  // detected form (post when unclear); against the pooled rate of the records read in that form.
+  const bool detected_pre = rep.norm_form == "pre";
+  std::int64_t pos_in[2] = {0, 0}, agree_in[2] = {0, 0};
+  for (auto& r : per) {
+    r.measured_pre = r.stated ? *r.stated : o.unstated_form >= 0 ? o.unstated_form == 1 : detected_pre;
+    if (r.measured_pre && !has_norm) r.measured_pre = false;  // nothing else can be measured
+    pos_in[r.measured_pre] += r.positions;
+    agree_in[r.measured_pre] += r.measured_pre ? r.agree_pre : r.agree_post;
+  }
+  auto rate_of = [&](bool pre) {
+    return pos_in[pre] > 0 ? static_cast<double>(agree_in[pre]) / static_cast<double>(pos_in[pre]) : 0.0;
+  };
   if (rep.positions > 0 && std::max(r_post, r_pre) < std::max(5.0 * rep.chance, 0.02)) {
     std::ostringstream os;
     os << "argmax(lm_head(h[t])) equals the next token on " << 100.0 * std::max(r_post, r_pre)
@@ -192,9 +206,32 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   std::vector<double> rates;
   for (auto& r : per) {
     if (r.positions == 0) continue;
+    const bool use_pre = r.measured_pre;
+    const double rate = rate_of(use_pre);
     const std::int64_t k = use_pre ? r.agree_pre : r.agree_post;
     rates.push_back(static_cast<double>(k) / static_cast<double>(r.positions));
     if (!rep.problems.empty()) continue;  // the whole dump disagrees: no per-record outliers
+    if ((r.stated || o.unstated_form >= 0) && has_norm) {
+      // A form named for it (its flag, or the option) that its states contradict: the other
+      // form right clearly more often on the positions where exactly one is (McNemar).
+      const std::int64_t only_this = use_pre ? r.pre_only : r.post_only;
+      const std::int64_t only_other = use_pre ? r.post_only : r.pre_only;
+      const double z = static_cast<double>(only_other - only_this) /
+                       std::sqrt(static_cast<double>(std::max<std::int64_t>(only_other + only_this, 1)));
+      if (z > 4) {
+        const char* named = use_pre ? "pre" : "post";
+        const char* other = use_pre ? "post" : "pre";
+        std::ostringstream os;
+        os << (r.stated ? "it states " : "it is read as ") << named << "-norm hidden states"
+           << (r.stated ? "" : " (--hidden-states-norm)") << ", but of " << r.positions
+           << " sampled positions " << only_other << " predict the next token only as " << other << "-norm and "
+           << only_this << " only as " << named << "-norm: "
+           << (r.stated ? "its hidden_states_prenorm flag is wrong" : "it is in the other form");
+        r.reason = os.str();
+        rep.suspects.push_back(r);
+        continue;
+      }
+    }
     if (log_binomial_cdf(k, r.positions, rate) >= std::log(o.tail)) continue;
     std::ostringstream os;
     os << "its hidden states predict the next token on " << k << " of " << r.positions
@@ -222,6 +259,8 @@ std::string SemanticReport::to_json() const {
   j["agreement_post"] = agree_post / n;
   j["agreement_pre"] = has_final_norm ? nlohmann::ordered_json(agree_pre / n) : nlohmann::ordered_json(nullptr);
   j["norm_form"] = norm_form;
+  j["stated_pre"] = stated_pre;
+  j["stated_post"] = stated_post;
   j["chance"] = chance;
   j["post_only"] = post_only;
   j["pre_only"] = pre_only;
@@ -232,6 +271,7 @@ std::string SemanticReport::to_json() const {
                  {"positions", r.positions},
                  {"agree_post", r.agree_post},
                  {"agree_pre", r.agree_pre},
+                 {"stated", r.stated ? nlohmann::ordered_json(*r.stated ? "pre" : "post") : nlohmann::ordered_json(nullptr)},
                  {"reason", r.reason}});
   j["suspects"] = s;
   j["problems"] = problems;
@@ -247,11 +287,14 @@ std::string SemanticReport::to_text() const {
   if (has_final_norm) os << ", " << 100.0 * agree_pre / n << "% as pre-norm (final RMSNorm applied)";
   os << "; chance " << 100.0 * chance << "%\n";
   if (norm_form == "post")
-    os << "  norm form: post (hidden states after the final norm; train with --hidden-states-norm post, the default)\n";
+    os << "  norm form: post (hidden states after the final norm; what train takes for records that state no form)\n";
   else if (norm_form == "pre")
     os << "  norm form: pre (hidden states before the final norm): train with --hidden-states-norm pre\n";
   else
     os << "  norm form: unclear" << (has_final_norm ? " (both forms agree about as often)" : " (the base holds no model.norm.weight)") << "\n";
+  if (stated_pre + stated_post > 0)
+    os << "  stated by the records (hidden_states_prenorm): " << stated_pre << " pre-norm, " << stated_post
+       << " post-norm; those are measured in their stated form\n";
   os << "  per record: p10 " << 100 * p10 << "%, median " << 100 * median << "%, p90 " << 100 * p90 << "%\n";
   for (const auto& p : problems) os << "  problem: " << p << "\n";
   os << "  suspects: " << suspects.size() << "\n";

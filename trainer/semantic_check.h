@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,12 @@ struct SemanticOptions {
   double tail = 1e-6;           // binomial tail probability below which a record is a suspect
   int jobs = 0;                 // reader threads; 0: all cores
   std::string device = "cpu";   // where the head runs
+  // The form each record is measured in: its stated one (SampleRef::hidden_states_prenorm)
+  // when it states one; else this: -1 the form detected over the dataset (post when
+  // unclear), 0 post, 1 pre. A record read in a form its flag or this option names whose
+  // states predict clearly better in the other form (McNemar's z > 4 over its own
+  // positions) is a suspect.
+  int unstated_form = -1;
 };
 
 struct SemanticRecord {
@@ -48,6 +55,9 @@ struct SemanticRecord {
   std::int64_t agree_post = 0, agree_pre = 0;
   std::int64_t agree_same = 0;   // argmax == input_ids[t] (ids shifted one way)
   std::int64_t agree_skip = 0;   // argmax == input_ids[t + 2] (the other way)
+  std::int64_t post_only = 0, pre_only = 0;  // positions only that form gets right
+  std::optional<bool> stated;    // the record's stated form (true pre-norm)
+  bool measured_pre = false;     // the form its agreement is read in
   std::string reason;            // for suspects, in words
 };
 
@@ -57,6 +67,7 @@ struct SemanticReport {
   std::int64_t post_only = 0, pre_only = 0;    // positions only that form gets right
   bool has_final_norm = false;                 // the base holds model.norm.weight (pre is measured)
   std::string norm_form;                       // "post", "pre", or "unclear"
+  std::int64_t stated_pre = 0, stated_post = 0;  // records that state their form
   double chance = 0;                           // 1 / vocab_size
   double p10 = 0, median = 0, p90 = 0;         // per-record agreement in the detected form
   std::vector<SemanticRecord> suspects;

@@ -167,11 +167,6 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   SelectedData train_data = select_data(sel);
   if (train_data.samples.empty()) throw UsageError("the train split is empty (" + train_data.summary + ")");
   say(train_data.summary);
-  say(opts.hidden_states_norm == HiddenStatesNorm::kPre
-          ? "hidden states taken as before the base's final norm (--hidden-states-norm pre): its RMSNorm is "
-            "applied before lm_head"
-          : "hidden states taken as after the base's final norm (--hidden-states-norm post, the default); "
-            "`eaglekit validate --base` measures which form a dump is");
   std::optional<SelectedData> eval_data;
   if (opts.eval_every >= 0) {
     sel.split = "eval";
@@ -181,6 +176,11 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       eval_data.reset();
     }
   }
+  std::vector<SampleRef> run_samples = train_data.samples;
+  if (eval_data) run_samples.insert(run_samples.end(), eval_data->samples.begin(), eval_data->samples.end());
+  const NormPlan norm = plan_hidden_states_norm(opts.hidden_states_norm, run_samples);
+  for (const auto& w : norm.warnings) say("warning: " + w);
+  say(norm.said);
 
   LoaderOptions lo = loader_options(opts, mesh.dp_rank(), mesh.dp_size(), mesh.cp_rank(), mesh.cp_size());
   lo.sampler.epochs = epochs;
@@ -190,7 +190,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   // --- base and draft ---
   BaseLoadOptions bo;
   bo.device = device;
-  bo.final_norm = opts.hidden_states_norm == HiddenStatesNorm::kPre;
+  bo.final_norm = norm.any_pre;
   const BaseModel base = load_base_model(opts.base, bo);
   const BaseConfig& bc = base.config;
   for (const auto& d : bc.defaults_applied) say(opts.base + "/config.json: " + d);
@@ -201,7 +201,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   to.steps = steps_s;
   to.loss_decay = opts.loss_decay;
   to.autocast = autocast;
-  to.prenorm_hidden_states = opts.hidden_states_norm == HiddenStatesNorm::kPre;
+  to.prenorm_hidden_states = norm.default_pre;
   to.loss_chunk_rows = opts.loss_chunk_tokens;
   TttUnroll unroll(base, draft, to);
   const auto named = draft.named_parameters();

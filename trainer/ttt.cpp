@@ -439,11 +439,12 @@ TttUnroll::TttUnroll(const BaseModel& base, DraftModel draft, TttOptions options
   // and were rounded to bf16 before the softmax.
   impl_->target_head =
       base.lm_head.detach().to(device).index_select(0, impl_->draft.draft_to_target()).to(impl_->draft.dtype());
-  if (options.prenorm_hidden_states) {
-    if (!base.final_norm.defined())
-      throw UsageError("--hidden-states-norm pre: the base in " + (base.path.empty() ? std::string("memory") : base.path) +
-                       " holds no final norm weight (model.norm.weight); it is needed to turn pre-norm hidden "
-                       "states into the base's logits");
+  if (options.prenorm_hidden_states && !base.final_norm.defined())
+    throw UsageError("--hidden-states-norm pre: the base in " + (base.path.empty() ? std::string("memory") : base.path) +
+                     " holds no final norm weight (model.norm.weight); it is needed to turn pre-norm hidden "
+                     "states into the base's logits");
+  // Held whenever the base has it: records that state pre-norm need it whatever the default.
+  if (base.final_norm.defined()) {
     impl_->final_norm = base.final_norm.detach().to(device, at::kFloat);
     impl_->final_norm_eps = base.config.rms_norm_eps;
   }
@@ -511,12 +512,27 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     at::NoGradGuard no_grad;
     emb = at::embedding(impl_->embed_tokens, cx.shift_left(ids)).to(dtype);
     // Target at position t: the base distribution of hidden state t + 1 over the draft vocab.
-    at::Tensor hs_next = cx.shift_left(batch.hidden_states.to(device));
-    if (impl_->final_norm.defined()) {
-      // The base's final RMSNorm, in float32 (docs/draft.md, pre- and post-norm dumps).
-      const at::Tensor x = hs_next.to(at::kFloat);
-      hs_next = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
+    // Pre-norm tokens first go through the base's final RMSNorm, in float32 (docs/draft.md,
+    // pre- and post-norm dumps): every token when the run's default is pre, else those
+    // whose record states pre-norm (a stated form wins over the default).
+    at::Tensor hs = batch.hidden_states.to(device);
+    const bool default_pre = impl_->options.prenorm_hidden_states;
+    at::Tensor pre;  // [B, L] bool; undefined: every token takes default_pre
+    if (batch.hidden_states_prenorm.defined()) {
+      check(batch.hidden_states_prenorm, "hidden_states_prenorm", {b, n});
+      const at::Tensor f = batch.hidden_states_prenorm.to(device, at::kLong);
+      pre = default_pre ? f != 0 : f == 1;
     }
+    const bool any_pre = pre.defined() ? pre.any().item<bool>() : default_pre;
+    if (any_pre) {
+      if (!impl_->final_norm.defined())
+        throw UsageError("TTT batch: records state pre-norm hidden states but the base was loaded without its "
+                         "final norm weight (model.norm.weight)");
+      const at::Tensor x = hs.to(at::kFloat);
+      const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
+      hs = pre.defined() ? at::where(pre.unsqueeze(-1), normed, x) : normed;
+    }
+    at::Tensor hs_next = cx.shift_left(hs);
     const at::Tensor target_logits =
         at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
     p_target = at::softmax(target_logits, -1);

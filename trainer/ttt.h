@@ -146,6 +146,10 @@ struct TttBatch {
   at::Tensor aux_hidden_states;
   at::Tensor document_ids;
   at::Tensor position_ids;
+  // Per token [B, L] (any integer dtype): 1 the hidden state is pre-norm, 0 post-norm, -1
+  // not stated, which takes TttOptions::prenorm_hidden_states. Undefined: every token
+  // takes it (lib/collate.h Batch::hidden_states_prenorm).
+  at::Tensor hidden_states_prenorm;
 };
 
 struct TttOptions {
@@ -156,7 +160,8 @@ struct TttOptions {
   std::optional<c10::ScalarType> autocast;
   // The batch's hidden_states were taken before the base's final norm: the targets apply
   // that RMSNorm (BaseModel::final_norm, eps rms_norm_eps) before lm_head. The base must
-  // hold the norm's weight.
+  // hold the norm's weight. Tokens whose TttBatch::hidden_states_prenorm is 0 or 1 follow
+  // that instead; a batch with a pre-norm token needs the weight too (UsageError).
   bool prenorm_hidden_states = false;
   // Rows of a step's lm_head + soft cross-entropy computed at a time (trainer/soft_ce.h):
   // -1 auto (auto_loss_chunk_rows), 0 all at once (the logits of the step kept whole).

@@ -672,3 +672,75 @@ TEST_CASE("eks: an absurd tensor shape in the index fails its record before any 
   CHECK(msg.find(": shape 40 x ... is too large") != std::string::npos);
   check_same(r->read(0), recs[0]);
 }
+
+// The stated norm form (Record::hidden_states_prenorm): a hidden_norm byte per index entry
+// behind header flag 1, only when some record states one.
+TEST_CASE("eks: records keep their stated norm form; shards where none states one are unchanged") {
+  test::TempDir d("eks");
+  Record pre = make_record("pre", 9, 8, 2, DType::kBFloat16, 71);
+  Record post = make_record("post", 5, 8, 2, DType::kBFloat16, 72);
+  Record unstated = make_record("unstated", 6, 8, 2, DType::kBFloat16, 73);
+  pre.hidden_states_prenorm = true;
+  post.hidden_states_prenorm = false;
+  write_shard(d / "flags.eks", {pre, post, unstated}, small_blocks());
+  write_shard(d / "plain.eks", {unstated}, small_blocks());
+  const auto flags = test::read_bytes(d / "flags.eks");
+  const auto plain = test::read_bytes(d / "plain.eks");
+  CHECK(load_le16(&flags[10]) == 1);
+  CHECK(load_le16(&plain[10]) == 0);  // what older builds write and read
+  const auto r = EksReader::open(d / "flags.eks");
+  CHECK(r->info(0).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(r->info(1).hidden_states_prenorm == std::optional<bool>(false));
+  CHECK_FALSE(r->info(2).hidden_states_prenorm.has_value());
+  CHECK(r->read(0).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(r->read_prefix(1, 2).hidden_states_prenorm == std::optional<bool>(false));
+  CHECK_FALSE(r->read(2).hidden_states_prenorm.has_value());
+  check_same(r->read(0), pre);
+  check_same(r->read(2), unstated);
+  CHECK_FALSE(EksReader::open(d / "plain.eks")->read(0).hidden_states_prenorm.has_value());
+
+  // An independent reading of the documented bytes: flag 1, then a hidden_norm byte after
+  // each entry's codec byte (2 pre, 1 post, 0 not stated).
+  const auto py = test::python(R"PY(
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+(flags,) = struct.unpack_from("<H", b, 10)
+io, = struct.unpack_from("<Q", b, len(b) - 32)
+p = io
+(n,) = struct.unpack_from("<I", b, p); p += 4
+out = []
+for r in range(n):
+    (l,) = struct.unpack_from("<H", b, p); p += 2
+    cid = b[p:p + l].decode(); p += l
+    off, size, tokens, codec, norm, nt = struct.unpack_from("<QQqBBB", b, p); p += 27
+    for _ in range(nt):
+        role, dt, tr, nd = struct.unpack_from("<BBBB", b, p); p += 4 + 8 * nd
+        rpb, nb = struct.unpack_from("<II", b, p); p += 8 + 20 * nb
+    out.append("%s=%d" % (cid, norm))
+print(flags, " ".join(out))
+)PY", {d / "flags.eks"});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  CHECK(py.out == "1 pre=2 post=1 unstated=0\n");
+
+  SUBCASE("an unknown hidden_norm value fails that record only") {
+    auto b = flags;
+    // Record 0's hidden_norm byte follows its codec byte.
+    std::uint64_t p = load_le64(&b[b.size() - 32]) + 4;
+    p += 2 + load_le16(&b[p]) + 24 + 1;
+    b[p] = 7;
+    reseal(b);
+    test::write_bytes(d / "norm.eks", b);
+    const auto bad = EksReader::open(d / "norm.eks");
+    CHECK(error_of<FormatError>([&] { bad->read(0); }) ==
+          d / "norm.eks" + ": record 0 ('pre') hidden_norm at byte " + std::to_string(p + 1) +
+              ": unknown value 7 (0, 1 or 2)");
+    check_same(bad->read(1), post);
+  }
+  SUBCASE("an unknown header flag is refused") {
+    auto b = flags;
+    put_le(b, 10, 3, 2);
+    test::write_bytes(d / "flag.eks", b);
+    CHECK(error_of<UnsupportedError>([&] { EksReader::open(d / "flag.eks"); }) ==
+          d / "flag.eks" + ": flags at byte 10: unknown header flags 3");
+  }
+}

@@ -791,3 +791,80 @@ TEST_CASE("hdf5: the same records give the same bytes (no object times in the fi
   REQUIRE(reader->size() == records.size());
   for (std::size_t i = 0; i < records.size(); ++i) check_same(reader->read(i), records[i]);
 }
+
+// The stated norm form: a group attribute written by h5py (a Python bool becomes an HDF5
+// enum over int8), and in our shards a per-record int8 dataset.
+TEST_CASE("hdf5: hidden_states_prenorm from h5py group attributes and through our shards") {
+  test::TempDir d("h5");
+  python_ok(R"PY(
+import numpy as np
+def rec(g, **attrs):
+    g.create_dataset("input_ids", data=np.arange(4, dtype=np.int64))
+    g.create_dataset("hidden_states", data=np.ones((4, 8), np.float32))
+    g.create_dataset("aux_hidden_states", data=np.ones((4, 16), np.float32))
+    for k, v in attrs.items():
+        g.attrs[k] = v
+with h5py.File(sys.argv[1] + "/groups.h5", "w") as f:
+    rec(f.create_group("pre"), hidden_states_prenorm=True)
+    rec(f.create_group("post"), hidden_states_prenorm=np.bool_(False))
+    rec(f.create_group("one"), hidden_states_prenorm=np.int64(1))
+    rec(f.create_group("unstated"))
+with h5py.File(sys.argv[1] + "/bad-str.h5", "w") as f:
+    rec(f.create_group("x"), hidden_states_prenorm="yes")
+with h5py.File(sys.argv[1] + "/bad-int.h5", "w") as f:
+    rec(f.create_group("x"), hidden_states_prenorm=np.int8(3))
+)PY",
+            {d.path()});
+  const auto r = open_hdf5_reader(d / "groups.h5");
+  auto flag = [&](const char* id) { return r->read(*r->find(id)).hidden_states_prenorm; };
+  CHECK(flag("pre") == std::optional<bool>(true));
+  CHECK(flag("post") == std::optional<bool>(false));
+  CHECK(flag("one") == std::optional<bool>(true));
+  CHECK_FALSE(flag("unstated").has_value());
+  CHECK(r->info(*r->find("pre")).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(error_of([&] { open_hdf5_reader(d / "bad-str.h5"); }) ==
+        d / "bad-str.h5" + ": /x attribute hidden_states_prenorm: attribute hidden_states_prenorm is strings, expected a bool (or 0 / 1)");
+  CHECK(error_of([&] { open_hdf5_reader(d / "bad-int.h5"); }) ==
+        d / "bad-int.h5" + ": /x attribute hidden_states_prenorm: attribute hidden_states_prenorm holds 3, expected 0 or 1");
+
+  // Into a shard (convert keeps it) and back; a shard where nothing states one has no dataset.
+  {
+    auto w = create_hdf5_shard_writer(d / "shard.h5", {});
+    for (const char* id : {"pre", "post", "unstated"}) w->add(r->read(*r->find(id)));
+    w->finish();
+    auto plain = create_hdf5_shard_writer(d / "plain.h5", {});
+    plain->add(r->read(*r->find("unstated")));
+    plain->finish();
+  }
+  const auto s = open_hdf5_reader(d / "shard.h5");
+  CHECK(s->read(0).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(s->read(1).hidden_states_prenorm == std::optional<bool>(false));
+  CHECK_FALSE(s->read(2).hidden_states_prenorm.has_value());
+  CHECK(s->read_prefix(0, 1).hidden_states_prenorm == std::optional<bool>(true));
+  const auto py = python_ok(R"PY(
+with h5py.File(sys.argv[1] + "/shard.h5", "r") as f:
+    print(f["hidden_states_prenorm"].dtype, f["hidden_states_prenorm"][...].tolist())
+with h5py.File(sys.argv[1] + "/plain.h5", "r") as f:
+    print("hidden_states_prenorm" in f)
+)PY",
+                            {d.path()});
+  CHECK(py.out == "int8 [1, 0, -1]\nFalse\n");
+
+  SUBCASE("corrupt per-record dataset") {
+    python_ok(R"PY(
+import shutil
+shutil.copy(sys.argv[1] + "/shard.h5", sys.argv[1] + "/value.h5")
+with h5py.File(sys.argv[1] + "/value.h5", "a") as f:
+    f["hidden_states_prenorm"][1] = 5
+shutil.copy(sys.argv[1] + "/shard.h5", sys.argv[1] + "/len.h5")
+with h5py.File(sys.argv[1] + "/len.h5", "a") as f:
+    del f["hidden_states_prenorm"]
+    f["hidden_states_prenorm"] = np.array([1, 0], np.int8)
+)PY",
+              {d.path()});
+    CHECK(error_of([&] { open_hdf5_reader(d / "value.h5"); }) ==
+          d / "value.h5" + ": /hidden_states_prenorm: entry 1 is 5, expected -1 (not stated), 0 (post-norm) or 1 (pre-norm)");
+    CHECK(error_of([&] { open_hdf5_reader(d / "len.h5"); }) ==
+          d / "len.h5" + ": /hidden_states_prenorm: 2 entries but the shard holds 3 records");
+  }
+}

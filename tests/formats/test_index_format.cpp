@@ -69,6 +69,7 @@ TEST_CASE("index: written entries read back field by field") {
     r.info.ids_dtype = DType::kInt32;
     r.info.hidden_dtype = DType::kFloat16;
     r.info.has_loss_mask = i == 2;
+    if (i > 0) r.info.hidden_states_prenorm = i == 2;  // s0 states nothing, dup post, s2 pre
     r.info.codec = "zstd";
     r.info.byte_offset = 16 + 1000 * i;
     r.info.byte_size = 1000;
@@ -130,6 +131,18 @@ TEST_CASE("index: written entries read back field by field") {
   CHECK(e2.hidden_dtype == DType::kFloat16);
   CHECK(e2.has_loss_mask);
   CHECK_FALSE(index.entry(1).has_loss_mask);
+  CHECK(e2.hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(index.entry(1).hidden_states_prenorm == std::optional<bool>(false));
+  CHECK_FALSE(index.entry(0).hidden_states_prenorm.has_value());
+  CHECK_FALSE(index.entry(4).hidden_states_prenorm.has_value());
+  // Byte 75 of each entry: 8 = stated, 16 = pre-norm (with 2 = loss mask for s2).
+  {
+    const auto bytes = test::read_bytes(path);
+    const std::uint64_t entries = load_le64(&bytes[64]);
+    CHECK(bytes[entries + 0 * 80 + 75] == 0);
+    CHECK(bytes[entries + 1 * 80 + 75] == 8);
+    CHECK(bytes[entries + 2 * 80 + 75] == (2 | 8 | 16));
+  }
   CHECK(e2.byte_offset == 2016);
   CHECK(e2.byte_size == 1000);
   CHECK(e2.format == Format::kEks);
@@ -191,12 +204,12 @@ TEST_CASE("index: corrupt index files fail with a clear error") {
   bytes[8] = 9;
   test::write_bytes(p, bytes);
   CHECK(error_of<UnsupportedError>([&] { DatasetIndex::load(p); }) ==
-        p + ": version at byte 8: index version 9; this build reads 1: rebuild it with "
+        p + ": version at byte 8: index version 9; this build reads 2: rebuild it with "
             "`eaglekit index`");
   bytes = good;
   bytes[16] = 81;
   CHECK(load_error(bytes) == p + ": header at byte 12: record sizes 128/81/48 differ from "
-                                 "version 1's 128/80/48");
+                                 "version 2's 128/80/48");
   bytes = good;
   bytes[good.size() - 20] ^= 0x40;  // a string byte
   test::write_bytes(p, bytes);

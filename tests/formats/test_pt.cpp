@@ -808,3 +808,68 @@ TEST_CASE("pt: absurd storage and tensor sizes fail before any allocation") {
             "wrong storage numel: offset 0, size [1152921504606846976], stride [1] need "
             "1152921504606846976 elements of int64 but storage 'archive/data/0' holds 4"));
 }
+
+// ModelOpt's reader takes bool(record.get("hidden_states_prenorm", False)); we keep "absent"
+// apart from False (docs/data.md, pre- and post-norm dumps).
+TEST_CASE("pt: hidden_states_prenorm as torch.save writes it, read back and written by us") {
+  test::require_python("torch");
+  test::TempDir d("ptnorm");
+  const auto r = test::python(R"PY(
+import sys, torch
+out = sys.argv[1]
+def rec(**extra):
+    g = torch.Generator().manual_seed(3)
+    d = {"input_ids": torch.arange(5), "hidden_states": torch.randn(5, 4, generator=g),
+         "aux_hidden_states": torch.randn(5, 12, generator=g), "conversation_id": "c"}
+    d.update(extra)
+    return d
+torch.save(rec(hidden_states_prenorm=True), out + "/true.pt")
+torch.save(rec(hidden_states_prenorm=False), out + "/false.pt")
+torch.save(rec(), out + "/absent.pt")
+torch.save(rec(hidden_states_prenorm=None), out + "/none.pt")
+torch.save(rec(hidden_states_prenorm=1), out + "/one.pt")
+torch.save(rec(hidden_states_prenorm=torch.tensor(True)), out + "/tensor.pt")
+torch.save([rec(hidden_states_prenorm=True)], out + "/list.pt")
+torch.save(rec(hidden_states_prenorm="yes"), out + "/str.pt")
+torch.save(rec(hidden_states_prenorm=2), out + "/two.pt")
+torch.save(rec(hidden_states_prenorm=torch.tensor([0.5])), out + "/float.pt")
+torch.save(rec(hidden_states_prenorm=torch.tensor([1, 0])), out + "/pair.pt")
+)PY", {d.path()});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  auto flag = [&](const std::string& name) { return PtReader(d / name).read(0).hidden_states_prenorm; };
+  CHECK(flag("true.pt") == std::optional<bool>(true));
+  CHECK(flag("false.pt") == std::optional<bool>(false));
+  CHECK_FALSE(flag("absent.pt").has_value());
+  CHECK_FALSE(flag("none.pt").has_value());
+  CHECK(flag("one.pt") == std::optional<bool>(true));
+  CHECK(flag("tensor.pt") == std::optional<bool>(true));
+  CHECK(flag("list.pt") == std::optional<bool>(true));
+  CHECK(PtReader(d / "true.pt").info(0).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(PtReader(d / "true.pt").read_prefix(0, 2).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK(has(open_error<FormatError>(d / "str.pt"), "hidden_states_prenorm at byte "));
+  CHECK(has(open_error<FormatError>(d / "str.pt"), ": is a str, expected a bool"));
+  CHECK(has(open_error<FormatError>(d / "two.pt"), ": is the int 2, expected a bool (or 0 / 1)"));
+  CHECK(has(open_error<FormatError>(d / "float.pt"),
+            ": is a float32 tensor of shape [1], expected a bool (or a one-element bool / integer tensor)"));
+  CHECK(has(open_error<FormatError>(d / "pair.pt"), ": is a int64 tensor of shape [2]"));
+
+  // Ours: written as a Python bool only when stated, and torch.load sees exactly that.
+  for (const std::optional<bool> v : {std::optional<bool>(true), std::optional<bool>(false), std::optional<bool>()}) {
+    Record rec = PtReader(d / "absent.pt").read(0);
+    rec.hidden_states_prenorm = v;
+    const std::string path = d / (v ? (*v ? "w-true.pt" : "w-false.pt") : "w-absent.pt");
+    PtWriter w(path);
+    w.add(rec);
+    w.finish();
+    CHECK(PtReader(path).read(0).hidden_states_prenorm == v);
+  }
+  const auto back = test::python(R"PY(
+import sys, torch
+for name in ["w-true", "w-false", "w-absent"]:
+    d = torch.load(sys.argv[1] + "/" + name + ".pt")
+    v = d.get("hidden_states_prenorm", "absent")
+    print(name, type(v).__name__, v)
+)PY", {d.path()});
+  REQUIRE_MESSAGE(back.exit_code == 0, back.err);
+  CHECK(back.out == "w-true bool True\nw-false bool False\nw-absent str absent\n");
+}

@@ -594,3 +594,52 @@ TEST_CASE("safetensors: a weight index number that overflows a double is a Forma
                            .c_str(),
                        FormatError);
 }
+
+TEST_CASE("safetensors: __metadata__ hidden_states_prenorm states a record's norm form; ours write it when stated") {
+  require_python();
+  test::TempDir dir("st");
+  const auto r = test::python(py(R"PY(
+out = sys.argv[1]
+T, H = 4, 8
+rec = {"input_ids": np.arange(T, dtype=np.int64), "hidden_states": np.ones((T, H), np.float32),
+       "aux_hidden_states": np.ones((T, 2 * H), np.float32)}
+save(rec, out + "/pre.safetensors", {"hidden_states_prenorm": "true"})
+save(rec, out + "/post.safetensors", {"hidden_states_prenorm": "false"})
+save(rec, out + "/unstated.safetensors", {"format": "pt"})
+save(rec, out + "/bad.safetensors", {"hidden_states_prenorm": "yes"})
+hs = np.ones((T, 3, H), np.float32)
+save({"token_ids": np.arange(T, dtype=np.int64), "hidden_states": hs}, out + "/spec.safetensors",
+     {"hidden_states_prenorm": "true"})
+)PY"),
+                              {dir.path()});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  auto flag = [&](const char* name) { return open_reader(dir / name)->read(0).hidden_states_prenorm; };
+  CHECK(flag("pre.safetensors") == std::optional<bool>(true));
+  CHECK(flag("post.safetensors") == std::optional<bool>(false));
+  CHECK_FALSE(flag("unstated.safetensors").has_value());
+  CHECK(flag("spec.safetensors") == std::optional<bool>(true));
+  CHECK(open_reader(dir / "pre.safetensors")->info(0).hidden_states_prenorm == std::optional<bool>(true));
+  CHECK_THROWS_WITH_AS(open_reader(dir / "bad.safetensors"),
+                       (dir / "bad.safetensors" +
+                        ": __metadata__.hidden_states_prenorm at byte 8: is \"yes\", expected \"true\" or \"false\"")
+                           .c_str(),
+                       FormatError);
+
+  for (const char* name : {"pre", "post", "unstated"}) {
+    CAPTURE(name);
+    const Record rec = open_reader(dir / (std::string(name) + ".safetensors"))->read(0);
+    const std::string path = dir / (std::string("ours-") + name + ".safetensors");
+    auto w = create_writer(path, WriterOptions{Format::kSafetensors});
+    w->add(rec);
+    w->finish();
+    CHECK(open_reader(path)->read(0).hidden_states_prenorm == rec.hidden_states_prenorm);
+  }
+  const auto res = test::python(py(R"PY(
+for name in ["pre", "post", "unstated"]:
+    _, meta = load(sys.argv[1] + "/ours-" + name + ".safetensors")
+    print(name, meta.get("hidden_states_prenorm", "-"))
+)PY"),
+                                {dir.path()});
+  REQUIRE_MESSAGE(res.exit_code == 0, res.err);
+  CHECK(res.out == "pre true\npost false\nunstated -\n");
+}

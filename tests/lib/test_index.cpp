@@ -293,7 +293,8 @@ TEST_CASE("index: --show --json prints a path that is not UTF-8 (fuzz regression
   CHECK(j["files"][0]["path"] == "/d/caf\xef\xbf\xbd.pt");  // U+FFFD
   CHECK(j["entries"][0]["conversation_id"] == "caf\xef\xbf\xbd");
 
-  // The exact fuzz input; like the harness, fix its trailing checksum first.
+  // The exact fuzz input (its version field since raised from 1 to 2: the entry layout is
+  // the same); like the harness, fix its trailing checksum first.
   std::vector<std::uint8_t> bytes = test::read_bytes(
       test::source_dir() + "/tests/fuzz/regressions/index-invalid-utf8-path.ekindex");
   const std::uint64_t h = XXH3_64bits(bytes.data(), bytes.size() - 8);

@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -210,13 +211,16 @@ TEST_CASE("validate: problems the loader skips are warnings; exit 0") {
   const std::string text = validate_report_to_text(r);
   CHECK(text.find("result: trainable as is (6 kinds of warnings above") != std::string::npos);
 
-  // The JSON form: exactly the keys (plus "fatal").
+  // The JSON form: exactly the keys (plus "fatal", how samples were matched, and
+  // the SpecForge padding scan).
   const auto j = nlohmann::json::parse(validate_report_to_json(r));
   std::set<std::string> keys;
   for (auto it = j.begin(); it != j.end(); ++it) keys.insert(it.key());
   CHECK(keys == std::set<std::string>{"ok", "conversations", "records", "matched", "missing",
                                       "orphans", "duplicate_ids", "unreadable", "shape_mismatch",
-                                      "dtype_mismatch", "nonfinite", "too_short", "fatal"});
+                                      "dtype_mismatch", "nonfinite", "too_short", "fatal", "matched_by",
+                                      "padding"});
+  CHECK(j["matched_by"] == "id");
   CHECK(j["ok"] == true);
   CHECK(j["matched"] == 10);
   CHECK(j["missing"] == nlohmann::json::array({"missing1"}));
@@ -374,4 +378,69 @@ TEST_CASE("validate: the CLI exits 0 when trainable, 1 when not, 2 on usage") {
   r = test::eaglekit("index " + test::quote(bad.root) + " --out " + test::quote(bad.index) + " --json");
   CHECK(r.exit_code == 0);
   CHECK(nlohmann::json::parse(r.out)["unchanged_files"] == 16);  // the 2 bad files are read again
+}
+
+// Without conversations: every usable record of the index is checked, as train takes them.
+TEST_CASE("validate: without --data every usable record of the index; nothing is missing or an orphan") {
+  Planted p(false);
+  ValidateOptions o;
+  o.index = p.index;
+  o.jobs = 2;
+  o.progress = 0;
+  const ValidateReport r = validate_dataset(o);
+  CHECK(r.matched_by == "index");
+  CHECK(r.conversations == 0);
+  // c0..c7, dupconv, orphan, s0, s1 (crossdup twice is a duplicate; trunc, tokmis bad; short too short).
+  CHECK(r.matched == 12);
+  CHECK(r.missing.empty());
+  CHECK(r.orphans.empty());
+  CHECK(r.duplicate_ids == std::vector<std::string>{"crossdup"});
+  CHECK(r.ok);
+  CHECK(validate_report_to_text(r).find("records: ") == 0);
+}
+
+// SpecForge pads a dump batch to its longest sample: input_ids 0 with loss_mask 0 at the end.
+TEST_CASE("validate: records ending in SpecForge padding are counted; a real token 0 in the loss is not padding") {
+  test::TempDir dir("valpad");
+  auto rec = [](const std::string& id, std::vector<std::int64_t> ids, std::vector<std::int64_t> mask) {
+    Record r = make_record(id, static_cast<std::int64_t>(ids.size()));
+    std::memcpy(r.input_ids.mutable_data(), ids.data(), 8 * ids.size());
+    HostTensor m = HostTensor::zeros(DType::kInt64, {static_cast<std::int64_t>(mask.size())});
+    std::memcpy(m.mutable_data(), mask.data(), 8 * mask.size());
+    r.loss_mask = m;
+    return r;
+  };
+  write_records(dir / "r/padded.pt", {rec("padded", {5, 6, 0, 7, 0, 0, 0}, {0, 1, 1, 1, 0, 0, 0})});
+  write_records(dir / "r/ends-in-zero.pt", {rec("ends-in-zero", {5, 6, 7, 0}, {0, 1, 1, 1})});  // 0 is in the loss
+  write_records(dir / "r/clean.pt", {rec("clean", {5, 6, 7, 8}, {0, 1, 1, 0})});
+  write_records(dir / "r/shard.eks", {rec("in-eks", {5, 6, 0, 0}, {1, 1, 0, 0})}, Format::kEks);
+  IndexOptions io;
+  io.roots = {dir / "r"};
+  io.out = dir / "i.ekidx";
+  io.progress = 0;
+  build_index(io);
+  ValidateOptions o;
+  o.index = dir / "i.ekidx";
+  o.jobs = 2;
+  o.progress = 0;
+  ValidateReport r = validate_dataset(o);
+  // The torch.save records are read; the .eks one only with --deep.
+  CHECK(r.padding.scanned == 3);
+  REQUIRE(r.padding.padded.size() == 1);
+  CHECK(r.padding.padded[0].id == "padded");
+  CHECK(r.padding.padded[0].padding == 3);
+  CHECK(r.padding.padding_tokens == 3);
+  CHECK(r.padding.scanned_tokens == 15);
+  CHECK(r.ok);  // a warning: they train correctly
+  const std::string text = validate_report_to_text(r);
+  CHECK(text.find("padded: 1 of 3 records read end in padding") != std::string::npos);
+  CHECK(text.find("3 padding tokens, 20.0% of their 15") != std::string::npos);
+  const auto j = nlohmann::json::parse(validate_report_to_json(r));
+  CHECK(j["padding"]["padded_records"] == 1);
+  CHECK(j["padding"]["records"][0]["padding"] == 3);
+  o.deep = true;
+  r = validate_dataset(o);
+  CHECK(r.padding.scanned == 4);
+  CHECK(r.padding.padded.size() == 2);
+  CHECK(r.padding.padding_tokens == 5);
 }

@@ -1,7 +1,7 @@
 """Writes one small dataset three times, as three producers lay out their dumps.
 
 Usage: make_producer_dumps.py OUT. OUT receives conversations.jsonl (12 conversations,
-ids conv-0 .. conv-11) and
+ids conv-0 .. conv-11), expected_padding.json (SpecForge record -> padding tokens) and
   specforge/rows_0-2000/data_{i}.ckpt  torch.save dicts named by row, batch dims of 1, each
                                        pair padded to the longer one with loss_mask 0;
   trtllm/dp_{rank}_{iter}.pt           a list of one dict keeping the id under "id", file
@@ -33,11 +33,14 @@ with open(os.path.join(out, "conversations.jsonl"), "w") as f:
 # SpecForge: rows of 2000, batch dims of 1, pairs padded to the longer one (loss_mask 0 there).
 sf = os.path.join(out, "specforge", "rows_0-2000")
 os.makedirs(sf)
+padding = {}
 for i in range(N):
     ids, hs, aux, mask = records[i]
     mate = records[i ^ 1]
     L = max(len(ids), len(mate[0]))
     pad = L - len(ids)
+    if pad:
+        padding["data_%d" % i] = pad
     p_ids = np.concatenate([ids, np.zeros(pad, dtype=np.int64)])
     p_mask = np.concatenate([mask, np.zeros(pad, dtype=np.int64)])
     p_hs = np.concatenate([hs, np.zeros((pad, H), dtype=np.float32)])
@@ -46,6 +49,9 @@ for i in range(N):
                 "hidden_state": torch.from_numpy(p_hs).to(torch.bfloat16).unsqueeze(0),
                 "aux_hidden_state": torch.from_numpy(p_aux).to(torch.bfloat16).unsqueeze(0)},
                os.path.join(sf, "data_%d.ckpt" % i))
+# What the padding is, for the tests to compare stats/validate against: record -> tokens.
+with open(os.path.join(out, "expected_padding.json"), "w") as f:
+    json.dump(padding, f)
 # TensorRT-LLM: the id inside, files named by rank and iteration in another order.
 trt = os.path.join(out, "trtllm")
 os.makedirs(trt)

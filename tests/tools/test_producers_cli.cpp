@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -110,6 +111,66 @@ TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched,
     r = test::eaglekit("train --index " + test::quote(index) + " --out " + test::quote(d->dir / "run-sf2") + train_flags);
     CHECK_MESSAGE(r.exit_code == 0, r.err);
   }
+  SUBCASE("SpecForge padding: stats and validate (by row, and without --data) count what the dumper padded") {
+    const std::string index = d->dir / "specforge.eki";
+    const auto want = nlohmann::json::parse(test::read_bytes(d->dir / "expected_padding.json"));
+    std::int64_t want_tokens = 0;
+    for (const auto& [id, n] : want.items()) want_tokens += n.get<std::int64_t>();
+    REQUIRE(want.size() > 0);
+    REQUIRE(want.size() < kConversations);  // the longer record of each pair has none
+    // `record_of` maps an id the report names to its record's file stem (data_N).
+    auto check_padding = [&](const nlohmann::json& p, const std::function<std::string(const std::string&)>& record_of) {
+      CHECK(p["scanned"] == kConversations);
+      CHECK(p["padded_records"] == want.size());
+      CHECK(p["padding_tokens"] == want_tokens);
+      for (const auto& rec : p["records"]) {
+        CAPTURE(rec.dump());
+        const std::string stem = record_of(rec["id"].get<std::string>());
+        CHECK(want.contains(stem));
+        if (want.contains(stem)) CHECK(rec["padding"] == want[stem]);
+      }
+    };
+    const auto same = [](const std::string& id) { return id; };
+    auto r = test::eaglekit("stats --index " + test::quote(index) + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    check_padding(nlohmann::json::parse(r.out)["padding"], same);
+    r = test::eaglekit("stats --index " + test::quote(index));
+    CHECK(r.out.find("padded: " + std::to_string(want.size()) + " of 12 records read end in padding") != std::string::npos);
+    r = test::eaglekit("stats --index " + test::quote(index) + " --skip-padding --json");
+    CHECK(nlohmann::json::parse(r.out)["padding"].is_null());
+
+    // Without --data: every record of the index, named by its own id.
+    r = test::eaglekit("validate --index " + test::quote(index) + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err << r.out);
+    auto j = nlohmann::json::parse(r.out);
+    CHECK(j["matched_by"] == "index");
+    CHECK(j["matched"] == kConversations);
+    CHECK(j["missing"].empty());
+    CHECK(j["orphans"].empty());
+    check_padding(j["padding"], same);
+    r = test::eaglekit("validate --index " + test::quote(index));
+    CHECK(r.out.find("no --data: every usable record of the index") != std::string::npos);
+    CHECK(r.out.find("padded: ") != std::string::npos);
+
+    // With --data, by row (auto-detected): nothing missing, no orphans (by id all 12 would be
+    // both), and the padded records named by their conversations.
+    r = test::eaglekit("validate --data " + test::quote(d->conversations) + " --index " + test::quote(index) + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err << r.out);
+    j = nlohmann::json::parse(r.out);
+    CHECK(j["matched_by"] == "row");
+    CHECK(j["matched"] == kConversations);
+    CHECK(j["missing"].empty());
+    CHECK(j["orphans"].empty());
+    check_padding(j["padding"], [](const std::string& id) { return "data_" + id.substr(id.find('-') + 1); });  // conv-3: row 3
+    // Must fail: forced to match by id, nothing matches and every record is an orphan.
+    r = test::eaglekit("validate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
+                       " --match-by id --json");
+    CHECK(r.exit_code == 1);
+    j = nlohmann::json::parse(r.out);
+    CHECK(j["matched"] == 0);
+    CHECK(j["orphans"].size() == kConversations);
+    CHECK(j["missing"].size() == kConversations);
+  }
   SUBCASE("TensorRT-LLM: the id kept inside the record matches, whatever the file names") {
     const std::string index = d->dir / "trtllm.eki";
     auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
@@ -120,6 +181,11 @@ TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched,
     r = test::eaglekit("train --data " + test::quote(d->conversations) + " --index " + test::quote(index) +
                        " --out " + test::quote(d->dir / "run-trt") + train_flags);
     CHECK_MESSAGE(r.exit_code == 0, r.err);
+    r = test::eaglekit("validate --data " + test::quote(d->conversations) + " --index " + test::quote(index) + " --json");
+    CHECK_MESSAGE(r.exit_code == 0, r.out);
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["matched_by"] == "id");
+    CHECK(j["matched"] == kConversations);
   }
   SUBCASE("speculators: hs_{i} by row, asked for explicitly; the same batches as TensorRT-LLM's") {
     auto r = test::eaglekit("collate --data " + test::quote(d->conversations) + " --index " +
@@ -145,5 +211,18 @@ print("ok")
 )PY",
                                  {d->dir / "c5/batch_00000.pt", d->dir / "c6/batch_00000.pt"});
     CHECK_MESSAGE(py.exit_code == 0, py.err);
+    // Validated (by row, as asked) and trained two steps like the others.
+    r = test::eaglekit("validate --data " + test::quote(d->conversations) + " --index " +
+                       test::quote(d->dir / "speculators.eki") + " --match-by row --json");
+    CHECK_MESSAGE(r.exit_code == 0, r.out);
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["matched_by"] == "row");
+    CHECK(j["matched"] == kConversations);
+    CHECK(j["padding"]["scanned"] == 0);  // no loss mask in these records: nothing to tell padding by
+    r = test::eaglekit("train --data " + test::quote(d->conversations) + " --index " +
+                       test::quote(d->dir / "speculators.eki") + " --match-by row --out " +
+                       test::quote(d->dir / "run-spec") + train_flags + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
   }
 }

@@ -335,10 +335,12 @@ TEST_CASE("train cli: a pre-norm dump trains with --hidden-states-norm pre (the 
   const std::string train = "train" + data + " --batch-size 8 --lr 0.01 --max-steps 40 --threads 2 --jobs 2 --eval-every -1";
   r = test::eaglekit(train + " --hidden-states-norm pre --out " + test::quote(d + "/pre"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  CHECK(r.err.find("hidden states taken as before the base's final norm") != std::string::npos);
+  CHECK(r.err.find("hidden states taken as pre-norm (--hidden-states-norm pre): the base's final RMSNorm") !=
+        std::string::npos);
   r = test::eaglekit(train + " --out " + test::quote(d + "/post"));  // the wrong form, said as the default
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  CHECK(r.err.find("--hidden-states-norm post, the default") != std::string::npos);
+  CHECK(r.err.find("hidden states taken as post-norm (--hidden-states-norm auto and no record states its form") !=
+        std::string::npos);
   // Scored against the right targets (pre), the draft trained on them does better.
   auto loss = [&](const std::string& run) {
     const auto e = test::eaglekit("evaluate" + data + " --draft " + test::quote(d + "/" + run + "/final") +
@@ -347,6 +349,105 @@ TEST_CASE("train cli: a pre-norm dump trains with --hidden-states-norm pre (the 
     return nlohmann::json::parse(e.out)["loss"].get<double>();
   };
   const double right = loss("pre"), wrong = loss("post");
+  CHECK(right < 0.99 * wrong);
+}
+
+// Records that state their norm form (ModelOpt's hidden_states_prenorm key), mixed in one
+// dataset: the same 60 conversations synthesized post-norm and pre-norm, the first 30 taken
+// from the pre-norm dump (flag true) and the rest from the post-norm one (flag false).
+TEST_CASE("train cli: a dataset mixing stated pre- and post-norm records trains in each record's form") {
+  test::require_python("torch");
+  test::TempDir dir("train-mixed-norm");
+  const std::string d = dir.path();
+  const std::string synth = " --conversations 60 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28 --dtype fp32"
+                            " --seed 4 --jobs 2";
+  auto r = test::eaglekit("synth --out " + test::quote(d + "/post") + synth + " --base-out " + test::quote(d + "/base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("synth --out " + test::quote(d + "/pre") + synth + " --hidden-states-norm pre");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto py = test::python(R"PY(
+import glob, os, sys, torch
+d = sys.argv[1]
+for name in ["mixed", "partial", "stripped"]:
+    os.makedirs(d + "/" + name)
+for path in sorted(glob.glob(d + "/post/records/**/*.pt", recursive=True)):
+    rel = os.path.relpath(path, d + "/post/records")
+    name = os.path.basename(rel)
+    i = int(name[len("synth-"):-len(".pt")])
+    pre = i < 30
+    rec = torch.load(d + "/pre/records/" + rel if pre else path)
+    stripped = dict(rec)
+    rec["hidden_states_prenorm"] = pre
+    torch.save(rec, d + "/mixed/" + name)
+    torch.save(stripped, d + "/stripped/" + name)
+    torch.save(stripped if i >= 50 else rec, d + "/partial/" + name)  # 10 records that say nothing
+print("ok")
+)PY",
+                               {d});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  for (const char* name : {"mixed", "partial", "stripped"}) {
+    r = test::eaglekit("index " + test::quote(d + "/" + name) + " --out " + test::quote(d + "/" + name + ".eki"));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  }
+  auto args = [&](const char* name) {
+    return " --data " + test::quote(d + "/post/conversations.jsonl") + " --index " + test::quote(d + "/" + name + ".eki") +
+           " --base " + test::quote(d + "/base") + " --max-length 32 --eval-fraction 0";
+  };
+  const std::string two = " --batch-size 8 --max-steps 2 --threads 2 --jobs 2 --eval-every -1";
+
+  // auto: every record states a form, so each is trained in its own.
+  r = test::eaglekit("train" + args("mixed") + two + " --out " + test::quote(d + "/auto"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("hidden states in the form each record states (30 pre-norm, 30 post-norm, 0 not stated)") !=
+        std::string::npos);
+  // auto when only some state one: nothing says what the others are.
+  r = test::eaglekit("train" + args("partial") + two + " --out " + test::quote(d + "/partial-auto"));
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--hidden-states-norm auto: 50 records state their norm form but 10 do not (e.g. 'synth-000050'; "
+                   "30 pre-norm, 20 post-norm, 10 not stated): pass --hidden-states-norm post or pre") != std::string::npos);
+  // Named for those, the stated ones still win, and the contradiction is said.
+  r = test::eaglekit("train" + args("partial") + two + " --hidden-states-norm post --out " + test::quote(d + "/partial-post"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("warning: --hidden-states-norm post contradicts 30 of 60 records, which state pre-norm (e.g. "
+                   "'synth-000000'): they are trained in their stated form, and the option applies only to the 10 "
+                   "that state none") != std::string::npos);
+  // The flag travels: inspect shows it; convert to an HDF5 shard and pack to .eks keep it.
+  r = test::eaglekit("inspect " + test::quote(d + "/mixed/synth-000000.pt"));
+  CHECK(r.out.find("norm form:       pre-norm (stated by the record)") != std::string::npos);
+  r = test::eaglekit("convert " + test::quote(d + "/mixed") + " " + test::quote(d + "/shard.h5") + " --format hdf5");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("pack " + test::quote(d + "/shard.h5") + " --out " + test::quote(d + "/eks"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(d + "/eks") + " --out " + test::quote(d + "/eks.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index --show " + test::quote(d + "/eks.eki") + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    int pre = 0, post = 0;
+    for (const auto& e : j["entries"]) {
+      const std::string id = e["conversation_id"].get<std::string>();
+      const bool want_pre = std::stoi(id.substr(6)) < 30;
+      CHECK(e["hidden_states_prenorm"] == want_pre);
+      (want_pre ? pre : post) += 1;
+    }
+    CHECK(pre == 30);
+    CHECK(post == 30);
+  }
+
+  // Trained long enough to tell: with the flags, against the right targets, the draft does
+  // better than one trained on the same states with the flags stripped (all read as post).
+  const std::string longer = " --batch-size 8 --lr 0.01 --max-steps 40 --threads 2 --jobs 2 --eval-every -1";
+  r = test::eaglekit("train" + args("eks") + longer + " --out " + test::quote(d + "/right"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train" + args("stripped") + longer + " --out " + test::quote(d + "/wrong"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  auto loss = [&](const std::string& run) {
+    const auto e = test::eaglekit("evaluate" + args("mixed") + " --split all --draft " + test::quote(d + "/" + run + "/final") + " --json");
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    return nlohmann::json::parse(e.out)["loss"].get<double>();
+  };
+  const double right = loss("right"), wrong = loss("wrong");
   CHECK(right < 0.99 * wrong);
 }
 

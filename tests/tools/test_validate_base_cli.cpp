@@ -106,3 +106,58 @@ TEST_CASE("validate --base: finds planted defects and flags no clean record; tel
   CHECK(other["problems"][0].get<std::string>().find("another model") != std::string::npos);
   CHECK(other["suspects"].empty());
 }
+
+// Records that state their norm form (hidden_states_prenorm) are measured in it; one whose
+// states contradict its flag is a suspect; the others take --hidden-states-norm. Without
+// --data: every record of the index.
+TEST_CASE("validate --base: stated norm forms are checked; a wrong flag is a suspect; no --data needed") {
+  test::require_python("torch");
+  Dump d;
+  // Long records, many positions each: the per-record test of a named form needs them.
+  const auto sr = test::eaglekit("synth --out " + test::quote(d.dir / "pre") +
+                                 " --conversations 40 --hidden 32 --vocab 48 --min-tokens 210 --max-tokens 210 --seed 4"
+                                 " --hidden-states-norm pre --base-out " + test::quote(d.dir / "base"));
+  REQUIRE_MESSAGE(sr.exit_code == 0, sr.err);
+  const char* flag = R"PY(
+import glob, sys, torch
+for path in glob.glob(sys.argv[1] + "/records/**/*.pt", recursive=True):
+    i = int(path.rsplit("synth-", 1)[1][:-3])
+    rec = torch.load(path)
+    if i == 9:
+        continue                       # says nothing
+    rec["hidden_states_prenorm"] = not (i == 5 and sys.argv[2] == "wrong")  # record 5: a wrong flag
+    torch.save(rec, path)
+)PY";
+  auto py = test::python(flag, {d.dir / "pre", "wrong"});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  index(d, "pre");
+  auto run = [&](const std::string& extra, int expected_exit) {
+    const auto r = test::eaglekit("validate --index " + test::quote(d.index("pre")) + " --base " +
+                                  test::quote(d.dir / "base") + " --positions 200 --json" + extra);
+    CHECK_MESSAGE(r.exit_code == expected_exit, r.err);
+    return nlohmann::json::parse(r.out);
+  };
+  auto j = run("", 1);
+  CHECK(j["matched_by"] == "index");
+  CHECK(j["matched"] == 40);
+  auto s = j["semantic"];
+  CHECK(s["norm_form"] == "pre");
+  CHECK(s["stated_pre"] == 38);
+  CHECK(s["stated_post"] == 1);
+  REQUIRE(s["suspects"].size() == 1);
+  CHECK(s["suspects"][0]["id"] == "synth-000005");
+  CHECK(s["suspects"][0]["stated"] == "post");
+  CHECK(s["suspects"][0]["reason"].get<std::string>().find("its hidden_states_prenorm flag is wrong") != std::string::npos);
+  // Record 9 states nothing: read as post when told so, its states then predict nothing.
+  s = run(" --hidden-states-norm post", 1)["semantic"];
+  std::set<std::string> ids;
+  for (const auto& x : s["suspects"]) ids.insert(x["id"].get<std::string>());
+  CHECK(ids == std::set<std::string>{"synth-000005", "synth-000009"});
+  // Must fail twin: the flag of record 5 set right, nothing is suspect.
+  py = test::python(flag, {d.dir / "pre", "right"});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  index(d, "pre");
+  s = run("", 0)["semantic"];
+  CHECK(s["suspects"].empty());
+  CHECK(s["stated_pre"] == 39);
+}

@@ -1,12 +1,17 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
 #include <functional>
+#include <set>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "formats/error.h"
 #include "tests/support.h"
 #include "trainer/config.h"
+#include "trainer/rope.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;
@@ -244,4 +249,112 @@ TEST_CASE("config: real base configs give the draft the engines would build, or 
   CHECK(message_of<UnsupportedError>([&] { load_base_config(dir + "qwen3.5-27b-v5.json"); }) ==
         dir + "qwen3.5-27b-v5.json: rope_parameters.mrope_section: multimodal RoPE (mrope) is not implemented for a "
               "Llama draft");
+}
+
+namespace {
+
+// One row of the README's table of bases, as the code derives it: the cells after the
+// first (which names the base and its file): H, heads / KV / head dim, I, V, aux ids, RoPE;
+// or, for a config that is refused, the error after "PATH: ".
+std::vector<std::string> derived_cells(const std::string& path) {
+  auto g = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.10g", v);
+    return std::string(buf);
+  };
+  try {
+    const BaseConfig b = load_base_config(path);
+    const DraftConfig d = draft_config_from_base(b, {});
+    std::string ids;
+    for (auto id : d.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+    std::string rope = rope_type_name(d.rope_scaling.type);
+    if (d.rope_scaling.type != RopeType::kDefault) rope += " x" + g(d.rope_scaling.factor);
+    rope += ", theta " + g(d.rope_theta);
+    return {std::to_string(d.hidden_size),
+            std::to_string(d.num_attention_heads) + " / " + std::to_string(d.num_key_value_heads) + " / " +
+                std::to_string(d.head_dim),
+            std::to_string(d.intermediate_size), std::to_string(d.vocab_size), ids, rope};
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    return {"refused: " + (m.rfind(path + ": ", 0) == 0 ? m.substr(path.size() + 2) : m)};
+  }
+}
+
+std::vector<std::string> cells_of(const std::string& line) {
+  std::vector<std::string> out;
+  std::size_t p = 1;
+  while (p < line.size()) {
+    const std::size_t q = line.find('|', p);
+    if (q == std::string::npos) break;
+    std::string c = line.substr(p, q - p);
+    c.erase(0, c.find_first_not_of(' '));
+    c.erase(c.find_last_not_of(' ') + 1);
+    out.push_back(c);
+    p = q + 1;
+  }
+  while (!out.empty() && out.back().empty()) out.pop_back();
+  return out;
+}
+
+// Every way the README's table (between its markers) differs from what the code derives
+// for tests/data/base-configs/*.json; empty when it agrees, and each file has one row.
+std::vector<std::string> table_mismatches(const std::string& readme, const std::string& dir) {
+  std::vector<std::string> bad;
+  const std::string begin = "<!-- base-config table: test_config checks it against the code -->";
+  const std::string end = "<!-- end of base-config table -->";
+  const auto a = readme.find(begin), z = readme.find(end);
+  if (a == std::string::npos || z == std::string::npos || z < a) return {"no table markers"};
+  std::set<std::string> seen;
+  std::istringstream lines(readme.substr(a + begin.size(), z - a - begin.size()));
+  std::string line;
+  int row = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("| ", 0) != 0 || line.rfind("| base", 0) == 0) continue;
+    ++row;
+    const auto cells = cells_of(line);
+    const auto tick = cells.empty() ? std::string::npos : cells[0].find("(`");
+    if (tick == std::string::npos) {
+      bad.push_back("row " + std::to_string(row) + ": no (`file.json`) in " + line);
+      continue;
+    }
+    const std::string file = cells[0].substr(tick + 2, cells[0].find("`)", tick) - tick - 2);
+    if (!seen.insert(file).second) bad.push_back(file + ": two rows");
+    const auto want = derived_cells(dir + file);
+    const std::vector<std::string> got(cells.begin() + 1, cells.end());
+    if (got != want) {
+      std::string w;
+      for (const auto& c : want) w += " | " + c;
+      bad.push_back(file + ": the README says " + line + ", the code derives" + w);
+    }
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.path().extension() == ".json" && seen.count(name) == 0) bad.push_back(name + ": no row");
+  }
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("config: the README's table of base models is what the code derives from every config") {
+  const std::string dir = test::source_dir() + "/tests/data/base-configs/";
+  const auto bytes = test::read_bytes(test::source_dir() + "/README.md");
+  const std::string readme(bytes.begin(), bytes.end());
+  const auto bad = table_mismatches(readme, dir);
+  for (const auto& b : bad) MESSAGE(b);
+  CHECK(bad.empty());
+  // Must fail: a planted wrong cell, a dropped row.
+  std::string wrong = readme;
+  const auto at = wrong.find("| 2,16,29 |");
+  REQUIRE(at != std::string::npos);
+  wrong.replace(at, 11, "| 2,16,30 |");
+  const auto w = table_mismatches(wrong, dir);
+  REQUIRE(w.size() == 1);
+  CHECK(w[0].rfind("llama-3.1-8b.json: the README says", 0) == 0);
+  std::string dropped = readme;
+  const auto row = dropped.find("(`qwen3-8b.json`)");
+  REQUIRE(row != std::string::npos);
+  const auto line_begin = dropped.rfind('\n', row) + 1;
+  dropped.erase(line_begin, dropped.find('\n', row) + 1 - line_begin);
+  CHECK(table_mismatches(dropped, dir) == std::vector<std::string>{"qwen3-8b.json: no row"});
 }

@@ -10,8 +10,10 @@
 #include "formats/error.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
+#include "lib/collate.h"
 #include "trainer/export.h"
 #include "trainer/soft_ce.h"
+#include "trainer/run_setup.h"
 #include "trainer/ttt.h"
 
 using namespace eaglekit;
@@ -501,5 +503,130 @@ TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (los
         }
       }
     }
+  }
+}
+
+// Mixed dumps: each token's stated form (TttBatch::hidden_states_prenorm, from its record)
+// decides whether the final norm is applied, whatever the run's default.
+TEST_CASE("ttt: a batch mixing stated pre- and post-norm tokens gives the all-post targets; ignoring the flags does not") {
+  at::manual_seed(90);
+  const DraftConfig c = fixtures::tiny_config();
+  BaseModel base = fixtures::random_base(c, 91);
+  base.config.rms_norm_eps = 1e-6;
+  base.final_norm = at::exp(0.6 * at::randn({c.hidden_size}, at::TensorOptions().dtype(at::kFloat)));
+  TttBatch post = fixtures::random_batch(c, 3, 12, {12, 9, 12}, 92);
+  const at::Tensor u = post.hidden_states / at::sqrt(post.hidden_states.pow(2).mean(-1, true) + 1e-12);
+  post.hidden_states = u * base.final_norm;
+  const at::Tensor pre_states = u * (5.0 + 45.0 * at::rand({3, 12, 1}, at::TensorOptions().dtype(at::kFloat)));
+  // Row 0 pre-norm, row 1 post-norm, row 2 (as in a packed row of two records) pre-norm on
+  // tokens 0..5 and post-norm on 6..11. Padding states no form.
+  at::Tensor flags = at::zeros({3, 12}, at::kChar);
+  flags[0].fill_(1);
+  flags[1].narrow(0, 9, 3).fill_(-1);
+  flags[2].narrow(0, 0, 6).fill_(1);
+  TttBatch mixed = post;
+  mixed.hidden_states = at::where((flags == 1).unsqueeze(-1), pre_states, post.hidden_states);
+  mixed.hidden_states_prenorm = flags;
+
+  const DraftModel draft(c, fixtures::spread_d2t(c), base.lm_head, 93);
+  TttOptions plain{3, 0.9, std::nullopt};
+  TttOptions prenorm = plain;
+  prenorm.prenorm_hidden_states = true;
+  at::NoGradGuard no_grad;
+  const TttResult want = TttUnroll(base, draft, plain).forward(post);
+  auto rel_gap = [&](const TttResult& r) {
+    double gap = 0;
+    for (std::int64_t s = 0; s < 3; ++s) {
+      const double w = want.ce_sum[s].item<double>();
+      gap = std::max(gap, std::abs(r.ce_sum[s].item<double>() - w) / std::abs(w));
+    }
+    return gap;
+  };
+  // The stated forms win over either default.
+  const TttResult got = TttUnroll(base, draft, plain).forward(mixed);
+  CHECK(rel_gap(got) <= 1e-5);
+  CHECK(got.stats.correct == want.stats.correct);
+  CHECK(rel_gap(TttUnroll(base, draft, prenorm).forward(mixed)) <= 1e-5);
+  // Tokens that state nothing take the default: row 0's pre-norm tokens unflagged, default pre.
+  TttBatch unstated = mixed;
+  unstated.hidden_states_prenorm = flags.clone();
+  unstated.hidden_states_prenorm[0].fill_(-1);
+  CHECK(rel_gap(TttUnroll(base, draft, prenorm).forward(unstated)) <= 1e-5);
+  CHECK(rel_gap(TttUnroll(base, draft, plain).forward(unstated)) > 0.01);  // ... and post is wrong for them
+
+  // Must fail: the same states with the flags ignored, either way.
+  TttBatch ignored = mixed;
+  ignored.hidden_states_prenorm = at::Tensor();
+  CHECK(rel_gap(TttUnroll(base, draft, plain).forward(ignored)) > 0.01);
+  CHECK(rel_gap(TttUnroll(base, draft, prenorm).forward(ignored)) > 0.01);
+
+  // A stated pre-norm token needs the norm weight.
+  BaseModel no_norm = base;
+  no_norm.final_norm = at::Tensor();
+  CHECK_THROWS_WITH_AS(TttUnroll(no_norm, draft, plain).forward(mixed),
+                       "TTT batch: records state pre-norm hidden states but the base was loaded without its final "
+                       "norm weight (model.norm.weight)",
+                       UsageError);
+  CHECK_NOTHROW(TttUnroll(no_norm, draft, plain).forward(post));
+}
+
+// The whole path of a record's stated form: Record::hidden_states_prenorm -> collate (per
+// token, packed rows too) -> to_ttt_batch -> the targets.
+TEST_CASE("ttt: mixed pre/post records collate and train to the targets of the all-post records") {
+  at::manual_seed(95);
+  const DraftConfig c = fixtures::tiny_config();
+  BaseModel base = fixtures::random_base(c, 96);
+  base.config.rms_norm_eps = 1e-6;
+  base.final_norm = at::exp(0.6 * at::randn({c.hidden_size}, at::TensorOptions().dtype(at::kFloat)));
+  const std::vector<std::int64_t> lengths = {12, 9, 14, 7};
+  std::vector<Record> post_records, mixed_records;
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    const std::int64_t n = lengths[i];
+    const at::Tensor ids = at::randint(c.vocab_size, {n}, at::kLong);
+    const at::Tensor dir = at::randn({n, c.hidden_size});
+    const at::Tensor unit = dir / at::sqrt(dir.pow(2).mean(-1, true));
+    const at::Tensor aux = at::randn({n, c.aux_width()});
+    Record r;
+    r.conversation_id = "r" + std::to_string(i);
+    r.input_ids = to_host_tensor(ids);
+    r.hidden_states = to_host_tensor(unit * base.final_norm);
+    r.aux_hidden_states = to_host_tensor(aux);
+    post_records.push_back(r);
+    if (i % 2 == 0) {  // records 0 and 2: dumped before the final norm, and they say so
+      r.hidden_states = to_host_tensor(unit * (3.0 + 30.0 * at::rand({n, 1})));
+      r.hidden_states_prenorm = true;
+    } else {
+      r.hidden_states_prenorm = false;
+    }
+    mixed_records.push_back(r);
+  }
+  const DraftModel draft(c, fixtures::spread_d2t(c), base.lm_head, 97);
+  TttOptions plain{3, 0.9, std::nullopt};
+  at::NoGradGuard no_grad;
+  for (const CollateMode mode : {CollateMode::kPad, CollateMode::kPack}) {
+    CAPTURE(collate_mode_name(mode));
+    CollateOptions co;
+    co.mode = mode;
+    co.max_length = 24;
+    const Batch post_batch = collate_records(post_records, co);
+    const Batch mixed_batch = collate_records(mixed_records, co);
+    REQUIRE(mixed_batch.hidden_states_prenorm.defined());
+    CHECK_FALSE(post_batch.hidden_states_prenorm.defined());
+    // Per token: every real token carries its record's form, padding -1.
+    CHECK(mixed_batch.hidden_states_prenorm.ne(-1).sum().item<std::int64_t>() == mixed_batch.tokens);
+    const TttResult want = TttUnroll(base, draft, plain).forward(to_ttt_batch(post_batch));
+    const TttResult got = TttUnroll(base, draft, plain).forward(to_ttt_batch(mixed_batch));
+    TttBatch ignored = to_ttt_batch(mixed_batch);
+    ignored.hidden_states_prenorm = at::Tensor();
+    const TttResult wrong = TttUnroll(base, draft, plain).forward(ignored);
+    double gap = 0, wrong_gap = 0;
+    for (std::int64_t s = 0; s < 3; ++s) {
+      const double w = want.ce_sum[s].item<double>();
+      gap = std::max(gap, std::abs(got.ce_sum[s].item<double>() - w) / std::abs(w));
+      wrong_gap = std::max(wrong_gap, std::abs(wrong.ce_sum[s].item<double>() - w) / std::abs(w));
+    }
+    CHECK(gap <= 1e-5);
+    CHECK(got.stats.correct == want.stats.correct);
+    CHECK(wrong_gap > 0.01);  // must fail: the flags dropped, the pre-norm records give other targets
   }
 }
