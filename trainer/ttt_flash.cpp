@@ -15,6 +15,7 @@ namespace eaglekit::trainer {
 namespace {
 
 const double kNegInf = -std::numeric_limits<double>::infinity();
+const double kLowest = std::numeric_limits<float>::lowest();
 
 // Layout. Query heads sharing a kv head are consecutive (h = kv * rep + r), and a query tile
 // is the rows [q0, q0 + t) of all rep heads of a kv head: q is held as [B, kv_heads, L, rep, D]
@@ -58,8 +59,9 @@ at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
   return at::cat({x.narrow(dim, shift, n - shift), at::zeros_like(x.narrow(dim, 0, shift))}, dim);
 }
 
-// -inf (a row that has seen no allowed key) replaced by 0, so that subtracting it is safe.
-at::Tensor finite_or_zero(const at::Tensor& m) { return m.masked_fill(m == kNegInf, 0.0); }
+// -inf (a row that has seen no allowed key) replaced by the lowest finite float, so that
+// subtracting it is safe: the row's scores are all -inf and stay -inf (exp gives 0).
+at::Tensor finite_or_lowest(const at::Tensor& m) { return at::clamp_min(m, kLowest); }
 
 Prepared prepare(const Geometry& g, const at::Tensor& q, at::TensorList ks, at::TensorList vs,
                  const at::Tensor& key_valid, const at::Tensor& document_ids) {
@@ -172,7 +174,7 @@ Result forward_raw(const Geometry& g, const Prepared& p) {
     if (!m.defined()) return;
     const at::Tensor has = sum > 0;
     rows_of(g, r.out, q0, t).copy_(acc / at::where(has, sum, at::ones_like(sum)).unsqueeze(-1));
-    rows_of(g, r.lse, q0, t).copy_(at::where(has, finite_or_zero(m) + at::log(sum), at::full_like(sum, kNegInf)));
+    rows_of(g, r.lse, q0, t).copy_(at::where(has, finite_or_lowest(m) + at::log(sum), at::full_like(sum, kNegInf)));
     m = at::Tensor();
   };
   std::int64_t open_q0 = -1, open_t = 0;
@@ -186,7 +188,7 @@ Result forward_raw(const Geometry& g, const Prepared& p) {
     at::Tensor s = tile_scores(g, p, q_tile, q0, t, k0, n);
     const at::Tensor tile_max = at::amax(s, -1);
     const at::Tensor m_new = m.defined() ? at::maximum(m, tile_max) : tile_max;
-    const at::Tensor shift = finite_or_zero(m_new);
+    const at::Tensor shift = finite_or_lowest(m_new);
     s.sub_(shift.unsqueeze(-1)).exp_();  // the tile's probabilities, unnormalised
     const at::Tensor pv = at::matmul(s, p.v0.narrow(2, k0, n));
     if (!m.defined()) {
@@ -204,7 +206,7 @@ Result forward_raw(const Geometry& g, const Prepared& p) {
 
   // The chain keys, one per query and block, merged with block 0 by log-sum-exp.
   const at::Tensor c = chain_scores(g, p);
-  const at::Tensor top = finite_or_zero(at::maximum(r.lse, at::amax(c, -1)));
+  const at::Tensor top = finite_or_lowest(at::maximum(r.lse, at::amax(c, -1)));
   const at::Tensor w0 = (r.lse - top).exp_();
   const at::Tensor w = (c - top.unsqueeze(-1)).exp_();
   const at::Tensor total = w0 + w.sum(-1);
@@ -224,10 +226,10 @@ struct Grads {
   std::vector<at::Tensor> dk_chain, dv_chain;
 };
 
-Grads backward_raw(const Geometry& g, const Prepared& p, const at::Tensor& d_out, const at::Tensor& out,
+// delta: rowsum(dO * O), [B, kv_heads, L, rep].
+Grads backward_raw(const Geometry& g, const Prepared& p, const at::Tensor& d_out, const at::Tensor& delta,
                    const at::Tensor& lse) {
-  const at::Tensor delta = (d_out * out).sum(-1).contiguous();  // [B, kv_heads, L, rep]
-  const at::Tensor lse0 = finite_or_zero(lse);  // rows without keys: every score is -inf anyway
+  const at::Tensor lse0 = finite_or_lowest(lse);  // rows without keys: every score is -inf anyway
   Grads gr{at::zeros_like(p.qs), at::zeros_like(p.k0), at::zeros_like(p.v0), {}, {}};
   at::Tensor q_tile, do_tile, lse_tile, delta_tile, dq_tile;
   for_each_tile(g, p, [&](std::int64_t q0, std::int64_t t, std::int64_t k0, std::int64_t n, bool first_key) {
@@ -281,7 +283,7 @@ at::Tensor to_heads(const Geometry& g, const at::Tensor& x) {
   return x.permute({0, 1, 3, 2}).reshape({g.b, g.heads, g.l});
 }
 at::Tensor from_heads(const Geometry& g, const at::Tensor& x) {
-  return x.view({g.b, g.kv_heads, g.rep, g.l, g.d}).permute({0, 1, 3, 2, 4}).contiguous();
+  return x.reshape({g.b, g.kv_heads, g.rep, g.l, g.d}).permute({0, 1, 3, 2, 4}).contiguous();
 }
 
 // The autograd node. Inputs: q, the k blocks, the v blocks (differentiable), key_valid and
@@ -330,7 +332,9 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     const Geometry g = geometry_of(q, ks[0], step, ctx->saved_data["scale"].toDouble(),
                                    ctx->saved_data["query_rows"].toInt(), ctx->saved_data["key_rows"].toInt());
     const Prepared p = prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(), ctx->saved_data["docs"].toTensor());
-    const Grads gr = backward_raw(g, p, from_heads(g, grad_out[0].to(at::kFloat)), from_heads(g, out), lse);
+    const at::Tensor d_out = grad_out[0].to(at::kFloat);
+    const at::Tensor delta = (d_out * out).sum(-1).view({g.b, g.kv_heads, g.rep, g.l}).permute({0, 1, 3, 2}).contiguous();
+    const Grads gr = backward_raw(g, p, from_heads(g, d_out), delta, lse);
 
     torch::autograd::variable_list result{to_heads(g, gr.dqs.mul_(g.scale)).to(q.scalar_type())};
     result.push_back(gr.dk0.to(ks[0].scalar_type()));
