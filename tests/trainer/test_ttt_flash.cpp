@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/version.h>
 
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "formats/error.h"
 #include "tests/support.h"
+#include "tests/trainer/trainer_fixtures.h"
 #include "trainer/cpu_memory.h"
 #include "trainer/ttt.h"
 #include "trainer/ttt_flash.h"
@@ -307,4 +309,60 @@ TEST_CASE("ttt flash: shape errors say what is wrong") {
         "TTT flash attention: key_valid must be [B, L] = [1, 5]");
   CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, valid, 0, 1.0, at::zeros({5})); }) ==
         "TTT flash attention: document_ids must be [B, L] = [1, 5]");
+}
+
+namespace {
+
+// The single-rank layout with the local attention at every length: the unroll as it ran
+// before ttt_attention_flash existed.
+class LocalAttentionContext final : public SequenceContext {
+ public:
+  std::int64_t global_offset() const override { return 0; }
+  std::int64_t global_length(std::int64_t n) const override { return n; }
+  at::Tensor shift_right(const at::Tensor& x) override { return single_.shift_right(x); }
+  at::Tensor shift_left(const at::Tensor& x) override { return single_.shift_left(x); }
+  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid, std::int64_t step,
+                       double scale, const at::Tensor& document_ids) override {
+    return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
+  }
+  at::Tensor sum_across(const at::Tensor& x) override { return x; }
+
+ private:
+  SingleRankContext single_;
+  TttMaskCache masks_;
+};
+
+std::string attention_node(SingleRankContext& context, std::int64_t l) {
+  const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
+  return context.attention(in.q, in.ks, in.vs, in.key_valid, 1, 0.3, {}).grad_fn()->name();
+}
+
+}  // namespace
+
+TEST_CASE("ttt flash: SingleRankContext uses it from kTttFlashMinLength on, and the unroll trains the same") {
+  SingleRankContext single;
+  CHECK(attention_node(single, kTttFlashMinLength).find("TttFlash") != std::string::npos);
+  CHECK(attention_node(single, kTttFlashMinLength - 1).find("TttFlash") == std::string::npos);
+
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 31);
+  // Two rows, one padded, at the length where the flash path starts.
+  const TttBatch batch = fixtures::random_batch(c, 2, kTttFlashMinLength, {kTttFlashMinLength, 301}, 32);
+  TttUnroll flash(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  TttUnroll local(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  LocalAttentionContext local_context;
+  const TttResult a = flash.forward(batch, &single);
+  const TttResult b = local.forward(batch, &local_context);
+  CHECK(max_rel(a.ce_sum, b.ce_sum) < 1e-5);
+  a.loss.backward();
+  b.loss.backward();
+  const auto pa = flash.draft().named_parameters();
+  const auto pb = local.draft().named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    if (!pb[i].second.grad().defined()) continue;
+    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
+  }
 }
