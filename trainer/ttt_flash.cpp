@@ -165,7 +165,8 @@ struct Result {
 
 Result forward_raw(const Geometry& g, const Prepared& p) {
   const auto fopts = p.qs.options();
-  Result r{at::zeros({g.b, g.kv_heads, g.l, g.rep, g.d}, fopts), at::full({g.b, g.kv_heads, g.l, g.rep}, kNegInf, fopts)};
+  Result r{at::zeros({g.b, g.kv_heads, g.l, g.rep, g.d}, fopts),
+           at::full({g.b, g.kv_heads, g.l, g.rep}, kNegInf, fopts)};
 
   // Block 0, one query tile at a time: running max m, running sum and the unnormalised output,
   // rescaled by exp(m_old - m_new) whenever a key tile raises the max.
@@ -331,9 +332,11 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     const at::Tensor& lse = saved[2 + 2 * blocks];
     const Geometry g = geometry_of(q, ks[0], step, ctx->saved_data["scale"].toDouble(),
                                    ctx->saved_data["query_rows"].toInt(), ctx->saved_data["key_rows"].toInt());
-    const Prepared p = prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(), ctx->saved_data["docs"].toTensor());
+    const Prepared p =
+        prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(), ctx->saved_data["docs"].toTensor());
     const at::Tensor d_out = grad_out[0].to(at::kFloat);
-    const at::Tensor delta = (d_out * out).sum(-1).view({g.b, g.kv_heads, g.rep, g.l}).permute({0, 1, 3, 2}).contiguous();
+    const at::Tensor delta =
+        (d_out * out).sum(-1).view({g.b, g.kv_heads, g.rep, g.l}).permute({0, 1, 3, 2}).contiguous();
     const Grads gr = backward_raw(g, p, from_heads(g, d_out), delta, lse);
 
     torch::autograd::variable_list result{to_heads(g, gr.dqs.mul_(g.scale)).to(q.scalar_type())};

@@ -27,9 +27,10 @@ struct TttFlashTiles {
 // Chosen from bench/bench_ttt_attention (docs/benchmarks.md).
 constexpr std::int64_t kTttFlashQueryRows = 128;
 constexpr std::int64_t kTttFlashKeyRows = 256;
-// SingleRankContext::attention uses ttt_attention_flash for rows of at least this many
-// positions and ttt_attention_local below (where the local path is as fast or faster and its
-// O(L^2) scores are small); docs/ttt.md, "Two implementations", has the measurements.
+// On the CPU, SingleRankContext::attention uses ttt_attention_flash for rows of at least
+// this many positions and ttt_attention_local below (where the local path is as fast or
+// faster and its O(L^2) scores are small); docs/ttt.md, "Two implementations", has the
+// measurements. On a GPU it keeps ttt_attention_local: the tile loop is not measured there.
 constexpr std::int64_t kTttFlashMinLength = 512;
 
 // The same arguments, semantics and result as ttt_attention_local (trainer/ttt.h): q
