@@ -12,6 +12,7 @@
 
 #include "formats/error.h"
 #include "trainer/soft_ce.h"
+#include "trainer/ttt_flash.h"
 
 namespace eaglekit::trainer {
 
@@ -313,6 +314,11 @@ at::Tensor SingleRankContext::shift_left(const at::Tensor& x) {
 at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                         const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                         std::int64_t step, double scale, const at::Tensor& document_ids) {
+  // docs/ttt.md, "Two implementations": on the CPU, the O(L)-memory kernel from the length
+  // where bench/bench_ttt_attention measures it no slower than the local one. Not on a GPU,
+  // where its tile loop has not been measured.
+  if (q.device().is_cpu() && q.size(2) >= kTttFlashMinLength)
+    return ttt_attention_flash(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
   return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
 }
 

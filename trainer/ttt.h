@@ -114,6 +114,10 @@ class SequenceContext {
   virtual at::Tensor sum_across(const at::Tensor& x) = 0;
 };
 
+// The whole sequence on this rank. attention(): on the CPU ttt_attention_local below
+// kTttFlashMinLength positions and ttt_attention_flash (trainer/ttt_flash.h) from there; on
+// other devices always ttt_attention_local (docs/ttt.md, "Two implementations"). masks()
+// holds the local path's block-0 masks.
 class SingleRankContext final : public SequenceContext {
  public:
   std::int64_t global_offset() const override { return 0; }

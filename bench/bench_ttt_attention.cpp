@@ -1,0 +1,263 @@
+// bench_ttt_attention: the two fast TTT attentions side by side in one process on the same
+// data (docs/ttt.md, "Two implementations"): ttt_attention_local (block-0 scores per query
+// chunk, kept by autograd) and ttt_attention_flash (tiled online softmax, one autograd node,
+// scores recomputed in backward). One measured unit is the attention of a whole S-step TTT
+// unroll: steps s = 0..S-1, each over its s + 1 kept blocks, forward then backward of a
+// weighted sum of the outputs. Per (S, L) it prints:
+//   time:   median wall ms of the unit over --reps rounds (the variants alternate, after one
+//           warm-up each), and the ratios flash / local of the median wall and of the median
+//           process CPU time (steadier on a shared machine);
+//   memory: bytes that stay allocated after the S forwards (what autograd keeps for backward,
+//           outputs included) and the allocator peak of forward + backward, counted exactly by
+//           trainer/cpu_memory.h on the calling thread (intra-op worker threads' temporaries
+//           are not seen); with --rss also the peak-RSS growth of the unit run alone in a
+//           fresh process (ru_maxrss is a lifetime peak, so one process per measurement).
+//
+// usage: bench_ttt_attention [--lengths 256,512,1024,2048] [--steps 3,7] [--heads 8]
+//                            [--kv-heads 2] [--head-dim 64] [--batch 1] [--reps 3]
+//                            [--threads N] [--query-rows N] [--key-rows N] [--rss]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "trainer/cpu_memory.h"
+#include "trainer/ttt.h"
+#include "trainer/ttt_flash.h"
+
+using namespace eaglekit;
+
+namespace {
+
+struct Args {
+  std::vector<std::int64_t> lengths{256, 512, 1024, 2048};
+  std::vector<std::int64_t> steps{3, 7};
+  std::int64_t heads = 8, kv_heads = 2, head_dim = 64, batch = 1;
+  int reps = 3;
+  int threads = 0;
+  trainer::TttFlashTiles tiles;
+  bool rss = false;
+  std::string child;  // "local" or "flash": run one unit of (steps[0], lengths[0]) and print RSS
+};
+
+std::vector<std::int64_t> list_of(const std::string& s) {
+  std::vector<std::int64_t> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) v.push_back(std::stoll(x));
+  return v;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      return argv[++i];
+    };
+    if (k == "--lengths") a.lengths = list_of(next());
+    else if (k == "--steps") a.steps = list_of(next());
+    else if (k == "--heads") a.heads = std::stoll(next());
+    else if (k == "--kv-heads") a.kv_heads = std::stoll(next());
+    else if (k == "--head-dim") a.head_dim = std::stoll(next());
+    else if (k == "--batch") a.batch = std::stoll(next());
+    else if (k == "--reps") a.reps = std::stoi(next());
+    else if (k == "--threads") a.threads = std::stoi(next());
+    else if (k == "--query-rows") a.tiles.query_rows = std::stoll(next());
+    else if (k == "--key-rows") a.tiles.key_rows = std::stoll(next());
+    else if (k == "--rss") a.rss = true;
+    else if (k == "--child") a.child = next();
+    else throw std::runtime_error("unknown option " + k);
+  }
+  if (a.lengths.empty() || a.steps.empty() || a.reps < 1) throw std::runtime_error("nothing to measure");
+  return a;
+}
+
+double rss_mib() {
+  std::ifstream f("/proc/self/statm");
+  long pages = 0, resident = 0;
+  f >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The inputs of an S-step unroll's attention: per step a query, per block a key and value.
+struct Unit {
+  std::vector<at::Tensor> qs, ks, vs, weights;
+  at::Tensor valid;
+  double scale = 1.0;
+};
+
+Unit make_unit(const Args& a, std::int64_t steps, std::int64_t l) {
+  auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 * steps + l));
+  Unit u;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    u.qs.push_back(at::randn({a.batch, a.heads, l, a.head_dim}, gen).requires_grad_());
+    u.ks.push_back(at::randn({a.batch, a.kv_heads, l, a.head_dim}, gen).requires_grad_());
+    u.vs.push_back(at::randn({a.batch, a.kv_heads, l, a.head_dim}, gen).requires_grad_());
+    u.weights.push_back(at::randn({a.batch, a.heads, l, a.head_dim}, gen));
+  }
+  u.valid = at::ones({a.batch, l}, at::kBool);
+  u.scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
+  return u;
+}
+
+double cpu_ms() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6;
+}
+
+struct Run {
+  double ms = 0;                  // forward + backward, wall
+  double cpu = 0;                 // the same, process CPU time (every thread)
+  std::int64_t kept = 0, peak = 0;  // bytes (only when measured with a probe)
+};
+
+// Forward of every step, then one backward; gradients are dropped afterwards.
+Run run_unit(const Args& a, Unit& u, const std::string& variant, bool probe_memory) {
+  for (auto* list : {&u.qs, &u.ks, &u.vs})
+    for (auto& t : *list) t.mutable_grad() = at::Tensor();
+  std::optional<trainer::CpuAllocationProbe> probe;
+  if (probe_memory) probe.emplace();
+  trainer::TttMaskCache cache;
+  Run r;
+  const auto t0 = std::chrono::steady_clock::now();
+  const double c0 = cpu_ms();
+  {
+    at::Tensor total;
+    const auto steps = static_cast<std::int64_t>(u.qs.size());
+    for (std::int64_t s = 0; s < steps; ++s) {
+      const std::vector<at::Tensor> ks(u.ks.begin(), u.ks.begin() + s + 1), vs(u.vs.begin(), u.vs.begin() + s + 1);
+      const auto i = static_cast<std::size_t>(s);
+      const at::Tensor out = variant == "flash"
+                                 ? trainer::ttt_attention_flash(u.qs[i], ks, vs, u.valid, s, u.scale, {}, a.tiles)
+                                 : trainer::ttt_attention_local(u.qs[i], ks, vs, u.valid, s, u.scale, {}, &cache);
+      const at::Tensor part = (out * u.weights[i]).sum();
+      total = total.defined() ? total + part : part;
+    }
+    if (probe) r.kept = probe->live_bytes();
+    total.backward();
+  }
+  r.ms = ms_since(t0);
+  r.cpu = cpu_ms() - c0;
+  if (probe) r.peak = probe->peak_bytes();
+  return r;
+}
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "bench_ttt_attention";
+}
+
+// Peak-RSS growth (MiB) of one unit in a fresh process.
+double child_rss(const Args& a, const std::string& variant, std::int64_t steps, std::int64_t l) {
+  std::ostringstream cmd;
+  cmd << "'" << self_exe() << "' --child " << variant << " --steps " << steps << " --lengths " << l << " --heads "
+      << a.heads << " --kv-heads " << a.kv_heads << " --head-dim " << a.head_dim << " --batch " << a.batch;
+  if (a.threads > 0) cmd << " --threads " << a.threads;
+  if (a.tiles.query_rows > 0) cmd << " --query-rows " << a.tiles.query_rows;
+  if (a.tiles.key_rows > 0) cmd << " --key-rows " << a.tiles.key_rows;
+  FILE* p = ::popen(cmd.str().c_str(), "r");
+  if (!p) throw std::runtime_error("cannot start " + cmd.str());
+  double mib = -1;
+  if (std::fscanf(p, "%lf", &mib) != 1) mib = -1;
+  if (::pclose(p) != 0 || mib < 0) throw std::runtime_error("child failed: " + cmd.str());
+  return mib;
+}
+
+int child(const Args& a) {
+  Unit u = make_unit(a, a.steps.front(), a.lengths.front());
+  const double before = rss_mib();
+  run_unit(a, u, a.child, false);
+  std::printf("%.1f\n", std::max(0.0, peak_rss_mib() - before));
+  return 0;
+}
+
+double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    if (a.threads > 0) at::set_num_threads(a.threads);
+    if (!a.child.empty()) return child(a);
+    const std::int64_t qr = a.tiles.query_rows > 0 ? a.tiles.query_rows : trainer::kTttFlashQueryRows;
+    const std::int64_t kr = a.tiles.key_rows > 0 ? a.tiles.key_rows : trainer::kTttFlashKeyRows;
+    std::printf("bench_ttt_attention: batch %lld, %lld heads / %lld kv heads x %lld, float32, %d threads, "
+                "flash tiles %lld x %lld; forward + backward of all S steps' attention; median of %d rounds\n",
+                static_cast<long long>(a.batch), static_cast<long long>(a.heads), static_cast<long long>(a.kv_heads),
+                static_cast<long long>(a.head_dim), at::get_num_threads(), static_cast<long long>(qr),
+                static_cast<long long>(kr), a.reps);
+    std::printf("\n%3s %6s %10s %10s %7s %7s %11s %11s %11s %11s %13s", "S", "L", "local ms", "flash ms", "wall",
+                "CPU", "local kept", "flash kept", "local peak", "flash peak", "flash kept/L");
+    if (a.rss) std::printf(" %9s %9s", "local RSS", "flash RSS");
+    std::printf("\n%3s %6s %10s %10s %7s %7s %11s %11s %11s %11s %13s", "", "", "wall", "wall", "f/l", "f/l", "MiB",
+                "MiB", "MiB", "MiB", "KiB/row");
+    if (a.rss) std::printf(" %9s %9s", "MiB", "MiB");
+    std::printf("\n");
+    for (const std::int64_t steps : a.steps) {
+      for (const std::int64_t l : a.lengths) {
+        Unit u = make_unit(a, steps, l);
+        // Memory first (exact, untimed), which also warms both variants up.
+        const Run local_mem = run_unit(a, u, "local", true);
+        const Run flash_mem = run_unit(a, u, "flash", true);
+        std::vector<double> local_ms, flash_ms, local_cpu, flash_cpu;
+        auto time = [&](const std::string& variant) {
+          const Run r = run_unit(a, u, variant, false);
+          (variant == "flash" ? flash_ms : local_ms).push_back(r.ms);
+          (variant == "flash" ? flash_cpu : local_cpu).push_back(r.cpu);
+        };
+        for (int r = 0; r < a.reps; ++r) {
+          // Alternate which goes first, so neither always runs on a warmer cache.
+          time(r % 2 == 0 ? "local" : "flash");
+          time(r % 2 == 0 ? "flash" : "local");
+        }
+        const double lm = median(local_ms), fm = median(flash_ms);
+        std::printf("%3lld %6lld %10.1f %10.1f %7.2f %7.2f %11.1f %11.1f %11.1f %11.1f %13.2f",
+                    static_cast<long long>(steps), static_cast<long long>(l), lm, fm, fm / lm,
+                    median(flash_cpu) / median(local_cpu), mib(local_mem.kept), mib(flash_mem.kept),
+                    mib(local_mem.peak), mib(flash_mem.peak),
+                    static_cast<double>(flash_mem.kept) / 1024.0 / static_cast<double>(l * a.batch));
+        if (a.rss) std::printf(" %9.1f %9.1f", child_rss(a, "local", steps, l), child_rss(a, "flash", steps, l));
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+    }
+    std::printf("\n(kept: bytes allocated by the S forwards and still alive before backward: saved for "
+                "backward, outputs included; peak: allocator peak over forward + backward, inputs excluded, "
+                "gradients included; both on the calling thread)\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_ttt_attention: %s\n", e.what());
+    return 1;
+  }
+}

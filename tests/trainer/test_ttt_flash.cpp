@@ -1,0 +1,368 @@
+#include "tests/torch_doctest.h"
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+#include "formats/error.h"
+#include "tests/support.h"
+#include "tests/trainer/trainer_fixtures.h"
+#include "trainer/cpu_memory.h"
+#include "trainer/ttt.h"
+#include "trainer/ttt_flash.h"
+
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-30);
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+struct Inputs {
+  at::Tensor q;
+  std::vector<at::Tensor> ks, vs;
+  at::Tensor key_valid, docs;
+  std::vector<at::Tensor> all() const {
+    std::vector<at::Tensor> x{q};
+    x.insert(x.end(), ks.begin(), ks.end());
+    x.insert(x.end(), vs.begin(), vs.end());
+    return x;
+  }
+};
+
+struct Shape {
+  std::int64_t b = 2, heads = 4, kv_heads = 2, l = 9, d = 8;
+};
+
+// Random q/k/v for step s; padding: row 1 has a hole at position 3 and padding after
+// position 6, and its key 0 is invalid (query 0 sees no key at step 0, nor at step 1 where
+// its only key is position 0 of block 1); row 2 (when b > 2) is all padding. Packed: row 0
+// holds two documents split at l / 2, row 1 a third one and a padding "document" -1.
+Inputs make_inputs(const Shape& sh, std::int64_t s, bool padded, bool packed, at::ScalarType dtype = at::kFloat) {
+  Inputs in;
+  in.q = at::randn({sh.b, sh.heads, sh.l, sh.d}).to(dtype).requires_grad_();
+  for (std::int64_t i = 0; i <= s; ++i) {
+    in.ks.push_back(at::randn({sh.b, sh.kv_heads, sh.l, sh.d}).to(dtype).requires_grad_());
+    in.vs.push_back(at::randn({sh.b, sh.kv_heads, sh.l, sh.d}).to(dtype).requires_grad_());
+  }
+  in.key_valid = at::ones({sh.b, sh.l}, at::kBool);
+  if (padded && sh.b > 1) {
+    if (sh.l > 6) in.key_valid[1].narrow(0, 6, sh.l - 6).fill_(false);
+    if (sh.l > 3) in.key_valid[1][3] = false;
+    in.key_valid[1][0] = false;
+    if (sh.b > 2) in.key_valid[2].fill_(false);
+  }
+  if (packed) {
+    in.docs = at::zeros({sh.b, sh.l}, at::kLong);
+    in.docs[0].narrow(0, sh.l / 2, sh.l - sh.l / 2).fill_(1);
+    if (sh.b > 1) {
+      in.docs[1].fill_(2);
+      if (sh.l > 6) in.docs[1].narrow(0, 6, sh.l - 6).fill_(-1);
+    }
+  }
+  return in;
+}
+
+// The TTT mask written out once more, here with deliberate errors for the must-fail checks:
+// block 0 sees j <= q - s + diagonal_error, block i the key of position q - (s - i) + chain_error.
+at::Tensor reference_mask(std::int64_t l, std::int64_t s, std::int64_t diagonal_error, std::int64_t chain_error) {
+  at::Tensor m = at::zeros({l, l * (s + 1)}, at::kBool);
+  for (std::int64_t q = 0; q < l; ++q) {
+    for (std::int64_t j = 0; j <= q - s + diagonal_error && j < l; ++j) m[q][j] = true;
+    for (std::int64_t i = 1; i <= s; ++i) {
+      const std::int64_t p = q - (s - i) + chain_error;
+      if (p >= 0 && p < l) m[q][i * l + p] = true;
+    }
+  }
+  return m;
+}
+
+at::Tensor masked_attention(const Inputs& in, std::int64_t s, double scale, const at::Tensor& mask) {
+  at::Tensor allowed = mask.unsqueeze(0) & in.key_valid.repeat({1, s + 1}).unsqueeze(1);
+  if (in.docs.defined()) allowed = allowed & (in.docs.unsqueeze(2) == in.docs.repeat({1, s + 1}).unsqueeze(1));
+  return attend(in.q, at::cat(in.ks, 2), at::cat(in.vs, 2), allowed, scale).out.to(in.q.scalar_type());
+}
+
+// Rows (b, q) with no visible key: [B, L] bool.
+at::Tensor keyless_rows(const Inputs& in, std::int64_t s) {
+  const std::int64_t l = in.q.size(2);
+  at::Tensor allowed = ttt_mask(l, s).unsqueeze(0) & in.key_valid.repeat({1, s + 1}).unsqueeze(1);
+  if (in.docs.defined()) allowed = allowed & (in.docs.unsqueeze(2) == in.docs.repeat({1, s + 1}).unsqueeze(1));
+  return allowed.any(-1).logical_not();
+}
+
+struct Case {
+  const char* name;
+  Shape shape;
+  TttFlashTiles tiles;
+  bool padded, packed;
+};
+
+}  // namespace
+
+TEST_CASE("ttt flash: values and gradients equal the dense attention under the docs/ttt.md mask") {
+  const std::vector<Case> cases{
+      {"tiles smaller than L, L not a multiple of them", {2, 4, 2, 9, 8}, {4, 4}, false, false},
+      {"one tile larger than L", {2, 4, 2, 9, 8}, {16, 16}, false, false},
+      {"query and key tiles of different sizes", {2, 4, 2, 13, 8}, {3, 5}, false, false},
+      {"one-row tiles", {1, 4, 2, 7, 4}, {1, 1}, false, false},
+      {"padding: tails, holes, keyless queries, a row of padding", {3, 4, 2, 11, 8}, {4, 3}, true, false},
+      {"packed documents", {2, 4, 2, 10, 8}, {4, 4}, false, true},
+      {"packed and padded", {2, 4, 2, 11, 8}, {2, 5}, true, true},
+      {"GQA 4/1", {2, 4, 1, 9, 8}, {4, 4}, true, true},
+      {"MHA 4/4", {2, 4, 4, 9, 8}, {4, 4}, true, false},
+      {"the default tiles, several of them", {2, 4, 2, 300, 8}, {}, true, false},
+  };
+  at::manual_seed(21);
+  for (const Case& c : cases) {
+    for (std::int64_t s = 0; s <= 3; ++s) {
+      CAPTURE(c.name);
+      CAPTURE(s);
+      const Inputs in = make_inputs(c.shape, s, c.padded, c.packed);
+      const double scale = 0.35;
+      const at::Tensor dense = ttt_attention_dense(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs);
+      const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs, c.tiles);
+      REQUIRE(flash.sizes() == in.q.sizes());
+      CHECK((flash.scalar_type() == at::kFloat));
+      CHECK(max_rel(flash, dense) < 1e-5);
+      // Keyless queries give exactly 0.
+      const at::Tensor none = keyless_rows(in, s).unsqueeze(1).unsqueeze(-1).expand_as(flash);
+      CHECK(at::equal(flash.masked_select(none), at::zeros({none.sum().item<std::int64_t>()})));
+      if (c.padded) CHECK(none.any().item<bool>());
+
+      const at::Tensor w = at::randn(dense.sizes());
+      const auto inputs = in.all();
+      const auto g_dense = torch::autograd::grad({(dense * w).sum()}, inputs);
+      const auto g_flash = torch::autograd::grad({(flash * w).sum()}, inputs);
+      for (std::size_t i = 0; i < inputs.size(); ++i) {
+        CAPTURE(i);  // 0: q, 1..s+1: k blocks, then the v blocks
+        CHECK(at::isfinite(g_flash[i]).all().item<bool>());
+        CHECK(max_rel(g_flash[i], g_dense[i]) < 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("ttt flash: the comparison catches an off-by-one diagonal, a misplaced chain key, a wrong document rule") {
+  at::manual_seed(22);
+  const Shape sh{2, 4, 2, 10, 8};
+  for (std::int64_t s = 0; s <= 3; ++s) {
+    CAPTURE(s);
+    const Inputs in = make_inputs(sh, s, true, true);
+    const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, 0.5, in.docs, {4, 3});
+    // The test's own mask agrees with flash when written right ...
+    CHECK(max_rel(flash, masked_attention(in, s, 0.5, reference_mask(sh.l, s, 0, 0))) < 1e-5);
+    // ... and the same comparison fails for each error.
+    CHECK(max_rel(flash, masked_attention(in, s, 0.5, reference_mask(sh.l, s, +1, 0))) > 1e-2);
+    CHECK(max_rel(flash, masked_attention(in, s, 0.5, reference_mask(sh.l, s, -1, 0))) > 1e-2);
+    if (s > 0) CHECK(max_rel(flash, masked_attention(in, s, 0.5, reference_mask(sh.l, s, 0, -1))) > 1e-2);
+    Inputs one_doc = in;
+    one_doc.docs = at::Tensor();
+    CHECK(max_rel(flash, masked_attention(one_doc, s, 0.5, reference_mask(sh.l, s, 0, 0))) > 1e-2);
+  }
+}
+
+TEST_CASE("ttt flash: bf16 inputs give the float32 result of their upcast, in bf16") {
+  at::manual_seed(23);
+  const Shape sh{2, 4, 2, 11, 8};
+  for (std::int64_t s = 0; s <= 3; ++s) {
+    CAPTURE(s);
+    const Inputs in = make_inputs(sh, s, true, true, at::kBFloat16);
+    Inputs up = in;  // the same values in float32
+    up.q = in.q.detach().to(at::kFloat).requires_grad_();
+    for (std::size_t i = 0; i < in.ks.size(); ++i) {
+      up.ks[i] = in.ks[i].detach().to(at::kFloat).requires_grad_();
+      up.vs[i] = in.vs[i].detach().to(at::kFloat).requires_grad_();
+    }
+    const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, 0.35, in.docs, {4, 4});
+    const at::Tensor dense = ttt_attention_dense(up.q, up.ks, up.vs, up.key_valid, s, 0.35, up.docs);
+    CHECK((flash.scalar_type() == at::kBFloat16));
+    // bf16 keeps 8 significant bits: one rounding of the output, relative 2^-8 of the
+    // largest value; the gradients are likewise float32 results rounded once.
+    const double tol = 1e-2;
+    CHECK(max_rel(flash, dense) < tol);
+    const at::Tensor w = at::randn(dense.sizes());
+    const auto g_flash = torch::autograd::grad({(flash.to(at::kFloat) * w).sum()}, in.all());
+    const auto g_dense = torch::autograd::grad({(dense * w).sum()}, up.all());
+    for (std::size_t i = 0; i < g_flash.size(); ++i) {
+      CAPTURE(i);
+      CHECK((g_flash[i].scalar_type() == at::kBFloat16));
+      CHECK(max_rel(g_flash[i], g_dense[i]) < tol);
+    }
+  }
+}
+
+namespace {
+// CPU autocast to bf16 for the guard's lifetime (the API moved in LibTorch 2.4).
+struct CpuAutocast {
+  CpuAutocast() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, true);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, at::kBFloat16);
+#else
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+#endif
+  }
+  ~CpuAutocast() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, false);
+#else
+    at::autocast::set_cpu_enabled(false);
+#endif
+    at::autocast::clear_cache();
+  }
+};
+}  // namespace
+
+TEST_CASE("ttt flash: under CPU autocast it still computes in float32 (the local path does not)") {
+  at::manual_seed(24);
+  const Inputs in = make_inputs({2, 4, 2, 12, 16}, 2, true, false);
+  const at::Tensor plain = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {4, 4});
+  const at::Tensor local_plain = ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25);
+  at::Tensor flash, local;
+  {
+    CpuAutocast autocast;
+    flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {4, 4});
+    local = ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25);
+  }
+  CHECK((flash.scalar_type() == at::kFloat));
+  CHECK(at::equal(flash, plain));
+  // The twin: autocast does reach the local path's matmuls (bf16), so the check can fail.
+  CHECK(max_rel(local, local_plain) > 1e-4);
+  const auto g = torch::autograd::grad({flash.sum()}, in.all());
+  for (const auto& t : g) CHECK(at::isfinite(t).all().item<bool>());
+}
+
+namespace {
+
+// Bytes that stay allocated after the forward pass (what autograd keeps for backward, plus
+// the output), and the peak of one forward + backward, on one thread so that every
+// allocation is seen.
+struct Footprint {
+  std::int64_t kept = 0, peak = 0;
+};
+
+template <typename F>
+Footprint footprint(std::int64_t l, F&& attention) {
+  at::manual_seed(25);
+  const Inputs in = make_inputs({1, 4, 2, l, 16}, 2, false, false);
+  Footprint f;
+  CpuAllocationProbe probe;
+  {
+    at::Tensor out = attention(in);
+    f.kept = probe.live_bytes();
+    const auto g = torch::autograd::grad({out.sum()}, in.all());
+  }
+  f.peak = probe.peak_bytes();
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("ttt flash: autograd keeps O(L) bytes where the local path keeps O(L^2)") {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  auto flash = [](const Inputs& in) {
+    return ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {64, 64});
+  };
+  auto local = [](const Inputs& in) { return ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25); };
+  std::vector<Footprint> f, o;
+  const std::vector<std::int64_t> lengths{256, 512, 1024};
+  for (const std::int64_t l : lengths) {
+    f.push_back(footprint(l, flash));
+    o.push_back(footprint(l, local));
+    CAPTURE(l);
+    // Exactly the float32 output [B, heads, L, D] (also the returned tensor) and the
+    // log-sum-exp [B, heads, L]: 4 bytes x 4 heads x L x (16 + 1).
+    CHECK(f.back().kept == 4 * 4 * l * 17);
+    MESSAGE("L=" << l << " kept: flash " << f.back().kept << " B, local " << o.back().kept << " B; peak: flash "
+                 << f.back().peak << " B, local " << o.back().peak << " B");
+  }
+  at::set_num_threads(threads);
+  // Four times the length: the flash node keeps 4x, its peak (tiles of fixed size plus O(L)
+  // inputs, gradients and temporaries) grows at most ~4x. The local path keeps the block-0
+  // probabilities of its query chunks, (n + 1) / 2n of L x L for n chunks: 12x here (3/4 of
+  // L^2 at 2 chunks, 9/16 at 8), never near the 4x of a linear footprint.
+  CHECK(f[2].kept == 4 * f[0].kept);
+  CHECK(f[2].peak < 5 * f[0].peak);
+  CHECK(o[2].kept > 8 * o[0].kept);
+  CHECK(o[2].kept > 20 * f[2].kept);
+}
+
+TEST_CASE("ttt flash: shape errors say what is wrong") {
+  const at::Tensor q = at::zeros({1, 4, 5, 8});
+  const at::Tensor k = at::zeros({1, 2, 5, 8});
+  const at::Tensor valid = at::ones({1, 5}, at::kBool);
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, valid, 1, 1.0); }) ==
+        "TTT flash attention: step 1 needs 2 key/value blocks, got 1/1");
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {at::zeros({1, 3, 5, 8})}, {k}, valid, 0, 1.0); }) ==
+        "TTT flash attention: key/value block shape [1, 3, 5, 8] does not fit q [1, 4, 5, 8]");
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, at::ones({1, 4}, at::kBool), 0, 1.0); }) ==
+        "TTT flash attention: key_valid must be [B, L] = [1, 5]");
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, valid, 0, 1.0, at::zeros({5})); }) ==
+        "TTT flash attention: document_ids must be [B, L] = [1, 5]");
+}
+
+namespace {
+
+// The single-rank layout with the local attention at every length: the unroll as it ran
+// before ttt_attention_flash existed.
+class LocalAttentionContext final : public SequenceContext {
+ public:
+  std::int64_t global_offset() const override { return 0; }
+  std::int64_t global_length(std::int64_t n) const override { return n; }
+  at::Tensor shift_right(const at::Tensor& x) override { return single_.shift_right(x); }
+  at::Tensor shift_left(const at::Tensor& x) override { return single_.shift_left(x); }
+  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid, std::int64_t step,
+                       double scale, const at::Tensor& document_ids) override {
+    return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
+  }
+  at::Tensor sum_across(const at::Tensor& x) override { return x; }
+
+ private:
+  SingleRankContext single_;
+  TttMaskCache masks_;
+};
+
+std::string attention_node(SingleRankContext& context, std::int64_t l) {
+  const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
+  return context.attention(in.q, in.ks, in.vs, in.key_valid, 1, 0.3, {}).grad_fn()->name();
+}
+
+}  // namespace
+
+TEST_CASE("ttt flash: SingleRankContext uses it from kTttFlashMinLength on, and the unroll trains the same") {
+  SingleRankContext single;
+  CHECK(attention_node(single, kTttFlashMinLength).find("TttFlash") != std::string::npos);
+  CHECK(attention_node(single, kTttFlashMinLength - 1).find("TttFlash") == std::string::npos);
+
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 31);
+  // Two rows, one padded, at the length where the flash path starts.
+  const TttBatch batch = fixtures::random_batch(c, 2, kTttFlashMinLength, {kTttFlashMinLength, 301}, 32);
+  TttUnroll flash(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  TttUnroll local(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 33), TttOptions{3, 0.9, std::nullopt});
+  LocalAttentionContext local_context;
+  const TttResult a = flash.forward(batch, &single);
+  const TttResult b = local.forward(batch, &local_context);
+  CHECK(max_rel(a.ce_sum, b.ce_sum) < 1e-5);
+  a.loss.backward();
+  b.loss.backward();
+  const auto pa = flash.draft().named_parameters();
+  const auto pb = local.draft().named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    if (!pb[i].second.grad().defined()) continue;
+    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
+  }
+}
