@@ -264,22 +264,32 @@ TEST_CASE("launch cli: torchrun variables set by hand work without launch; only 
   const Fixture& f = fixture();
   f.need_reference();
   const std::string d = f.dir.path();
-  const auto port = test::python("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])");
-  REQUIRE_MESSAGE(port.exit_code == 0, port.err);
-  const int master_port = std::stoi(port.out);
-  // Each rank runs in its own folder with a relative --out: whatever a rank writes lands in
-  // its own folder, so rank 1's must stay empty.
-  std::vector<std::string> cmds;
-  for (int r = 0; r < 2; ++r) {
-    const std::string cwd = d + "/hand" + std::to_string(r);
-    fs::create_directories(cwd);
-    cmds.push_back("cd " + test::quote(cwd) + " && RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) +
-                   " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(master_port) + " " +
-                   test::quote(exe()) + " train" + f.common() + " --batch-size 2 --max-steps 2 --out out --json > ../hand" +
-                   std::to_string(r) + ".out 2> ../hand" + std::to_string(r) + ".err");
+  // MASTER_PORT is a port the OS handed out and released, which another process may take
+  // before rank 0 binds it: a rendezvous that finds it in use is retried on a fresh port
+  // (bounded), any other failure is reported at once.
+  std::vector<int> codes;
+  std::string logs;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const auto port = test::python("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])");
+    REQUIRE_MESSAGE(port.exit_code == 0, port.err);
+    const int master_port = std::stoi(port.out);
+    // Each rank runs in its own folder with a relative --out: whatever a rank writes lands in
+    // its own folder, so rank 1's must stay empty.
+    std::vector<std::string> cmds;
+    for (int r = 0; r < 2; ++r) {
+      const std::string cwd = d + "/hand" + std::to_string(r);
+      fs::remove_all(cwd);
+      fs::create_directories(cwd);
+      cmds.push_back("cd " + test::quote(cwd) + " && RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) +
+                     " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(master_port) + " " +
+                     test::quote(exe()) + " train" + f.common() + " --batch-size 2 --max-steps 2 --out out --json > ../hand" +
+                     std::to_string(r) + ".out 2> ../hand" + std::to_string(r) + ".err");
+    }
+    codes = run_concurrently(cmds);
+    logs = read_text(d + "/hand0.err") + "\n--- rank 1:\n" + read_text(d + "/hand1.err");
+    if (codes[0] == 0 || logs.find("ddress already in use") == std::string::npos) break;
+    MESSAGE("MASTER_PORT " << master_port << " was taken before rank 0 bound it; retrying on another port");
   }
-  const auto codes = run_concurrently(cmds);
-  const std::string logs = read_text(d + "/hand0.err") + "\n--- rank 1:\n" + read_text(d + "/hand1.err");
   REQUIRE_MESSAGE(codes[0] == 0, logs);
   REQUIRE_MESSAGE(codes[1] == 0, logs);
   f.check_weights(d + "/hand0/out", "checkpoint-2", 2);
