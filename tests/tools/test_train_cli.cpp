@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "formats/safetensors_format.h"
+#include "tests/adamw_bound.h"
 #include "tests/support.h"
 #include "tests/tools/weights_diff.h"
 
@@ -544,4 +545,33 @@ TEST_CASE("train cli: a two-layer draft trains, resumes exactly, exports layers.
   r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 6 --resume --draft-layers 3");
   CHECK(r.exit_code == 2);
   CHECK_MESSAGE(r.err.find("--draft-layers 3 differs") != std::string::npos, r.err);
+}
+
+TEST_CASE("train cli: one step over the same samples trains the same draft in pack and pad mode") {
+  // All 40 samples in one batch either way (40 padded rows, or 40 packed rows of which some
+  // stay empty): the step sees the same tokens, so loss, accuracies and the weights after
+  // AdamW agree; a pack batch of 30 rows holds fewer samples (the must-fail).
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  auto train = [&](const std::string& name, const std::string& mode) {
+    const auto r = test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/" + name) +
+                                  " --max-length 24 --max-steps 1 --epochs 1 --log-every 1 --eval-every -1"
+                                  " --eval-fraction 0 --draft-vocab-size 32 --jobs 2 --json " + mode);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    return nlohmann::json::parse(r.out)["train"];
+  };
+  const auto pad = train("pad", "--mode pad --batch-size 40");
+  const auto pack = train("pack", "--mode pack --batch-size 40");
+  const auto fewer = train("fewer", "--mode pack --batch-size 30");
+  CHECK(pack["tokens"] == pad["tokens"]);
+  CHECK(std::abs(pack["loss"].get<double>() - pad["loss"].get<double>()) <= 1e-6 * pad["loss"].get<double>());
+  for (std::size_t s = 0; s < 3; ++s)
+    CHECK(std::abs(pack["acc"][s].get<double>() - pad["acc"][s].get<double>()) <= 1e-9);
+  // Weights within the AdamW bound of gradients that agree to 1e-4 (tests/adamw_bound.h): the
+  // two modes sum in another order, and AdamW's first step is about lr * sign(g).
+  const test::AdamWBound bound = test::AdamWBound::from_run(d + "/pad", 1, 1e-4);
+  const auto same = test::agreement(d + "/pack/final/model.safetensors", d + "/pad/final/model.safetensors", bound);
+  CHECK_MESSAGE(same.holds(), same.text());
+  CHECK(fewer["tokens"].get<double>() < pad["tokens"].get<double>());
+  CHECK_FALSE(test::agreement(d + "/fewer/final/model.safetensors", d + "/pad/final/model.safetensors", bound).holds());
 }
