@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "trainer/base_model.h"
 #include "trainer/config.h"
 #include "trainer/distributed.h"
@@ -63,23 +64,9 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double rss_mib() {
-  std::ifstream f("/proc/self/statm");
-  long pages = 0, resident = 0;
-  f >> pages >> resident;
-  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
-}
-
-double peak_rss_mib() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
+using bench::peak_rss_mib;
+using bench::rss_mib;
 
 trainer::DraftConfig bench_config() {
   trainer::BaseConfig b;

@@ -1225,29 +1225,19 @@ void Hdf5Writer::finish() {
           (n > 0 && H5Dwrite(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, ptrs.data()) < 0))
         fail_write("cannot write /conversation_ids");
     }
-    {
-      const hsize_t m = n + 1;
-      Hid space(H5Screate_simple(1, &m, nullptr), H5Sclose);
+    // A 1-D dataset of `count` values from `data` (memory type `mem`, stored as `stored`).
+    auto write_vector = [&](const char* name, hid_t stored, hid_t mem, hsize_t count, const void* data) {
+      Hid space(H5Screate_simple(1, &count, nullptr), H5Sclose);
       Hid dcpl = untimed_dcpl();
-      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), "/offsets", H5T_STD_I64LE, space.get(),
-                                      H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
+      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), name, stored, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
                          : H5I_INVALID_HID,
             H5Dclose);
-      if (!d.valid() ||
-          H5Dwrite(d.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets_.data()) < 0)
-        fail_write("cannot write /offsets");
-    }
-    if (std::any_of(prenorm_.begin(), prenorm_.end(), [](std::int8_t v) { return v >= 0; })) {
-      Hid space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-      Hid dcpl = untimed_dcpl();
-      Hid d(dcpl.valid() ? H5Dcreate2(file_.get(), "/hidden_states_prenorm", H5T_STD_I8LE, space.get(),
-                                      H5P_DEFAULT, dcpl.get(), H5P_DEFAULT)
-                         : H5I_INVALID_HID,
-            H5Dclose);
-      if (!d.valid() ||
-          H5Dwrite(d.get(), H5T_NATIVE_INT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, prenorm_.data()) < 0)
-        fail_write("cannot write /hidden_states_prenorm");
-    }
+      if (!d.valid() || H5Dwrite(d.get(), mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+        fail_write(std::string("cannot write ") + name);
+    };
+    write_vector("/offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, n + 1, offsets_.data());
+    if (std::any_of(prenorm_.begin(), prenorm_.end(), [](std::int8_t v) { return v >= 0; }))
+      write_vector("/hidden_states_prenorm", H5T_STD_I8LE, H5T_NATIVE_INT8, n, prenorm_.data());
     {
       Hid root(H5Gopen2(file_.get(), "/", H5P_DEFAULT), H5Gclose);
       if (!root.valid()) fail_write("cannot open the root group");
