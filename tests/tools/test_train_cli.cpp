@@ -564,9 +564,12 @@ TEST_CASE("train cli: one step over the same samples trains the same draft in pa
   const auto pack = train("pack", "--mode pack --batch-size 40");
   const auto fewer = train("fewer", "--mode pack --batch-size 30");
   CHECK(pack["tokens"] == pad["tokens"]);
-  CHECK(std::abs(pack["loss"].get<double>() - pad["loss"].get<double>()) <= 1e-6 * pad["loss"].get<double>());
+  // The two modes sum the same float32 terms in another order (~700 tokens: 1e-5 covers any
+  // BLAS), and an argmax at a near-tie may flip: a token either way of the counts.
+  CHECK(std::abs(pack["loss"].get<double>() - pad["loss"].get<double>()) <= 1e-5 * pad["loss"].get<double>());
+  const double one_token = 1.0 / pad["tokens"].get<double>();
   for (std::size_t s = 0; s < 3; ++s)
-    CHECK(std::abs(pack["acc"][s].get<double>() - pad["acc"][s].get<double>()) <= 1e-9);
+    CHECK(std::abs(pack["acc"][s].get<double>() - pad["acc"][s].get<double>()) <= 1.5 * one_token);
   // Weights within the AdamW bound of gradients that agree to 1e-4 (tests/adamw_bound.h): the
   // two modes sum in another order, and AdamW's first step is about lr * sign(g).
   const test::AdamWBound bound = test::AdamWBound::from_run(d + "/pad", 1, 1e-4);

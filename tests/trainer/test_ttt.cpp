@@ -491,8 +491,12 @@ TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (los
         const double tol = bf16 ? 3e-2 : 1e-5;
         CHECK(std::abs(part.first.loss.item<double>() - whole.first.loss.item<double>()) <=
               tol * std::abs(whole.first.loss.item<double>()));
-        CHECK(part.first.stats.correct == whole.first.stats.correct);
-        CHECK(part.first.stats.cond_correct == whole.first.stats.cond_correct);
+        // The chunk's matmul may round otherwise than the whole one's (another BLAS kernel
+        // for another shape): an argmax at a near-tie can flip, one position either way.
+        for (std::size_t s = 0; s < whole.first.stats.correct.size(); ++s) {
+          CHECK(std::abs(part.first.stats.correct[s] - whole.first.stats.correct[s]) <= 1);
+          CHECK(std::abs(part.first.stats.cond_correct[s] - whole.first.stats.cond_correct[s]) <= 1);
+        }
         CHECK(part.first.stats.mask_sum == whole.first.stats.mask_sum);
         REQUIRE(part.second.size() == whole.second.size());
         for (std::size_t i = 0; i < whole.second.size(); ++i) {
