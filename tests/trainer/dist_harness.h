@@ -181,6 +181,12 @@ struct ModelSetup {
   trainer::BaseModel base = trainer::fixtures::random_base(config, 7);
   at::Tensor d2t = trainer::fixtures::spread_d2t(config);
   trainer::DraftModel fresh_draft() const { return trainer::DraftModel(config, d2t, base.lm_head, 3); }
+  bool recompute = false;  // TttOptions::recompute of the runs below
+  trainer::TttOptions options(std::int64_t steps) const {
+    trainer::TttOptions o = ttt_options(steps);
+    o.recompute = recompute;
+    return o;
+  }
 };
 
 // Loss (summed over ranks), statistics (summed) and gradients of one forward/backward.
@@ -212,7 +218,7 @@ inline std::vector<at::Tensor> grads_of(const trainer::DraftModel& draft) {
 
 inline ModelRun single_process_run(const ModelSetup& m, std::int64_t steps, const trainer::TttBatch& batch) {
   trainer::DraftModel draft = m.fresh_draft();
-  trainer::TttUnroll unroll(m.base, draft, ttt_options(steps));
+  trainer::TttUnroll unroll(m.base, draft, m.options(steps));
   const auto res = unroll.forward(batch);
   res.loss.backward();
   return {res.loss.detach(), res.stats, grads_of(draft)};
@@ -228,7 +234,7 @@ inline ModelRun mesh_run(const dist::Mesh& mesh, const ModelSetup& m, std::int64
                          const trainer::TttBatch& global, bool overlap,
                          trainer::RingOptions ring = {}) {
   trainer::DraftModel draft = m.fresh_draft();
-  trainer::TttUnroll unroll(m.base, draft, ttt_options(steps));
+  trainer::TttUnroll unroll(m.base, draft, m.options(steps));
   trainer::RingContext ctx(mesh, ring);
   ctx.set_global_length(global.input_ids.size(1));
   trainer::GradSyncOptions go;

@@ -191,6 +191,12 @@ ScenarioRegistration ring_job("ring", [] {
   const ModelSetup deep(2);
   const ModelRun run = mesh_run(mesh, deep, 3, model_batch(deep.config, 13, 600), /*overlap=*/true, {});
   if (mesh.is_main()) save_tensors(dir + "/model_deep.pt", run.to_tensors());
+  // The same with --recompute (docs/ttt.md, recomputation): the layers rerun in backward,
+  // beside the ring's own backward exchanges and the gradient-sync hooks.
+  ModelSetup deep_recompute(2);
+  deep_recompute.recompute = true;
+  const ModelRun rerun = mesh_run(mesh, deep_recompute, 3, model_batch(deep.config, 13, 600), /*overlap=*/true, {});
+  if (mesh.is_main()) save_tensors(dir + "/model_deep_recompute.pt", rerun.to_tensors());
   // Packed documents (document_ids and position_ids through the chunks, the boundary rolls
   // and the ring attention's document mask), 3 TTT steps.
   for (int i = 0; i < 2; ++i) {
@@ -240,6 +246,8 @@ void check_ring_job(int cp_size) {
     REQUIRE(deep_names.size() == names.size() + 9);
     const ModelRun want = single_process_run(deep, 3, model_batch(deep.config, 13, 600));
     check_same_run(ModelRun::from_tensors(load_tensors(d / "model_deep.pt")), want, deep_names);
+    INFO("the same with --recompute");
+    check_same_run(ModelRun::from_tensors(load_tensors(d / "model_deep_recompute.pt")), want, deep_names);
   }
   for (int i = 0; i < 2; ++i) {
     CAPTURE(packed_length(i));
