@@ -46,7 +46,9 @@ int run_collate(int argc, char** argv) {
       argc, argv, groups, std::string(argv[0]) + " --data PATH --index FILE --out DIR [OPTIONS]",
       "Stream batches through the loader and write them as torch.save dicts "
       "DIR/batch_00000.pt, ... (keys input_ids, attention_mask, loss_mask, labels, "
-      "hidden_states, aux_hidden_states; pack mode adds document_ids, position_ids) plus "
+      "hidden_states, aux_hidden_states; pack mode adds document_ids, position_ids; a batch whose "
+      "records state their norm form adds hidden_states_prenorm, int8 per token: 1 pre-norm, 0 post-norm, "
+      "-1 not stated) plus "
       "DIR/batches.jsonl (ids and sampler state per batch).");
   if (!cl) return 0;
   cl->apply();
