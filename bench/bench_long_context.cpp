@@ -6,9 +6,13 @@
 // The model and the batch are synthetic and defined so that bench/bench_train.py --synthetic
 // builds exactly the same ones: every random tensor is drawn on the run device right after
 // manual_seed(seed * 1000 + i) with a fixed i per tensor (0 embed_tokens, 1 the base lm_head,
-// 2 fc, 3..5 q/k/v_proj, 6 o_proj, 7..9 gate/up/down_proj; N(0, 0.02)); norms are 1, d2t 0
+// 2 fc, 3..5 q/k/v_proj, 6 o_proj, 7..9 gate/up/down_proj), N(0, 0.02), except q/k/v_proj
+// N(0, 0.1): peaked attention whose output outweighs the residual, so that the first-step
+// loss shows an attention that differs (a wrong mask moves it by far more than rounding
+// does: bench/bench_long_context.sh's loss check); norms are 1, d2t 0
 // (the draft vocabulary is the first Vd tokens) and the draft lm_head is the base's first Vd
-// rows. The batch of length L: manual_seed(seed * 1000 + 100 + L), then input_ids, target
+// rows times 2 / (0.02 sqrt(H)) (logits of about unit scale, not a near-uniform softmax whose
+// loss hardly moves). The batch of length L: manual_seed(seed * 1000 + 100 + L), then input_ids, target
 // ids and k aux ids, each randint(V, [B, L]); hidden_states = base lm_head[target ids] * 8 /
 // (H * 0.02^2) (a peaked target distribution), aux_hidden_states = cat_j embed_tokens[aux ids
 // j] / 0.02; no padding. Each length starts from the same initial weights with a fresh AdamW,
@@ -35,6 +39,7 @@
 #include <ATen/Parallel.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -172,7 +177,8 @@ void reset_peak_rss() {
 // The same draws as bench_train.py --synthetic: manual_seed(seed * 1000 + index), randn.
 at::Tensor seeded_randn(std::int64_t seed, std::int64_t index, at::IntArrayRef shape, c10::Device device) {
   at::manual_seed(static_cast<std::uint64_t>(seed * 1000 + index));
-  return at::randn(shape, at::TensorOptions().dtype(at::kFloat).device(device)) * 0.02;
+  const double std = index >= 3 && index <= 5 ? 0.1 : 0.02;  // q/k/v_proj
+  return at::randn(shape, at::TensorOptions().dtype(at::kFloat).device(device)) * std;
 }
 
 // Waits until every queued kernel of the device has run (a one-element copy to the host).
@@ -242,6 +248,8 @@ int main(int argc, char** argv) try {
     if (!shape_of.defined()) throw std::runtime_error("the draft has no parameter " + name);
     draft.load_parameter(name, seeded_randn(a.seed, index, shape_of.sizes(), device));
   }
+  draft.load_parameter("lm_head.weight", base.lm_head.narrow(0, 0, a.draft_vocab) *
+                                             (2.0 / (0.02 * std::sqrt(static_cast<double>(a.hidden)))));
   draft.train(true);
   // The initial weights, restored before each length.
   std::vector<std::pair<std::string, at::Tensor>> initial;
