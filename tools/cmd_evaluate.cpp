@@ -26,9 +26,14 @@ int run_evaluate(int argc, char** argv) {
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " --base DIR --draft DIR --data PATH --index FILE [OPTIONS]",
       "Evaluate a draft (exported folder or checkpoint) on a split: loss, loss_per_step, acc, "
-      "cond_acc, est_ar pooled over every scored position.");
+      "cond_acc, est_ar pooled over every scored position. --ttt-steps and --max-length, when not given, "
+      "are the ones the draft was trained with (its run's train_options.json), else their defaults; stderr says "
+      "which applied.");
   if (!cl) return 0;
   cl->apply();
+  // What the user left unset follows the draft's training run (EvaluateOptions::from_run).
+  for (const char* key : {"ttt_steps", "max_length"})
+    if (!cl->given(key)) o.from_run.push_back(key);
   o.progress = o.progress && stderr_is_tty();
   o.check();
 

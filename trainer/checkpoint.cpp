@@ -359,6 +359,16 @@ std::optional<std::pair<std::string, json>> run_options_of(const std::string& so
   }
 }
 
+}  // namespace
+
+std::optional<std::pair<std::int64_t, std::string>> trained_with(const std::string& source, const std::string& key) {
+  const auto run = run_options_of(source);
+  if (!run || !run->second.contains(key) || !run->second[key].is_number_integer()) return std::nullopt;
+  return std::make_pair(run->second[key].get<std::int64_t>(), run->first);
+}
+
+namespace {
+
 // The proposal and the verifier of a speculators export (see ExportCheckpointOptions).
 SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found,
                                      const ExportCheckpointOptions& o, std::vector<std::string>& notes) {

@@ -75,6 +75,11 @@ bool is_complete_checkpoint(const std::string& dir);
 // The complete checkpoint folder with the highest step directly below `out_dir`;
 // nullopt when there is none (or out_dir does not exist).
 std::optional<std::string> find_latest_checkpoint(const std::string& out_dir);
+// The integer option `key` (a TrainOptions JSON key such as "ttt_steps") of the run that
+// trained the draft in `source`: from its own train_options.json (a checkpoint), else from
+// the newest checkpoint's beside it (OUT/final). The value and the file; nullopt when there
+// is no such file or it lacks the key. FormatError for a file that is not JSON.
+std::optional<std::pair<std::int64_t, std::string>> trained_with(const std::string& source, const std::string& key);
 // `--resume [DIR]`: DIR itself when it is a complete checkpoint, else the newest complete
 // checkpoint below it. Throws UsageError saying what was looked for when there is none.
 std::string resolve_resume(const std::string& dir);

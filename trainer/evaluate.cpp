@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iomanip>
+#include <algorithm>
 #include <sstream>
 
 #include "formats/error.h"
@@ -139,10 +140,33 @@ void EvaluateOptions::check() const {
     throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
 }
 
-EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
+namespace {
+
+// EvaluateOptions::from_run: the TTT steps and length the draft was trained with, unless set.
+std::vector<std::string> inherit_run_options(EvaluateOptions& o, const std::string& draft_dir) {
+  std::vector<std::string> said;
+  for (const std::string& key : o.from_run) {
+    std::int64_t* value = key == "ttt_steps" ? &o.ttt_steps : key == "max_length" ? &o.max_length : nullptr;
+    if (!value) throw UsageError("evaluate cannot take '" + key + "' from the training run");
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (const auto run = trained_with(draft_dir, key)) {
+      *value = run->first;
+      said.push_back(flag + " " + std::to_string(*value) + ": what the draft was trained with (" + run->second + ")");
+    } else {
+      said.push_back(flag + " " + std::to_string(*value) + ": the default (no train_options.json of the draft's run)");
+    }
+  }
+  return said;
+}
+
+}  // namespace
+
+EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* mesh) {
   const auto t0 = Clock::now();
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
+  EvaluateOptions o = options;
   o.check();
   if (o.cp_size != m.cp_size())
     throw UsageError("--cp " + std::to_string(o.cp_size) + " does not match the mesh (cp " +
@@ -157,6 +181,8 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   if (!std::filesystem::exists(std::filesystem::path(draft_dir) / "config.json")) {
     if (auto latest = find_latest_checkpoint(draft_dir)) draft_dir = *latest;
   }
+  const std::vector<std::string> inherited = inherit_run_options(o, draft_dir);
+  o.check();
 
   SelectedData data = select_data(o);
   if (data.samples.empty())
@@ -202,6 +228,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& o, const dist::Mesh* mesh) {
   report.summary = data.summary + "\ndraft: " + draft_dir + " (" + source.layout + ")";
   for (const auto& w : norm.warnings) report.summary += "\nwarning: " + w;
   report.summary += "\n" + norm.said;
+  for (const auto& line : inherited) report.summary += "\n" + line;
   report.samples = static_cast<std::int64_t>(data.samples.size());
   report.stats = evaluate_loader(unroll, loader, &m, o.max_batches, [&](const TttStats&) { progress.add(1); });
   progress.finish();

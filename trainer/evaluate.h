@@ -44,6 +44,10 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
 struct EvaluateOptions : DataSelection, BatchOptions, ModelOptions, RunOptions {
   std::string draft;              // exported draft or checkpoint folder, or a run folder
   std::int64_t max_batches = -1;  // < 0: the whole split
+  // Options the user did not set (TrainOptions JSON keys; "ttt_steps", "max_length"): they
+  // take the value the draft was trained with (trainer/checkpoint.h trained_with) when its
+  // run's train_options.json is found, else keep their own; the report says which applied.
+  std::vector<std::string> from_run;
   EvaluateOptions() {
     split = "eval";
     shuffle = false;

@@ -126,6 +126,9 @@ opt::Group run_options(RunOptions& r) {
                          "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
                          "logits are never whole (0: all at once; docs/ttt.md)"),
                    "-1: auto, chunks only when a step's logits would exceed 2^26 values (256 MiB)"),
+              field("recompute", "", r.recompute,
+                    "Recompute each draft layer's projections and MLP in backward instead of keeping their "
+                    "activations: the same result in less memory, for about a third more compute (docs/ttt.md)"),
           }};
 }
 

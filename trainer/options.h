@@ -97,6 +97,8 @@ struct RunOptions {
   // Rows of a TTT step's lm_head + loss computed at a time (trainer/soft_ce.h): 0 all at
   // once, -1 auto (chunked only when a step's logits would exceed 256 MiB).
   std::int64_t loss_chunk_tokens = -1;
+  // Recompute each decoder layer's projections and MLP in backward (TttOptions::recompute).
+  bool recompute = false;
 };
 
 opt::Group model_options(ModelOptions& m);

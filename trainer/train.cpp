@@ -203,6 +203,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   to.autocast = autocast;
   to.prenorm_hidden_states = norm.default_pre;
   to.loss_chunk_rows = opts.loss_chunk_tokens;
+  to.recompute = opts.recompute;
   to.attention = opts.ttt_attention;
   TttUnroll unroll(base, draft, to);
   const auto named = draft.named_parameters();

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "trainer/recompute.h"
 #include "trainer/soft_ce.h"
 #include "trainer/ttt_flash.h"
 
@@ -562,6 +563,11 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
                                       : impl_->options.loss_chunk_rows;
   // What autocast would run lm_head in (the chunked loss casts explicitly).
   const c10::ScalarType compute_dtype = impl_->options.autocast.value_or(dtype);
+  // Recomputation only matters when backward will run (docs/ttt.md, "Recomputation"); the
+  // pieces rerun in backward, outside this function's autocast region, so they carry it.
+  const bool recompute_layers = impl_->options.recompute && at::GradMode::is_enabled();
+  const std::optional<c10::ScalarType> autocast_dtype = impl_->options.autocast;
+  const std::vector<at::Tensor> params = recompute_layers ? draft.parameters() : std::vector<at::Tensor>{};
   at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
   at::Tensor prev_out;
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -570,13 +576,36 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     for (std::int64_t layer = 0; layer < layers; ++layer) {
       const auto li = static_cast<std::size_t>(layer);
       scope.begin("ttt.qkv");
-      Qkv qkv = draft.qkv(emb_normed, out, rope, layer);
+      Qkv qkv;
+      if (recompute_layers) {
+        const std::vector<at::Tensor> r = recompute(
+            [draft, rope, layer, autocast_dtype, device](const std::vector<at::Tensor>& x) {
+              std::optional<AutocastGuard> ac;
+              if (autocast_dtype) ac.emplace(device.type(), *autocast_dtype);
+              Qkv y = draft.qkv(x[0], x[1], rope, layer);
+              return std::vector<at::Tensor>{y.q, y.k, y.v};
+            },
+            {emb_normed, out}, params);
+        qkv = Qkv{r[0], r[1], r[2]};
+      } else {
+        qkv = draft.qkv(emb_normed, out, rope, layer);
+      }
       k_blocks[li].push_back(qkv.k);
       v_blocks[li].push_back(qkv.v);
       scope.begin("ttt.attention");
       const at::Tensor attn = cx.attention(qkv.q, k_blocks[li], v_blocks[li], key_valid, s, scale, docs);
       scope.begin("ttt.layer");
-      out = draft.finish_layer(out, attn, layer);
+      if (recompute_layers) {
+        out = recompute(
+            [draft, layer, autocast_dtype, device](const std::vector<at::Tensor>& x) {
+              std::optional<AutocastGuard> ac;
+              if (autocast_dtype) ac.emplace(device.type(), *autocast_dtype);
+              return std::vector<at::Tensor>{draft.finish_layer(x[0], x[1], layer)};
+            },
+            {out, attn}, params)[0];
+      } else {
+        out = draft.finish_layer(out, attn, layer);
+      }
     }
     scope.begin("ttt.lm_head_loss");
     // Draft position t predicts the target at t + 1, from step s on (docs/ttt.md: logp[:, s:L-1]).

@@ -175,6 +175,11 @@ struct TttOptions {
   // Rows of a step's lm_head + soft cross-entropy computed at a time (trainer/soft_ce.h):
   // -1 auto (auto_loss_chunk_rows), 0 all at once (the logits of the step kept whole).
   std::int64_t loss_chunk_rows = -1;
+  // Activation recomputation (docs/ttt.md, "Recomputation"; trainer/recompute.h): each
+  // decoder layer's q/k/v projections and its o_proj + MLP block keep only their inputs and
+  // outputs and run again in backward. The attention keeps what it keeps anyway. The same
+  // results; less memory, about one more forward of those pieces per step.
+  bool recompute = false;
   // The attention kernel of the unroll's own SingleRankContext (forward with context null,
   // as on every rank of a --cp 1 run; --cp > 1 runs the ring's pair attention). --ttt-attention.
   TttAttention attention = TttAttention::kAuto;

@@ -88,14 +88,27 @@ TEST_CASE("train cli: vocab -> train (config + flags) -> evaluate -> export, end
   CHECK(fs::exists(d + "/out/checkpoint-24/optimizer.safetensors"));
   CHECK(r.err.find("matched") != std::string::npos);  // the data summary
 
+  // --max-length left out: the run's 24 (from its config file), not evaluate's default.
   r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
-                     " --split all --max-length 24 --batch-size 3 --json");
+                     " --split all --batch-size 3 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("--max-length 24: what the draft was trained with (" + d + "/out/checkpoint-24/train_options.json)") !=
+                    std::string::npos,
+                r.err);
+  CHECK_MESSAGE(r.err.find("--ttt-steps 3: what the draft was trained with") != std::string::npos, r.err);
   const auto ev = nlohmann::json::parse(r.out);
   for (const char* k : {"loss", "loss_per_step", "acc", "cond_acc", "est_ar", "tokens"}) CHECK_MESSAGE(ev.contains(k), k);
   CHECK(ev["acc"].size() == 3);
   CHECK(ev["acc"][0].get<double>() > 10.0 / 32);
   CHECK(ev["est_ar"].get<double>() > 1.3);
+  // Given flags win; a draft away from its run keeps the defaults and says so.
+  fs::copy(d + "/out/final", d + "/alone");
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/alone") +
+                     " --split all --max-length 16 --max-batches 1 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("--ttt-steps 3: the default (no train_options.json of the draft's run)") != std::string::npos,
+                r.err);
+  CHECK(r.err.find("--max-length") == std::string::npos);
   r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
                      " --split all --max-length 24 --batch-size 8");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -505,7 +518,7 @@ TEST_CASE("train cli: a two-layer draft trains, resumes exactly, exports layers.
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const auto plan = nlohmann::json::parse(r.out);
   CHECK(plan["draft_config"]["num_hidden_layers"] == 2);
-  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/whole") + " --max-steps 4");
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/whole") + " --max-steps 4 --save-every 1");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK_MESSAGE(r.err.find("final/: a draft of 2 decoder layers serves as trained in vLLM") != std::string::npos, r.err);
   r = test::eaglekit("train" + common + " --out " + test::quote(d + "/split") + " --max-steps 2");
@@ -515,6 +528,16 @@ TEST_CASE("train cli: a two-layer draft trains, resumes exactly, exports layers.
                      " --eval-every -1 --draft-vocab-size 32 --out " + test::quote(d + "/split") + " --max-steps 4 --resume");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(max_rel_diff(d + "/split/checkpoint-4/model.safetensors", d + "/whole/checkpoint-4/model.safetensors") < 1e-6);
+  // --recompute (docs/ttt.md, "Recomputation") trains the same draft: the reruns are the
+  // same ops on the same values, only the gradients' float sums may come in another order.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/recompute") + " --max-steps 4 --recompute");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // Weights within the AdamW bound of gradients that agree to 1e-5 (tests/adamw_bound.h).
+  const auto recomputed = test::agreement(d + "/recompute/checkpoint-4/model.safetensors",
+                                          d + "/whole/checkpoint-4/model.safetensors",
+                                          test::AdamWBound::from_run(d + "/whole", 4, 1e-5));
+  MESSAGE("--recompute against the plain run after 4 steps: " << recomputed.text());
+  CHECK_MESSAGE(recomputed.holds(), recomputed.text());
 
   // The export names its layers as vLLM does, the second one plain (H-wide q/k/v, no hidden_norm).
   const auto cfg = nlohmann::json::parse(std::ifstream(d + "/whole/final/config.json"));

@@ -11,6 +11,7 @@
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
 #include "lib/collate.h"
+#include "trainer/cpu_memory.h"
 #include "trainer/export.h"
 #include "trainer/soft_ce.h"
 #include "trainer/run_setup.h"
@@ -506,6 +507,65 @@ TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (los
           CHECK((part.second[i] - whole.second[i]).abs().max().item<double>() <= tol * scale);
         }
       }
+    }
+  }
+}
+
+TEST_CASE("ttt: --recompute gives the loss, metrics and every gradient of the plain unroll and keeps no MLP activation") {
+  // docs/ttt.md, "Recomputation": the layers' projections and MLPs rerun in backward. The
+  // reruns are the same ops on the same values, so fp32 agrees to float rounding and bf16
+  // autocast too (the rerun carries the autocast state; without it backward throws on the
+  // dtypes).
+  for (const std::int64_t layers : {1, 2}) {
+    for (const bool bf16 : {false, true}) {
+      CAPTURE(layers);
+      CAPTURE(bf16);
+      DraftConfig c = fixtures::tiny_config();
+      c.num_hidden_layers = layers;
+      c.intermediate_size = 256;  // 8 H: the MLP's activations dominate what a step keeps
+      const BaseModel base = fixtures::random_base(c, 51);
+      const TttBatch batch = fixtures::random_batch(c, 3, 40, {40, 31, 17}, 52);
+      const std::int64_t steps = 3;
+      auto run = [&](bool recompute) {
+        TttOptions o{steps, 0.8, std::nullopt};
+        if (bf16) o.autocast = at::kBFloat16;
+        o.recompute = recompute;
+        TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 53), o);
+        std::int64_t kept = 0;
+        TttResult r;
+        {
+          CpuAllocationProbe probe;
+          r = unroll.forward(batch);
+          kept = probe.live_bytes();
+          r.loss.backward();
+        }
+        std::vector<at::Tensor> grads;
+        for (const auto& [name, p] : unroll.draft().named_parameters()) {
+          CAPTURE(name);
+          CAPTURE(recompute);
+          REQUIRE(p.grad().defined());
+          grads.push_back(p.grad().clone());
+        }
+        return std::make_tuple(r, grads, kept);
+      };
+      const auto [plain, plain_grads, plain_kept] = run(false);
+      const auto [rec, rec_grads, rec_kept] = run(true);
+      const double tol = bf16 ? 1e-3 : 1e-6;
+      CHECK(std::abs(rec.loss.item<double>() - plain.loss.item<double>()) <= tol * std::abs(plain.loss.item<double>()));
+      CHECK(rec.stats.correct == plain.stats.correct);
+      CHECK(rec.stats.cond_correct == plain.stats.cond_correct);
+      REQUIRE(rec_grads.size() == plain_grads.size());
+      for (std::size_t i = 0; i < plain_grads.size(); ++i) {
+        CAPTURE(i);
+        const double scale = plain_grads[i].abs().max().item<double>();
+        REQUIRE(scale > 0);
+        CHECK((rec_grads[i] - plain_grads[i]).abs().max().item<double>() <= tol * scale);
+      }
+      // The plain unroll keeps at least gate, up, silu(gate) * up ([B, L, I] each) per layer
+      // and step; recomputation keeps none of them (what it keeps is O(H) per token).
+      const std::int64_t mlp = 3 * 3 * 40 * c.intermediate_size * (bf16 ? 2 : 4) * steps * layers;
+      MESSAGE("kept after forward: plain " << plain_kept << " B, recompute " << rec_kept << " B, MLP bound " << mlp);
+      CHECK(plain_kept - rec_kept >= mlp);
     }
   }
 }
