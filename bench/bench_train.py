@@ -17,6 +17,25 @@ first --warmup steps.
 usage: bench_train.py --data JSONL --records DIR --draft DIR --base DIR --max-length L
                       --batch-size B --steps N --threads T --lr LR [--ttt-steps 3]
                       [--eval-fraction 0.05] [--grad-clip 1.0] [--warmup 2]
+
+--synthetic (bench/bench_long_context.sh): no files; the draft, base and batches of
+bench/bench_long_context.cpp's header (the same seeded draws, so eaglekit and this script
+train the same model on the same rows), one JSON line per --lengths entry, each length from
+the initial weights with a fresh AdamW, --steps timed steps after --warmup (fewer past
+--max-seconds). --device cpu|cuda[:N], --dtype fp32|bf16 (autocast, weights fp32),
+--attention matmul (the masked matmul above) or sdpa (one
+torch.nn.functional.scaled_dot_product_attention call per step over the concatenated blocks
+with the full TTT mask, as SpecForge's sdpa backend does; torch >= 2.0, else the matmul path
+is used and "attention_used" says so). Peak memory: torch.cuda.max_memory_allocated on CUDA,
+the growth of peak RSS (VmHWM, reset per length) on the CPU. A length that runs out of
+memory reports "status": "oom".
+
+usage: bench_train.py --synthetic --lengths L1,L2 [--batch-size 1] [--ttt-steps 7]
+                      [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64]
+                      [--intermediate 768] [--vocab 2048] [--draft-vocab 1024]
+                      [--aux-layers 3] [--rope-theta 500000] [--device cpu] [--dtype fp32]
+                      [--attention matmul|sdpa] [--steps 3] [--warmup 1] [--max-seconds 60]
+                      [--threads 0] [--seed 1] [--lr 1e-4]
 """
 import argparse
 import glob
@@ -71,7 +90,11 @@ class Draft(torch.nn.Module):
         return self.p[name.replace(".", "__")]
 
 
-def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks):
+def has_sdpa():
+    return hasattr(F, "scaled_dot_product_attention")
+
+
+def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks, attention="matmul"):
     cfg = model.cfg
     H, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -82,13 +105,14 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks):
         emb = F.embedding(torch.roll(ids, -1, 1), base_embed)
         key_valid = torch.roll(am, -1, 1) != 0
         target_logits = hs @ target_head.T
-        p = torch.softmax(target_logits, -1)
+        p = torch.softmax(target_logits.float(), -1)
         target_arg = target_logits.argmax(-1)
     cos, sin = masks["cos"], masks["sin"]
 
     def rope(x):
         half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+        # In float32 and back to x's dtype (bf16 under autocast), as eaglekit's apply_rope.
+        return (x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin).to(x.dtype)
 
     h = F.linear(aux, w("fc.weight"))
     emb_n = rms_norm(emb, w("midlayer.input_layernorm.weight"), eps)
@@ -110,7 +134,24 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks):
         ks.append(k)
         vs.append(v)
         # block 0: j <= q - s, and the key real
-        allowed0 = masks["tril"][s].unsqueeze(0) & key_valid[:, None, :]  # [B, L, L]
+        posr = masks["pos"]
+        allowed0 = (posr[None, :] <= posr[:, None] - s).unsqueeze(0) & key_valid[:, None, :]  # [B, L, L]
+        if attention == "sdpa":
+            # One fused call over the s + 1 concatenated blocks and the full mask of docs/ttt.md
+            # (block i >= 1: the one key q - (s - i)).
+            allowed = [allowed0]
+            for i in range(1, s + 1):
+                d = s - i
+                allowed.append((posr[None, :] == posr[:, None] - d).unsqueeze(0) & key_valid[:, None, :])
+            out = F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2),
+                                                 attn_mask=torch.cat(allowed, -1)[:, None])
+            prev = block_rest(model, out, h, B, L, nh, hd, eps)
+            logits = F.linear(rms_norm(prev, w("norm.weight"), eps), w("lm_head.weight"))
+            logp = torch.log_softmax(logits.float(), -1)[:, s:L - 1]
+            m = lm[:, 1 + s:]
+            loss_s = -(m * (p[:, 1 + s:] * logp).sum(-1)).sum() / (m.sum() + 1e-5)
+            total = total + decay ** s * loss_s
+            continue
         scores = [(q @ ks[0].transpose(-1, -2) * scale).masked_fill(~allowed0[:, None], -1e30)]
         diag_v = []
         for i in range(1, s + 1):  # block i: the one key q - (s - i)
@@ -119,21 +160,16 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks):
             vd = torch.roll(vs[i], d, 2)
             ok = masks["pos"].unsqueeze(0) >= d
             ok = ok & torch.roll(key_valid, d, 1)
-            sc = (q * kd).sum(-1) * scale
+            sc = (q.float() * kd.float()).sum(-1) * scale  # float32, as eaglekit's chain scores
             scores.append(sc.masked_fill(~ok[:, None], -1e30).unsqueeze(-1))
             diag_v.append(vd)
-        att = torch.softmax(torch.cat(scores, -1), -1)
+        att = torch.softmax(torch.cat(scores, -1).float(), -1).to(vs[0].dtype)
         out = att[..., :L] @ vs[0]
         for n, vd in enumerate(diag_v):
             out = out + att[..., L + n:L + n + 1] * vd
-        o = F.linear(out.transpose(1, 2).reshape(B, L, nh * hd), w("midlayer.self_attn.o_proj.weight"))
-        r = h + o
-        y = rms_norm(r, w("midlayer.post_attention_layernorm.weight"), eps)
-        mlp = F.linear(F.silu(F.linear(y, w("midlayer.mlp.gate_proj.weight"))) * F.linear(y, w("midlayer.mlp.up_proj.weight")),
-                       w("midlayer.mlp.down_proj.weight"))
-        out = r + mlp
+        out = block_rest(model, out, h, B, L, nh, hd, eps)
         logits = F.linear(rms_norm(out, w("norm.weight"), eps), w("lm_head.weight"))
-        logp = torch.log_softmax(logits, -1)[:, s:L - 1]
+        logp = torch.log_softmax(logits.float(), -1)[:, s:L - 1]
         m = lm[:, 1 + s:]
         loss_s = -(m * (p[:, 1 + s:] * logp).sum(-1)).sum() / (m.sum() + 1e-5)
         losses.append(loss_s)
@@ -142,22 +178,198 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks):
     return total
 
 
+def block_rest(model, attn, h, B, L, nh, hd, eps):
+    """o_proj + residual, then the MLP block: the layer's output."""
+    w = model.w
+    o = F.linear(attn.transpose(1, 2).reshape(B, L, nh * hd), w("midlayer.self_attn.o_proj.weight"))
+    r = h + o
+    y = rms_norm(r, w("midlayer.post_attention_layernorm.weight"), eps)
+    mlp = F.linear(F.silu(F.linear(y, w("midlayer.mlp.gate_proj.weight"))) * F.linear(y, w("midlayer.mlp.up_proj.weight")),
+                   w("midlayer.mlp.down_proj.weight"))
+    return r + mlp
+
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def is_oom(e):
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(e, oom_type):
+        return True
+    m = str(e)
+    return isinstance(e, (RuntimeError, MemoryError)) and ("out of memory" in m or "can't allocate" in m)
+
+
+def synthetic(a):
+    """bench_long_context.sh's competitor: the draws of bench/bench_long_context.cpp's header."""
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    H, nh, nkv, hd, I = a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate
+    V, Vd, k = a.vocab, a.draft_vocab, a.aux_layers
+    attention_used = a.attention
+    if a.attention == "sdpa" and not has_sdpa():
+        attention_used = "matmul: torch %s has no SDPA" % torch.__version__
+
+    def seeded(index, shape):
+        torch.manual_seed(a.seed * 1000 + index)
+        return torch.randn(shape, dtype=torch.float32, device=dev) * (0.1 if 3 <= index <= 5 else 0.02)
+
+    embed = seeded(0, (V, H))
+    lm_head = seeded(1, (V, H))
+    weights = {
+        "fc.weight": seeded(2, (H, k * H)),
+        "midlayer.self_attn.q_proj.weight": seeded(3, (nh * hd, 2 * H)),
+        "midlayer.self_attn.k_proj.weight": seeded(4, (nkv * hd, 2 * H)),
+        "midlayer.self_attn.v_proj.weight": seeded(5, (nkv * hd, 2 * H)),
+        "midlayer.self_attn.o_proj.weight": seeded(6, (H, nh * hd)),
+        "midlayer.mlp.gate_proj.weight": seeded(7, (I, H)),
+        "midlayer.mlp.up_proj.weight": seeded(8, (I, H)),
+        "midlayer.mlp.down_proj.weight": seeded(9, (H, I)),
+        "midlayer.input_layernorm.weight": torch.ones(H, device=dev),
+        "midlayer.hidden_norm.weight": torch.ones(H, device=dev),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H, device=dev),
+        "norm.weight": torch.ones(H, device=dev),
+        "lm_head.weight": lm_head[:Vd] * (2.0 / (0.02 * math.sqrt(H))),
+        "d2t": torch.zeros(Vd, dtype=torch.long),
+    }
+    cfg = {"hidden_size": H, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd,
+           "rms_norm_eps": 1e-5, "rope_theta": a.rope_theta}
+    model = Draft(cfg, weights)
+    initial = {n: t.detach().clone() for n, t in model.p.items()}
+    target_head = lm_head[:Vd]
+    params = list(model.parameters())
+    for L in [int(x) for x in a.lengths.split(",")]:
+        rec = {"length": L}
+        try:
+            with torch.no_grad():
+                for n, t in model.p.items():
+                    t.copy_(initial[n])
+            torch.manual_seed(a.seed * 1000 + 100 + L)
+            B = a.batch_size
+            ids = torch.randint(V, (B, L), device=dev)
+            target_ids = torch.randint(V, (B, L), device=dev)
+            aux = torch.cat([F.embedding(torch.randint(V, (B, L), device=dev), embed) / 0.02 for _ in range(k)], -1)
+            hs_all = F.embedding(target_ids, lm_head) * (8.0 / (H * 0.02 * 0.02))
+            am = torch.ones(B, L, device=dev)
+            batch = (ids, am, am, hs_all, aux)
+            half = torch.arange(0, hd, 2, dtype=torch.float64) / hd
+            inv = 1.0 / (a.rope_theta ** half)
+            ang = torch.outer(torch.arange(L, dtype=torch.float64), inv)
+            masks = {"cos": torch.cat([ang, ang], -1).cos().float().to(dev),
+                     "sin": torch.cat([ang, ang], -1).sin().float().to(dev),
+                     "pos": torch.arange(L, device=dev)}
+            opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            else:
+                reset_peak_rss()
+                rss0 = status_kib("VmRSS")
+            losses, times, timed = [], [], 0.0
+            for i in range(a.warmup + a.steps):
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                if a.dtype == "bf16":
+                    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+                        loss = ttt_loss(model, embed, target_head, batch, a.ttt_steps, 0.9, masks, a.attention
+                                        if attention_used == a.attention else "matmul")
+                else:
+                    loss = ttt_loss(model, embed, target_head, batch, a.ttt_steps, 0.9, masks, a.attention
+                                    if attention_used == a.attention else "matmul")
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                dt = time.perf_counter() - t0
+                losses.append(float(loss))
+                if i >= a.warmup:
+                    times.append(dt)
+                    timed += dt
+                    if timed > a.max_seconds:
+                        break
+                elif dt > a.max_seconds:
+                    times.append(dt)
+                    break
+            med = sorted(times)[len(times) // 2]
+            rec.update({"status": "ok", "first_loss": losses[0], "losses": losses, "step_s": times,
+                        "step_s_median": med, "tokens": float(B * L), "tokens_per_s_median": B * L / med})
+            if dev.type == "cuda":
+                rec.update({"peak_bytes": torch.cuda.max_memory_allocated(dev), "peak_kind": "cuda_max_allocated",
+                            "rss_peak_delta_bytes": -1})
+            else:
+                rec.update({"peak_bytes": -1, "peak_kind": "none",
+                            "rss_peak_delta_bytes": (status_kib("VmHWM") - rss0) * 1024})
+        except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is re-raised
+            if not is_oom(e):
+                raise
+            rec["status"] = "oom"
+        batch = aux = hs_all = opt = loss = masks = None  # noqa: F841 - freed before the next length
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        rec.update({"attention": a.attention, "attention_used": attention_used, "device": a.device, "dtype": a.dtype,
+                    "ttt_steps": a.ttt_steps, "batch_size": a.batch_size, "threads": torch.get_num_threads(),
+                    "torch": torch.__version__})
+        print(json.dumps(rec), flush=True)
+    return 0
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--records", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--base", required=True)
-    ap.add_argument("--max-length", type=int, required=True)
-    ap.add_argument("--batch-size", type=int, required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--synthetic", action="store_true", help="bench_long_context.sh's mode (see the module doc)")
+    ap.add_argument("--data")
+    ap.add_argument("--records")
+    ap.add_argument("--draft")
+    ap.add_argument("--base")
+    ap.add_argument("--max-length", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--ttt-steps", type=int)
     ap.add_argument("--eval-fraction", type=float, default=0.05)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    ap.add_argument("--warmup", type=int, help="steps left out of the medians (default 2; --synthetic 1)")
+    ap.add_argument("--lengths", help="--synthetic: row lengths, comma-separated")
+    for name, default in (("hidden", 256), ("heads", 4), ("kv-heads", 1), ("head-dim", 64), ("intermediate", 768),
+                          ("vocab", 2048), ("draft-vocab", 1024), ("aux-layers", 3), ("seed", 1)):
+        ap.add_argument("--" + name, type=int, default=default, help="--synthetic: default %d" % default)
+    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--attention", choices=("matmul", "sdpa"), default="matmul")
+    ap.add_argument("--max-seconds", type=float, default=60.0)
     a = ap.parse_args()
+    if a.synthetic:
+        if not a.lengths:
+            ap.error("--synthetic needs --lengths")
+        a.batch_size = a.batch_size or 1
+        a.steps = a.steps or 3
+        a.threads = a.threads or 0
+        a.ttt_steps = a.ttt_steps or 7
+        a.warmup = 1 if a.warmup is None else a.warmup
+        return synthetic(a)
+    missing = [n for n in ("data", "records", "draft", "base", "max_length", "batch_size", "steps", "threads", "lr")
+               if getattr(a, n) is None]
+    if missing:
+        ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    a.ttt_steps = a.ttt_steps or 3
+    a.warmup = 2 if a.warmup is None else a.warmup
     torch.set_num_threads(a.threads)
 
     with open(a.draft + "/config.json") as f:
@@ -209,7 +421,6 @@ def main():
     masks = {
         "cos": torch.cat([ang, ang], -1).cos().float(),
         "sin": torch.cat([ang, ang], -1).sin().float(),
-        "tril": [posr[None, :] <= posr[:, None] - s for s in range(a.ttt_steps)],
         "pos": posr,
     }
     params = list(model.parameters())

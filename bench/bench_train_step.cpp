@@ -12,7 +12,8 @@
 //
 // usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
-//                         [--shapes]
+//                         [--shapes] [--ttt-attention auto|local|tiled]
+// --ttt-attention picks the TTT attention kernel (trainer/options.h TttAttention; default auto).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <stdexcept>
@@ -44,14 +46,26 @@ struct Args {
   std::int64_t draft_vocab = 256, batch = 16, length = 128, ttt_steps = 3;
   int threads = 2, warmup = 2, reps = 5, top = 25;
   bool shapes = false;
+  TttAttention attention = TttAttention::kAuto;
 };
+
+// A command-line mistake: exit status 2 (runtime errors are 1).
+struct Usage : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+constexpr const char* kUsage =
+    "usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]\n"
+    "                        [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]\n"
+    "                        [--shapes] [--ttt-attention auto|local|tiled]\n"
+    "One training step's time by phase and by operator (the header of bench/bench_train_step.cpp).\n";
 
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      if (i + 1 >= argc) throw Usage("missing value for " + k);
       return argv[++i];
     };
     if (k == "--base") a.base = next();
@@ -64,9 +78,20 @@ Args parse(int argc, char** argv) {
     else if (k == "--reps") a.reps = std::stoi(next());
     else if (k == "--top") a.top = std::stoi(next());
     else if (k == "--shapes") a.shapes = true;
-    else throw std::runtime_error("unknown option " + k);
+    else if (k == "--ttt-attention") {
+      const std::string v = next();
+      if (v == "auto") a.attention = TttAttention::kAuto;
+      else if (v == "local") a.attention = TttAttention::kLocal;
+      else if (v == "tiled") a.attention = TttAttention::kTiled;
+      else throw Usage("--ttt-attention takes auto, local or tiled, not '" + v + "'");
+    }
+    else if (k == "-h" || k == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    else throw Usage("unknown option " + k);
   }
-  if (a.base.empty()) throw std::runtime_error("--base DIR is required");
+  if (a.base.empty()) throw Usage("--base DIR is required");
   return a;
 }
 
@@ -142,6 +167,7 @@ int main(int argc, char** argv) try {
   DraftModel draft(c, d2t, base.lm_head, 1);
   TttOptions topts;
   topts.steps = a.ttt_steps;
+  topts.attention = a.attention;
   TttUnroll unroll(base, draft, topts);
   const auto params = draft.parameters();
   AdamW optimizer(draft.named_parameters(), AdamW::Options{});
@@ -234,6 +260,9 @@ int main(int argc, char** argv) try {
     if (name.rfind("ttt.", 0) == 0)
       std::printf("  %-44s %7lld %10.2f ms\n", name.c_str(), static_cast<long long>(t.calls), t.total_us / 1e3);
   return 0;
+} catch (const Usage& e) {
+  std::cerr << "bench_train_step: " << e.what() << "\n" << kUsage;
+  return 2;
 } catch (const std::exception& e) {
   std::cerr << "bench_train_step: " << e.what() << "\n";
   return 1;

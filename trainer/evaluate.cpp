@@ -121,7 +121,7 @@ opt::Groups EvaluateOptions::groups() {
   return {own,
           data_options(*this),
           batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
-          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"}),
           run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
 }
 
@@ -219,6 +219,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* me
   to.loss_decay = o.loss_decay;
   to.autocast = autocast;
   to.prenorm_hidden_states = norm.default_pre;
+  to.attention = o.ttt_attention;
   TttUnroll unroll(base, draft, to);
 
   Progress progress("evaluate", loader.steps_in_epoch(), o.progress && m.is_main() ? -1 : 0);

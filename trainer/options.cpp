@@ -18,6 +18,15 @@ std::optional<Schedule> parse_schedule(std::string_view name) {
   return std::nullopt;
 }
 
+std::string_view ttt_attention_name(TttAttention a) {
+  switch (a) {
+    case TttAttention::kAuto: return "auto";
+    case TttAttention::kLocal: return "local";
+    case TttAttention::kTiled: return "tiled";
+  }
+  return "?";
+}
+
 opt::Group model_options(ModelOptions& m) {
   using opt::field;
   using opt::note;
@@ -54,6 +63,11 @@ opt::Group model_options(ModelOptions& m) {
                           "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
                           "auto: the stated forms, post when no record states one (said), an error when only "
                           "some do. eaglekit validate --base measures which one a dump is"),
+              opt::choice("ttt_attention", m.ttt_attention,
+                          {{TttAttention::kAuto, "auto"}, {TttAttention::kLocal, "local"}, {TttAttention::kTiled, "tiled"}},
+                          "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
+                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device); auto: "
+                          "tiled on the CPU from 512 positions, else local"),
           }};
 }
 

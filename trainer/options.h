@@ -31,6 +31,13 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // plan_hidden_states_norm).
 enum class HiddenStatesNorm { kPost, kPre, kAuto };
 
+// The TTT attention kernel (docs/ttt.md, "Two implementations"): auto (on the CPU tiled from
+// kTttFlashMinLength positions, local below; local on other devices), local
+// (ttt_attention_local: O(L^2) memory) or tiled (ttt_attention_flash: O(L) memory, any
+// device). trainer::TttOptions::attention takes it.
+enum class TttAttention { kAuto, kLocal, kTiled };
+std::string_view ttt_attention_name(TttAttention a);  // "auto", "local", "tiled"
+
 struct ModelOptions {
   std::string base;                          // Hugging Face base model folder
   std::string init_draft;                    // start from an exported draft folder ("" fresh)
@@ -43,6 +50,7 @@ struct ModelOptions {
   std::int64_t ttt_steps = 3;
   double loss_decay = 0.9;
   HiddenStatesNorm hidden_states_norm = HiddenStatesNorm::kAuto;
+  TttAttention ttt_attention = TttAttention::kAuto;
 };
 
 struct OptimOptions {

@@ -204,6 +204,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   to.prenorm_hidden_states = norm.default_pre;
   to.loss_chunk_rows = opts.loss_chunk_tokens;
   to.recompute = opts.recompute;
+  to.attention = opts.ttt_attention;
   TttUnroll unroll(base, draft, to);
   const auto named = draft.named_parameters();
   std::vector<at::Tensor> params;
@@ -248,7 +249,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       ", draft vocab " + std::to_string(draft.config().draft_vocab_size) + "; " + std::to_string(total_steps) +
       " optimizer steps of " + std::to_string(opts.batch_size * opts.grad_accum * mesh.dp_size()) + " rows on " +
       std::to_string(world) + " rank(s), " + std::to_string(at::get_num_threads()) + " threads, device " +
-      device.str());
+      device.str() + ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
+      (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
 
   // --- output: metrics.jsonl and TensorBoard, rank 0 ---
   std::unique_ptr<MetricsLog> log;

@@ -315,10 +315,12 @@ at::Tensor SingleRankContext::shift_left(const at::Tensor& x) {
 at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                         const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                         std::int64_t step, double scale, const at::Tensor& document_ids) {
-  // docs/ttt.md, "Two implementations": on the CPU, the O(L)-memory kernel from the length
-  // where bench/bench_ttt_attention measures it no slower than the local one. Not on a GPU,
-  // where its tile loop has not been measured.
-  if (q.device().is_cpu() && q.size(2) >= kTttFlashMinLength)
+  // docs/ttt.md, "Two implementations": auto is, on the CPU, the O(L)-memory kernel from the
+  // length where bench/bench_ttt_attention measures it no slower than the local one; not on a
+  // GPU, where its tile loop has not been measured.
+  const bool tiled = kind_ == TttAttention::kTiled ||
+                     (kind_ == TttAttention::kAuto && q.device().is_cpu() && q.size(2) >= kTttFlashMinLength);
+  if (tiled)
     return ttt_attention_flash(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
   return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
 }
@@ -423,7 +425,7 @@ struct TttUnroll::Impl {
   at::Tensor target_head;   // [Vd, H] frozen
   at::Tensor final_norm;    // [H] float32, defined when the hidden states are pre-norm
   double final_norm_eps = 1e-6;
-  SingleRankContext local;
+  SingleRankContext local{options.attention};
 };
 
 TttUnroll::TttUnroll(const BaseModel& base, DraftModel draft, TttOptions options)

@@ -25,6 +25,7 @@
 
 #include "trainer/base_model.h"
 #include "trainer/draft_model.h"
+#include "trainer/options.h"
 
 namespace eaglekit::trainer {
 
@@ -114,12 +115,15 @@ class SequenceContext {
   virtual at::Tensor sum_across(const at::Tensor& x) = 0;
 };
 
-// The whole sequence on this rank. attention(): on the CPU ttt_attention_local below
-// kTttFlashMinLength positions and ttt_attention_flash (trainer/ttt_flash.h) from there; on
-// other devices always ttt_attention_local (docs/ttt.md, "Two implementations"). masks()
-// holds the local path's block-0 masks.
+// The whole sequence on this rank. attention() with TttAttention::kAuto: on the CPU
+// ttt_attention_local below kTttFlashMinLength positions and ttt_attention_flash
+// (trainer/ttt_flash.h) from there; on other devices always ttt_attention_local (docs/ttt.md,
+// "Two implementations"). kLocal / kTiled: that one at every length and on every device.
+// masks() holds the local path's block-0 masks.
 class SingleRankContext final : public SequenceContext {
  public:
+  explicit SingleRankContext(TttAttention kind = TttAttention::kAuto) : kind_(kind) {}
+  TttAttention kind() const { return kind_; }
   std::int64_t global_offset() const override { return 0; }
   std::int64_t global_length(std::int64_t local_length) const override { return local_length; }
   at::Tensor shift_right(const at::Tensor& x) override;
@@ -131,6 +135,7 @@ class SingleRankContext final : public SequenceContext {
   const TttMaskCache& masks() const { return masks_; }
 
  private:
+  TttAttention kind_;
   TttMaskCache masks_;
 };
 
@@ -175,6 +180,9 @@ struct TttOptions {
   // outputs and run again in backward. The attention keeps what it keeps anyway. The same
   // results; less memory, about one more forward of those pieces per step.
   bool recompute = false;
+  // The attention kernel of the unroll's own SingleRankContext (forward with context null,
+  // as on every rank of a --cp 1 run; --cp > 1 runs the ring's pair attention). --ttt-attention.
+  TttAttention attention = TttAttention::kAuto;
 };
 
 // Poolable sums over the masked positions of one or many batches; add them up over a split

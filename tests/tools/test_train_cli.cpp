@@ -601,3 +601,41 @@ TEST_CASE("train cli: one step over the same samples trains the same draft in pa
   CHECK(fewer["tokens"].get<double>() < pad["tokens"].get<double>());
   CHECK_FALSE(test::agreement(d + "/fewer/final/model.safetensors", d + "/pad/final/model.safetensors", bound).holds());
 }
+
+TEST_CASE("train cli: --ttt-attention local and tiled train and evaluate the same; a bad value exits 2") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string train = "train" + job->data_args() +
+                            " --max-length 24 --batch-size 4 --lr 0.01 --max-steps 2 --log-every 1 --threads 2"
+                            " --jobs 2 --eval-every -1 --no-tensorboard --no-shuffle";
+  auto first_loss = [&](const std::string& run) {
+    std::ifstream f(d + "/" + run + "/metrics.jsonl");
+    std::string line;
+    REQUIRE(std::getline(f, line));
+    return nlohmann::json::parse(line)["loss"].get<double>();
+  };
+  for (const char* kind : {"local", "tiled"}) {
+    const auto r = test::eaglekit(train + " --ttt-attention " + kind + " --out " + test::quote(d + "/" + kind));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK_MESSAGE(r.err.find(std::string("TTT attention ") + kind) != std::string::npos, r.err);
+  }
+  const double local = first_loss("local"), tiled = first_loss("tiled");
+  CHECK(std::abs(local - tiled) <= 1e-5 * std::abs(local));
+
+  auto eval_loss = [&](const char* kind) {
+    const auto e = test::eaglekit("evaluate" + job->data_args() + " --max-length 24 --draft " +
+                                  test::quote(d + "/local/final") + " --ttt-attention " + kind + " --json");
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    return nlohmann::json::parse(e.out)["loss"].get<double>();
+  };
+  const double el = eval_loss("local"), et = eval_loss("tiled");
+  CHECK(std::abs(el - et) <= 1e-5 * std::abs(el));
+
+  for (const char* cmd : {"train", "evaluate"}) {
+    auto r = test::eaglekit(std::string(cmd) + " --ttt-attention flash");
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.find("--ttt-attention must be auto, local or tiled, not 'flash'") != std::string::npos, r.err);
+    r = test::eaglekit(std::string(cmd) + " --help");
+    CHECK(r.out.find("--ttt-attention auto|local|tiled") != std::string::npos);
+  }
+}

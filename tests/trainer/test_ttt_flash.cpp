@@ -366,3 +366,39 @@ TEST_CASE("ttt flash: SingleRankContext uses it from kTttFlashMinLength on, and 
     CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
   }
 }
+
+TEST_CASE("ttt flash: TttOptions::attention picks the kernel at every length, and local and tiled train the same") {
+  // The grad_fn names the kernel that ran: tiled below kTttFlashMinLength, local above it.
+  SingleRankContext tiled(TttAttention::kTiled), local(TttAttention::kLocal), automatic(TttAttention::kAuto);
+  CHECK(attention_node(tiled, 16).find("TttFlash") != std::string::npos);
+  CHECK(attention_node(local, kTttFlashMinLength).find("TttFlash") == std::string::npos);
+  CHECK(attention_node(automatic, 16).find("TttFlash") == std::string::npos);
+  CHECK(attention_node(automatic, kTttFlashMinLength).find("TttFlash") != std::string::npos);
+
+  // Through the unroll's own context (forward without one), at a length where auto is local.
+  const DraftConfig c = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(c, 41);
+  const TttBatch batch = fixtures::random_batch(c, 2, 40, {40, 23}, 42);
+  TttOptions to{3, 0.9, std::nullopt};
+  to.attention = TttAttention::kTiled;
+  TttUnroll a(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 43), to);
+  to.attention = TttAttention::kLocal;
+  TttUnroll b(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 43), to);
+  CHECK(a.options().attention == TttAttention::kTiled);
+  const TttResult ra = a.forward(batch);
+  const TttResult rb = b.forward(batch);
+  CHECK(max_rel(ra.ce_sum, rb.ce_sum) < 1e-5);
+  ra.loss.backward();
+  rb.loss.backward();
+  const auto pa = a.draft().named_parameters();
+  const auto pb = b.draft().named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  std::int64_t compared = 0;
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    if (!pb[i].second.grad().defined()) continue;
+    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
+    ++compared;
+  }
+  CHECK(compared >= 8);
+}
