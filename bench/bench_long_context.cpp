@@ -31,7 +31,7 @@
 // usage: bench_long_context --lengths L1,L2,... [--batch-size 1] [--ttt-steps 7]
 //          [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64] [--intermediate 768]
 //          [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]
-//          [--attention auto|local|tiled] [--device cpu|cuda] [--dtype fp32|bf16]
+//          [--attention auto|local|tiled] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]
 //          [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]
 // --steps timed steps per length after --warmup, fewer when they pass --max-seconds.
 // Exit status 0, 1 on a runtime error, 2 on a usage error.
@@ -80,7 +80,7 @@ constexpr const char* kUsage =
     "usage: bench_long_context --lengths L1,L2,... [--batch-size 1] [--ttt-steps 7]\n"
     "         [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64] [--intermediate 768]\n"
     "         [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]\n"
-    "         [--attention auto|local|tiled] [--device cpu|cuda] [--dtype fp32|bf16]\n"
+    "         [--attention auto|local|tiled] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]\n"
     "         [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]\n"
     "eaglekit's training steps on a synthetic draft and batch (the same ones bench_train.py\n"
     "--synthetic builds), one JSON line per length (bench/bench_long_context.cpp's header).\n";
@@ -91,6 +91,7 @@ struct Args {
                vocab = 2048, draft_vocab = 1024, aux_layers = 3;
   double rope_theta = 500000.0, max_seconds = 60.0;
   TttAttention attention = TttAttention::kAuto;
+  bool recompute = false;  // TttOptions::recompute
   std::string device = "cpu", dtype = "fp32";
   int warmup = 1, steps = 3, threads = 0;
   std::int64_t seed = 1;
@@ -150,6 +151,9 @@ Args parse(int argc, char** argv) {
       else if (v == "local") a.attention = TttAttention::kLocal;
       else if (v == "tiled") a.attention = TttAttention::kTiled;
       else throw Usage("--attention takes auto, local or tiled, not '" + v + "'");
+    } else if (k == "--recompute") {
+      if (v != "0" && v != "1") throw Usage("--recompute takes 0 or 1, not '" + v + "'");
+      a.recompute = v == "1";
     } else throw Usage("unknown option " + k);
   }
   if (a.lengths.empty()) throw Usage("--lengths L1,L2,... is required");
@@ -258,6 +262,7 @@ int main(int argc, char** argv) try {
   TttOptions topts;
   topts.steps = a.ttt_steps;
   topts.attention = a.attention;
+  topts.recompute = a.recompute;
   if (a.dtype == "bf16") topts.autocast = at::kBFloat16;
   TttUnroll unroll(base, draft, topts);
   const auto params = unroll.draft().parameters();
@@ -345,7 +350,7 @@ int main(int argc, char** argv) try {
           << ", \"peak_bytes\": " << peak << ", \"peak_kind\": \"" << peak_kind << "\""
           << ", \"rss_peak_delta_bytes\": " << rss_delta;
     }
-    out << ", \"attention\": \"" << ttt_attention_name(a.attention) << "\", \"device\": \"" << a.device << "\", \"dtype\": \"" << a.dtype << "\", \"ttt_steps\": " << a.ttt_steps
+    out << ", \"attention\": \"" << ttt_attention_name(a.attention) << "\", \"recompute\": " << (a.recompute ? "true" : "false") << ", \"device\": \"" << a.device << "\", \"dtype\": \"" << a.dtype << "\", \"ttt_steps\": " << a.ttt_steps
         << ", \"batch_size\": " << a.batch << ", \"threads\": " << at::get_num_threads() << "}";
     std::cout << out.str() << std::endl;
   }

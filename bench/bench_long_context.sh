@@ -24,7 +24,8 @@
 #
 # usage: bench/bench_long_context.sh [--preset small|8b|tiny] [--lengths 256,512,1024]
 #          [--ttt-steps 7] (a list: 3,7) [--batch-size 1] [--device cpu|cuda] [--dtype fp32|bf16]
-#          [--impls tiled,local,eager-sdpa] (also eager-matmul) [--steps 3] [--warmup 1]
+#          [--impls tiled,local,eager-sdpa] (also eager-matmul; tiled-recompute: tiled with
+#          train's --recompute) [--steps 3] [--warmup 1]
 #          [--cell-seconds 300] [--deadline 0 (none)] [--threads 0] [--peak-tflops X]
 #          [--out DIR] [--python PY] [--no-build] [--hidden H --heads N --kv-heads K --head-dim D
 #          --intermediate I --vocab V --draft-vocab Vd --aux-layers k] (override the preset)
@@ -39,7 +40,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
 die_usage() { echo "bench_long_context.sh: $1" >&2; exit 2; }
 
 PRESET=small LENGTHS="" SSTEPS=7 BATCH=1 DEVICE=cpu DTYPE="" IMPLS="tiled,local,eager-sdpa" STEPS=3 WARMUP=1
@@ -90,7 +91,7 @@ done
 [ -z "$PEAK" ] || [[ "$PEAK" =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--peak-tflops takes a number, not '$PEAK'"
 IFS=, read -r -a IMPL_LIST <<<"$IMPLS"
 for m in "${IMPL_LIST[@]}"; do
-  case "$m" in tiled|local|eager-sdpa|eager-matmul) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
+  case "$m" in tiled|tiled-recompute|local|eager-sdpa|eager-matmul) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
 done
 
 # A Python with torch: --python, else python3, else /usr/bin/python3.
@@ -143,6 +144,7 @@ for s in "${S_LIST[@]}"; do
       budget=$(( limit / 3 > 1 ? limit / 3 : 1 ))  # timed steps stop after this many seconds
       case "$m" in
         tiled|local) cmd=("$BUILD/bin/bench_long_context" --attention "$m") ;;
+        tiled-recompute) cmd=("$BUILD/bin/bench_long_context" --attention tiled --recompute 1) ;;
         eager-*) cmd=("$PY" bench/bench_train.py --synthetic --attention "${m#eager-}") ;;
       esac
       log="$OUT/logs/$m-S$s-L$l.log"
