@@ -268,14 +268,14 @@ std::optional<AttentionPartial> chain_from_packed(const RingGeometry& g, const a
                       g.step, g.scale, /*block0=*/false);
 }
 
-// RingPairKernel::kTiled: this rank's queries in the tile layout, built once per forward
-// or backward (trainer/ttt_tiles.h).
+// RingPairKernel::kTiled (trainer/ttt_tiles.h): the step and tile sizes.
 tiles::TileShape tile_shape(const RingGeometry& g) {
   const TttFlashTiles& t = g.options.tiles;
   return {g.step, t.query_rows > 0 ? t.query_rows : kTttFlashQueryRows,
           t.key_rows > 0 ? t.key_rows : kTttFlashKeyRows};
 }
 
+// This rank's queries in the tile layout, built once per forward or backward.
 tiles::TileQueries tile_queries_of(const RingGeometry& g, const at::Tensor& q, std::int64_t kv_heads) {
   return tiles::tile_queries(q, kv_heads, g.scale, g.docs_q, g.begins[static_cast<std::size_t>(g.rank())]);
 }
@@ -375,7 +375,8 @@ std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at:
 }
 
 // The block-0 gradients of RingPairKernel::kTiled, pair by pair: the flash backward of
-// trainer/ttt_tiles.h against the final (merged) out and lse, which recomputes each tile.
+// trainer/ttt_tiles.h against the final (merged) out and lse, which recomputes each tile
+// (docs/context-parallel.md, "Pair kernels").
 struct TiledBackward {
   tiles::TileShape shape;
   tiles::TileQueries tq;

@@ -18,7 +18,7 @@
 // default): memory per rank is the saved q/k/v/out/lse of its own chunk and the chunk in
 // flight, O(L/C), plus one query tile x key tile of scores at a time. RingPairKernel::kDense
 // keeps the per-pair score matrix, O(heads * (L/C)^2), as the reference
-// (docs/context-parallel.md, "Ring attention").
+// (docs/context-parallel.md, "Pair kernels").
 //
 // Thread safety: a RingContext serves one training loop; every rank of the cp group must
 // run the same sequence of forward/backward calls. Communication failures throw
@@ -56,7 +56,7 @@ enum class KvExchange {
 };
 
 // How one (query chunk, key chunk) pair computes its block-0 scores; the chain keys of
-// blocks 1..s are per-row dot products either way (docs/context-parallel.md, "Ring attention").
+// blocks 1..s are per-row dot products either way (docs/context-parallel.md, "Pair kernels").
 enum class RingPairKernel {
   kTiled,  // tiled online softmax, flash backward (trainer/ttt_tiles.h): O(L/C) memory (default)
   kDense,  // one masked score matrix per pair, autograd backward: O(heads * (L/C)^2), the reference

@@ -301,7 +301,7 @@ struct PieceRun {
 // Block 0 of step `step` over `chunks` query chunks x `chunks` key chunks (cp_chunk layout)
 // by tile_forward, merged by log-sum-exp per query chunk, and the gradients of
 // sum(out * d_out) by tile_backward per pair against the merged out / lse, as the ring does
-// (docs/context-parallel.md, "Ring attention"). key_shift is added to every key chunk's
+// (docs/context-parallel.md, "Pair kernels"). key_shift is added to every key chunk's
 // global offset: 0 is right, anything else must fail.
 PieceRun tiles_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, std::int64_t key_shift,
                            trainer::TttFlashTiles t) {
@@ -517,7 +517,7 @@ TEST_CASE("ring: the block-0 tile pieces on chunk pairs at offsets equal the den
   }
 }
 
-TEST_CASE("ring: a tiled pair holds one tile of scores; its peak per rank is far below the dense pair's scores") {
+TEST_CASE("ring: CP=2 on 2 processes, memory: a tiled pair holds one tile of scores, its peak per rank O(L/C), far below the dense pair's scores") {
   TempDir d("ring_memory");
   JobOptions jo;
   jo.env["EAGLEKIT_TEST_CP"] = "2";
