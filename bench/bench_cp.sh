@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Context parallelism on one long sequence (CPU, Gloo): per-rank peak memory and step time
-# at CP = 1, 2, 4, for the TTT attention alone and for the whole draft unroll.
-# usage: bench/bench_cp.sh [BUILD_DIR] [--length L] [--steps S] [--reps N] [--cp 1,2,4]
+# at CP = 1, 2, 4, for the TTT attention alone and for the whole draft unroll, with both ring
+# pair kernels side by side (tiled, the default, and the dense reference).
+# usage: bench/bench_cp.sh [BUILD_DIR] [--length L] [--steps S] [--reps N] [--cp 1,2,4] [--kernels tiled,dense] (--help)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "formats/error.h"
+#include "trainer/ttt_tiles.h"
 
 namespace eaglekit::trainer {
 
@@ -87,20 +88,21 @@ KeyMeta gather_key_meta(const dist::Group& cp, const std::vector<std::int64_t>& 
 // The softmax attention of this rank's query rows (global rows [q_begin, q_begin + nq))
 // against one chunk of keys (global rows [k_begin, k_begin + nk) of every block 0..step),
 // with the TTT mask: block 0 densely (j <= q - s), blocks i >= 1 as the one key per query
-// at q - (s - i). nullopt when the mask leaves nothing in this pair. Differentiable.
+// at q - (s - i). With block0 false, the chain keys alone (RingPairKernel::kTiled computes
+// block 0 by tiles). nullopt when the mask leaves nothing in this pair. Differentiable.
 std::optional<AttentionPartial> pair_partial(const at::Tensor& q, const std::vector<at::Tensor>& ks,
                                              const std::vector<at::Tensor>& vs,
                                              const at::Tensor& valid_k, const at::Tensor& docs_q,
                                              const at::Tensor& docs_k, std::int64_t q_begin,
                                              std::int64_t k_begin, std::int64_t length,
-                                             std::int64_t step, double scale) {
+                                             std::int64_t step, double scale, bool block0 = true) {
   const std::int64_t b = q.size(0), heads = q.size(1), nq = q.size(2), d = q.size(3);
   const std::int64_t kv_heads = ks[0].size(1), rep = heads / kv_heads, nk = ks[0].size(2);
   const bool docs = docs_q.defined();
 
   at::Tensor s0, m;
   // Block 0 is visible iff some key j of the chunk has j <= q - s for some query q.
-  if (k_begin <= q_begin + nq - 1 - step) {
+  if (block0 && tiles::pair_reaches(q_begin, nq, k_begin, step)) {
     at::Tensor allowed = ttt_mask(length, step, q_begin, q_begin + nq, k_begin, k_begin + nk, q.device())
                              .unsqueeze(0) &
                          valid_k.unsqueeze(1);
@@ -243,14 +245,62 @@ std::optional<AttentionPartial> pair_partial_chunked(const at::Tensor& q, const 
   return AttentionPartial{at::cat(outs, 2), at::cat(lses, 2)};
 }
 
-std::optional<AttentionPartial> pair_from_packed(const RingGeometry& g, const at::Tensor& q,
-                                                 const at::Tensor& packed, int src) {
+// The dense pair (RingPairKernel::kDense): block 0 and the chain keys in one partial.
+std::optional<AttentionPartial> dense_from_packed(const RingGeometry& g, const at::Tensor& q,
+                                                  const at::Tensor& packed, int src) {
   const std::int64_t blocks = g.step + 1;
   const auto s = static_cast<std::size_t>(src);
   const at::Tensor docs_k = g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s];
   return pair_partial_chunked(q, unpack_blocks(packed, 0, blocks), unpack_blocks(packed, blocks, blocks),
                               g.meta.valid[s], g.docs_q, docs_k, g.begins[static_cast<std::size_t>(g.rank())],
                               g.begins[s], g.length, g.step, g.scale, g.options.query_chunk_rows);
+}
+
+// The chain keys (blocks 1..s) of a pair alone, for RingPairKernel::kTiled: O(rows * s).
+std::optional<AttentionPartial> chain_from_packed(const RingGeometry& g, const at::Tensor& q,
+                                                  const at::Tensor& packed, int src) {
+  if (g.step == 0) return std::nullopt;
+  const std::int64_t blocks = g.step + 1;
+  const auto s = static_cast<std::size_t>(src);
+  const at::Tensor docs_k = g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s];
+  return pair_partial(q, unpack_blocks(packed, 0, blocks), unpack_blocks(packed, blocks, blocks), g.meta.valid[s],
+                      g.docs_q, docs_k, g.begins[static_cast<std::size_t>(g.rank())], g.begins[s], g.length,
+                      g.step, g.scale, /*block0=*/false);
+}
+
+// RingPairKernel::kTiled (trainer/ttt_tiles.h): the step and tile sizes.
+tiles::TileShape tile_shape(const RingGeometry& g) {
+  const TttFlashTiles& t = g.options.tiles;
+  return {g.step, t.query_rows > 0 ? t.query_rows : kTttFlashQueryRows,
+          t.key_rows > 0 ? t.key_rows : kTttFlashKeyRows};
+}
+
+// This rank's queries in the tile layout, built once per forward or backward.
+tiles::TileQueries tile_queries_of(const RingGeometry& g, const at::Tensor& q, std::int64_t kv_heads) {
+  return tiles::tile_queries(q, kv_heads, g.scale, g.docs_q, g.begins[static_cast<std::size_t>(g.rank())]);
+}
+
+// Block 0 of src's chunk as tile keys, or nullopt when no query of this rank reaches it.
+std::optional<tiles::TileKeys> tile_keys_of(const RingGeometry& g, const at::Tensor& packed, int src) {
+  const auto s = static_cast<std::size_t>(src);
+  if (!tiles::pair_reaches(g.begins[static_cast<std::size_t>(g.rank())], g.rows(g.rank()), g.begins[s], g.step))
+    return std::nullopt;
+  return tiles::tile_keys(packed.select(0, 0), packed.select(0, g.step + 1), g.meta.valid[s],
+                          g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s], g.begins[s]);
+}
+
+// One pair's partial with the configured kernel (tq: defined for kTiled). Without autograd.
+std::optional<AttentionPartial> pair_from_packed(const RingGeometry& g, const at::Tensor& q,
+                                                 const tiles::TileQueries& tq, const at::Tensor& packed, int src) {
+  if (g.options.pair_kernel == RingPairKernel::kDense) return dense_from_packed(g, q, packed, src);
+  std::optional<AttentionPartial> acc;
+  if (const auto keys = tile_keys_of(g, packed, src)) {
+    const tiles::TilePartial b0 = tiles::tile_forward(tile_shape(g), tq, *keys);
+    acc = AttentionPartial{tiles::tiles_to_heads(b0.out), tiles::tiles_to_heads(b0.lse)};
+  }
+  if (auto chain = chain_from_packed(g, q, packed, src))
+    acc = acc ? merge_partials(*acc, *chain) : std::move(*chain);
+  return acc;
 }
 
 void merge_into(std::optional<AttentionPartial>& acc, std::optional<AttentionPartial> part) {
@@ -270,10 +320,13 @@ at::Tensor gathered_chunk(const RingGeometry& g, const at::Tensor& all, int src)
 // Forward without autograd: out [B, heads, n, D] float32 and lse [B, heads, n].
 AttentionPartial ring_forward(const RingGeometry& g, const at::Tensor& q, const at::Tensor& packed) {
   std::optional<AttentionPartial> acc;
+  const tiles::TileQueries tq = g.options.pair_kernel == RingPairKernel::kTiled
+                                    ? tile_queries_of(g, q, packed.size(2))
+                                    : tiles::TileQueries{};
   if (g.options.exchange == KvExchange::kAllGather) {
     const at::Tensor all = gather_chunks(g, packed);
     for (int src = 0; src < g.size(); ++src)
-      if (g.visible(src)) merge_into(acc, pair_from_packed(g, q, gathered_chunk(g, all, src), src));
+      if (g.visible(src)) merge_into(acc, pair_from_packed(g, q, tq, gathered_chunk(g, all, src), src));
   } else {
     at::Tensor cur = packed;
     for (int it = 0; it < g.size(); ++it) {
@@ -285,7 +338,7 @@ AttentionPartial ring_forward(const RingGeometry& g, const at::Tensor& q, const 
         nxt = empty_chunk(packed, g.rows(g.src(it + 1)), packed.scalar_type());
         ex = g.cp.start_exchange(cur, g.next(), nxt, g.prev(), kTagKv);
       }
-      if (g.visible(src)) merge_into(acc, pair_from_packed(g, q, cur, src));
+      if (g.visible(src)) merge_into(acc, pair_from_packed(g, q, tq, cur, src));
       ex.wait();
       cur = nxt;
     }
@@ -298,9 +351,10 @@ AttentionPartial ring_forward(const RingGeometry& g, const at::Tensor& q, const 
   return *acc;
 }
 
-// Recomputes one pair with autograd and returns (dq, dpacked) of the final output's
-// gradient through that pair. The final output is sum_p w_p out_p with
-// w_p = exp(lse_p - lse), so d/d out_p = w_p dO and d/d lse_p = w_p <dO, out_p - out>.
+// Recomputes one pair with autograd (kDense: the whole pair; kTiled: its chain keys, block 0
+// is TiledBackward's) and returns (dq, dpacked) of the final output's gradient through it.
+// The final output is sum_p w_p out_p over disjoint partials p with w_p = exp(lse_p - lse),
+// so d/d out_p = w_p dO and d/d lse_p = w_p <dO, out_p - out>.
 std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at::Tensor& q,
                                                 const at::Tensor& packed, int src,
                                                 const at::Tensor& d_out, const at::Tensor& out,
@@ -308,7 +362,8 @@ std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at:
   c10::AutoGradMode grad_on(true);
   const at::Tensor qq = q.detach().requires_grad_(true);
   const at::Tensor kv = packed.detach().requires_grad_(true);
-  const auto part = pair_from_packed(g, qq, kv, src);
+  const auto part = g.options.pair_kernel == RingPairKernel::kDense ? dense_from_packed(g, qq, kv, src)
+                                                                     : chain_from_packed(g, qq, kv, src);
   if (!part) return {};
   const at::Tensor w = at::where(at::isinf(part->lse), at::zeros_like(lse), at::exp(part->lse.detach() - lse));
   const at::Tensor g_out = d_out * w.unsqueeze(-1);
@@ -318,6 +373,36 @@ std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at:
                                            /*allow_unused=*/true);
   return {grads[0], grads[1]};
 }
+
+// The block-0 gradients of RingPairKernel::kTiled, pair by pair: the flash backward of
+// trainer/ttt_tiles.h against the final (merged) out and lse, which recomputes each tile
+// (docs/context-parallel.md, "Pair kernels").
+struct TiledBackward {
+  tiles::TileShape shape;
+  tiles::TileQueries tq;
+  at::Tensor d_out, delta, lse;  // the tile layout
+  at::Tensor dqs;                // d(q * scale), the tile layout
+
+  TiledBackward(const RingGeometry& g, const at::Tensor& q, std::int64_t kv_heads, const at::Tensor& d_out_heads,
+                const at::Tensor& out, const at::Tensor& lse_heads)
+      : shape(tile_shape(g)),
+        tq(tile_queries_of(g, q, kv_heads)),
+        d_out(tiles::tiles_from_heads(d_out_heads, kv_heads)),
+        delta(tiles::tiles_from_heads((d_out_heads * out).sum(-1), kv_heads)),
+        lse(tiles::tiles_from_heads(lse_heads, kv_heads)),
+        dqs(at::zeros_like(tq.qs)) {}
+
+  // Adds src's block-0 key/value gradients to dpacked (its [2 (s+1), B, kv, n, D] float32 slot).
+  void pair(const RingGeometry& g, const at::Tensor& packed, int src, const at::Tensor& dpacked) {
+    const auto keys = tile_keys_of(g, packed, src);
+    if (!keys) return;
+    at::Tensor dk = dpacked.select(0, 0), dv = dpacked.select(0, g.step + 1);
+    tiles::tile_backward(shape, tq, *keys, d_out, delta, lse, dqs, dk, dv);
+  }
+
+  // d q in [B, heads, n, D].
+  at::Tensor dq(double scale) const { return tiles::tiles_to_heads(dqs).mul_(scale); }
+};
 
 // Autograd node of ring_ttt_attention: inputs q, k_0..k_s, v_0..v_s.
 struct RingAttentionBackward : public Node {
@@ -334,7 +419,12 @@ struct RingAttentionBackward : public Node {
     at::Tensor d_out = grads[0].defined() ? grads[0].to(at::kFloat) : at::zeros_like(out);
     at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     at::Tensor dkv;
-    auto accumulate = [&](std::pair<at::Tensor, at::Tensor> r, at::Tensor& into) {
+    std::optional<TiledBackward> tiled;
+    if (g.options.pair_kernel == RingPairKernel::kTiled) tiled.emplace(g, q, packed.size(2), d_out, out, lse);
+    // One visible pair: its block-0 tiles (kTiled) and its autograd-recomputed part.
+    auto pair_grads = [&](const at::Tensor& chunk, int src, at::Tensor& into) {
+      if (tiled) tiled->pair(g, chunk, src, into);
+      const auto r = pair_backward(g, q, chunk, src, d_out, out, lse);
       if (r.first.defined()) dq.add_(r.first.to(at::kFloat));
       if (r.second.defined()) into.add_(r.second.to(at::kFloat));
     };
@@ -344,7 +434,7 @@ struct RingAttentionBackward : public Node {
       for (int src = 0; src < g.size(); ++src) {
         if (!g.visible(src)) continue;
         at::Tensor slot = dall.select(0, src).narrow(3, 0, g.rows(src));
-        accumulate(pair_backward(g, q, gathered_chunk(g, all, src), src, d_out, out, lse), slot);
+        pair_grads(gathered_chunk(g, all, src), src, slot);
       }
       g.cp.all_reduce_sum(dall);
       dkv = dall.select(0, g.rank()).narrow(3, 0, g.rows(g.rank()));
@@ -361,7 +451,7 @@ struct RingAttentionBackward : public Node {
           nxt = empty_chunk(packed, g.rows(g.src(it + 1)), packed.scalar_type());
           ex = g.cp.start_exchange(cur, g.next(), nxt, g.prev(), kTagKv);
         }
-        if (g.visible(src)) accumulate(pair_backward(g, q, cur, src, d_out, out, lse), dkv);
+        if (g.visible(src)) pair_grads(cur, src, dkv);
         ex.wait();
         // After the last iteration the incoming gradient is our own chunk's.
         at::Tensor dkv_in = empty_chunk(packed, g.rows(g.src(it + 1)), at::kFloat);
@@ -370,6 +460,7 @@ struct RingAttentionBackward : public Node {
         cur = nxt;
       }
     }
+    if (tiled) dq.add_(tiled->dq(g.scale));
     variable_list result;
     result.push_back(dq.to(q_dtype));
     for (std::int64_t i = 0; i < 2 * blocks; ++i) result.push_back(dkv.select(0, i).to(kv_dtype));

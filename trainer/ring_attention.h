@@ -13,8 +13,12 @@
 // and merges the partial result by log-sum-exp; pairs whose mask is empty (every chunk
 // after the rank's own) are skipped, and rows with no visible key produce 0, never NaN.
 // Backward recomputes each pair (nothing O(L^2) is saved) and sends the key/value gradients
-// around the ring back to their owners. Memory per rank: the saved q/k/v/out/lse of its own
-// chunk, O(L/C), plus one pair's scores, O(heads * (L/C)^2), at a time.
+// around the ring back to their owners. Block 0 of a pair (the shifted causal part) goes
+// through the tiles of ttt_attention_flash (trainer/ttt_tiles.h, RingPairKernel::kTiled, the
+// default): memory per rank is the saved q/k/v/out/lse of its own chunk and the chunk in
+// flight, O(L/C), plus one query tile x key tile of scores at a time. RingPairKernel::kDense
+// keeps the per-pair score matrix, O(heads * (L/C)^2), as the reference
+// (docs/context-parallel.md, "Pair kernels").
 //
 // Thread safety: a RingContext serves one training loop; every rank of the cp group must
 // run the same sequence of forward/backward calls. Communication failures throw
@@ -29,6 +33,7 @@
 
 #include "trainer/distributed.h"
 #include "trainer/ttt.h"
+#include "trainer/ttt_flash.h"
 
 namespace eaglekit::trainer {
 
@@ -50,11 +55,21 @@ enum class KvExchange {
   kAllGather,  // every rank gathers all chunks at once: fewer, larger messages, O(L) memory
 };
 
+// How one (query chunk, key chunk) pair computes its block-0 scores; the chain keys of
+// blocks 1..s are per-row dot products either way (docs/context-parallel.md, "Pair kernels").
+enum class RingPairKernel {
+  kTiled,  // tiled online softmax, flash backward (trainer/ttt_tiles.h): O(L/C) memory (default)
+  kDense,  // one masked score matrix per pair, autograd backward: O(heads * (L/C)^2), the reference
+};
+
 struct RingOptions {
   KvExchange exchange = KvExchange::kRing;
-  // The diagonal pair (this rank's queries against its own keys) is computed in chunks of
-  // this many query rows, each against only the keys it can see; 0: ttt_query_chunk_rows
-  // of the rank's rows.
+  RingPairKernel pair_kernel = RingPairKernel::kTiled;
+  // kTiled: the tile sizes (0: kTttFlashQueryRows x kTttFlashKeyRows, as ttt_attention_flash).
+  TttFlashTiles tiles;
+  // kDense: the diagonal pair (this rank's queries against its own keys) is computed in
+  // chunks of this many query rows, each against only the keys it can see; 0:
+  // ttt_query_chunk_rows of the rank's rows. kTiled skips tiles past the diagonal instead.
   std::int64_t query_chunk_rows = 0;
 };
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "trainer/ttt_tiles.h"
 
 namespace eaglekit::trainer {
 
@@ -17,30 +18,23 @@ namespace {
 const double kNegInf = -std::numeric_limits<double>::infinity();
 const double kLowest = std::numeric_limits<float>::lowest();
 
-// Layout. Query heads sharing a kv head are consecutive (h = kv * rep + r), and a query tile
-// is the rows [q0, q0 + t) of all rep heads of a kv head: q is held as [B, kv_heads, L, rep, D]
-// so that a tile is a view [B, kv_heads, t * rep, D] (row = position * rep + r) and its
-// scores against a key tile come from one batched matmul over (B, kv_heads), without copying
-// keys per head. Row statistics (max, sum, log-sum-exp) are [B, kv_heads, L, rep].
+// The kernel's layout is trainer/ttt_tiles.h's: queries [B, kv_heads, L, rep, D], row
+// statistics [B, kv_heads, L, rep]. Block 0 is its one pair (queries and keys of the whole
+// sequence, both at offset 0); the chain keys are handled here.
 struct Geometry {
   std::int64_t b = 0, heads = 0, kv_heads = 0, rep = 0, l = 0, d = 0;
-  std::int64_t step = 0;
-  std::int64_t query_rows = 0, key_rows = 0;
+  tiles::TileShape shape;  // step and tile sizes
   double scale = 1.0;
+  std::int64_t step() const { return shape.step; }
 };
 
 // The inputs in the kernel's layout, float32; rebuilt in backward from the saved inputs.
 struct Prepared {
-  at::Tensor qs;                     // q * scale, [B, kv_heads, L, rep, D]
-  at::Tensor k0, v0;                 // block 0, [B, kv_heads, L, D]
+  tiles::TileQueries queries;        // q * scale, [B, kv_heads, L, rep, D]; document ids
+  tiles::TileKeys keys;              // block 0, [B, kv_heads, L, D]; key_valid; document ids
   std::vector<at::Tensor> k_chain;   // block i = c + 1 shifted down by s - i rows: row q holds
   std::vector<at::Tensor> v_chain;   //   the key of position q - (s - i), [B, kv_heads, L, D]
   std::vector<at::Tensor> chain_ok;  // whether query q may see that key, [B, L] bool
-  at::Tensor valid;                  // key_valid, [B, L] bool
-  at::Tensor docs;                   // document_ids [B, L] int64, or undefined
-  // invalid_prefix[j]: the number of (row, position < j) pairs whose key is not valid, so a
-  // key range is entirely valid (no mask needed) or entirely invalid (skipped) at a glance.
-  std::vector<std::int64_t> invalid_prefix;
 };
 
 // Rows moved towards higher positions by `shift` along dim; the first `shift` rows are zero.
@@ -59,100 +53,33 @@ at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
   return at::cat({x.narrow(dim, shift, n - shift), at::zeros_like(x.narrow(dim, 0, shift))}, dim);
 }
 
-// -inf (a row that has seen no allowed key) replaced by the lowest finite float, so that
-// subtracting it is safe: the row's scores are all -inf and stay -inf (exp gives 0).
+// -inf replaced by the lowest finite float, so that subtracting it is safe.
 at::Tensor finite_or_lowest(const at::Tensor& m) { return at::clamp_min(m, kLowest); }
 
 Prepared prepare(const Geometry& g, const at::Tensor& q, at::TensorList ks, at::TensorList vs,
                  const at::Tensor& key_valid, const at::Tensor& document_ids) {
   Prepared p;
-  p.qs = q.to(at::kFloat).mul(g.scale).view({g.b, g.kv_heads, g.rep, g.l, g.d}).permute({0, 1, 3, 2, 4}).contiguous();
-  p.k0 = ks[0].to(at::kFloat).contiguous();
-  p.v0 = vs[0].to(at::kFloat).contiguous();
-  p.valid = key_valid.to(at::kBool);
-  if (document_ids.defined()) p.docs = document_ids.to(at::kLong);
+  p.queries = tiles::tile_queries(q, g.kv_heads, g.scale, document_ids, 0);
+  p.keys = tiles::tile_keys(ks[0], vs[0], key_valid, document_ids, 0);
+  const at::Tensor& valid = p.keys.valid;
+  const at::Tensor& docs = p.keys.docs;
   const at::Tensor positions = at::arange(g.l, q.options().dtype(at::kLong));
-  for (std::int64_t i = 1; i <= g.step; ++i) {
-    const std::int64_t shift = g.step - i;
+  for (std::int64_t i = 1; i <= g.step(); ++i) {
+    const std::int64_t shift = g.step() - i;
     p.k_chain.push_back(shift_down(ks[i].to(at::kFloat), shift, 2));
     p.v_chain.push_back(shift_down(vs[i].to(at::kFloat), shift, 2));
-    at::Tensor ok = (positions >= shift).unsqueeze(0) & shift_down(p.valid, shift, 1);
-    if (p.docs.defined()) ok = ok & (p.docs == shift_down(p.docs, shift, 1));
+    at::Tensor ok = (positions >= shift).unsqueeze(0) & shift_down(valid, shift, 1);
+    if (docs.defined()) ok = ok & (docs == shift_down(docs, shift, 1));
     p.chain_ok.push_back(ok);
   }
-  const at::Tensor counts = p.valid.logical_not().sum(0).cumsum(0).to(at::kCPU, at::kLong).contiguous();
-  p.invalid_prefix.assign(static_cast<std::size_t>(g.l + 1), 0);
-  std::copy(counts.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>() + g.l, p.invalid_prefix.begin() + 1);
   return p;
-}
-
-std::int64_t invalid_in(const Prepared& p, std::int64_t k0, std::int64_t n) {
-  return p.invalid_prefix[static_cast<std::size_t>(k0 + n)] - p.invalid_prefix[static_cast<std::size_t>(k0)];
-}
-
-// The additive mask (0 or -inf) of block-0 scores of query positions [q0, q0 + t) against key
-// positions [k0, k0 + n), broadcastable to the tile's scores viewed as [B, kv_heads, t, rep, n];
-// undefined when every pair of the tile is allowed (below the shifted diagonal, all keys
-// valid, one document).
-at::Tensor tile_bias(const Geometry& g, const Prepared& p, std::int64_t q0, std::int64_t t, std::int64_t k0,
-                     std::int64_t n) {
-  const bool causal = k0 + n - 1 > q0 - g.step;  // some key j > q - s for the tile's first query
-  const bool invalid = invalid_in(p, k0, n) > 0;
-  if (!causal && !invalid && !p.docs.defined()) return {};
-  at::Tensor allowed;  // [1 or B, 1 or t, n]
-  auto both = [&](const at::Tensor& a) { allowed = allowed.defined() ? allowed & a : a; };
-  if (causal) {
-    const auto opts = p.valid.options().dtype(at::kLong);
-    both((at::arange(k0, k0 + n, opts).unsqueeze(0) <= at::arange(q0 - g.step, q0 - g.step + t, opts).unsqueeze(1))
-             .unsqueeze(0));
-  }
-  if (invalid) both(p.valid.narrow(1, k0, n).unsqueeze(1));
-  if (p.docs.defined()) both(p.docs.narrow(1, q0, t).unsqueeze(2) == p.docs.narrow(1, k0, n).unsqueeze(1));
-  return at::zeros(allowed.sizes(), p.qs.options())
-      .masked_fill_(allowed.logical_not(), kNegInf)
-      .view({allowed.size(0), 1, allowed.size(1), 1, n});
-}
-
-// Calls f(q0, t, k0, n) for every tile pair of block 0 that holds an allowed score: query tile
-// [q0, q0 + t) against the key tiles of [0, q0 + t - s) (keys j <= q - s; tiles past the
-// shifted diagonal are never visited) that hold a valid key. first_key is true for the first
-// visited key tile of a query tile.
-template <typename F>
-void for_each_tile(const Geometry& g, const Prepared& p, F&& f) {
-  for (std::int64_t q0 = 0; q0 < g.l; q0 += g.query_rows) {
-    const std::int64_t t = std::min(g.query_rows, g.l - q0);
-    const std::int64_t kn = std::clamp<std::int64_t>(q0 + t - g.step, 0, g.l);
-    bool first_key = true;
-    for (std::int64_t k0 = 0; k0 < kn; k0 += g.key_rows) {
-      const std::int64_t n = std::min(g.key_rows, kn - k0);
-      if (invalid_in(p, k0, n) == g.b * n) continue;  // no valid key in this tile
-      f(q0, t, k0, n, first_key);
-      first_key = false;
-    }
-  }
-}
-
-// Raw scores of one tile pair with the mask applied: [B, kv_heads, t * rep, n].
-at::Tensor tile_scores(const Geometry& g, const Prepared& p, const at::Tensor& q_tile, std::int64_t q0,
-                       std::int64_t t, std::int64_t k0, std::int64_t n) {
-  at::Tensor s = at::matmul(q_tile, p.k0.narrow(2, k0, n).transpose(-1, -2));
-  const at::Tensor bias = tile_bias(g, p, q0, t, k0, n);
-  if (bias.defined()) s.view({g.b, g.kv_heads, t, g.rep, n}).add_(bias);
-  return s;
-}
-
-at::Tensor rows_of(const Geometry& g, const at::Tensor& x, std::int64_t q0, std::int64_t t) {
-  // [B, kv_heads, L, rep, ...] -> the view [B, kv_heads, t * rep, ...] of positions [q0, q0 + t).
-  std::vector<std::int64_t> shape{g.b, g.kv_heads, t * g.rep};
-  for (std::int64_t i = 4; i < x.dim(); ++i) shape.push_back(x.size(i));
-  return x.narrow(2, q0, t).view(shape);
 }
 
 // Chain scores [B, kv_heads, L, rep, s] (scaled; -inf where the chain key is not visible).
 at::Tensor chain_scores(const Geometry& g, const Prepared& p) {
   std::vector<at::Tensor> cs;
   for (std::size_t c = 0; c < p.k_chain.size(); ++c) {
-    at::Tensor sc = (p.qs * p.k_chain[c].unsqueeze(3)).sum(-1);
+    at::Tensor sc = (p.queries.qs * p.k_chain[c].unsqueeze(3)).sum(-1);
     cs.push_back(sc.masked_fill_(p.chain_ok[c].logical_not().view({g.b, 1, g.l, 1}), kNegInf));
   }
   return at::stack(cs, -1);
@@ -164,46 +91,10 @@ struct Result {
 };
 
 Result forward_raw(const Geometry& g, const Prepared& p) {
-  const auto fopts = p.qs.options();
-  Result r{at::zeros({g.b, g.kv_heads, g.l, g.rep, g.d}, fopts),
-           at::full({g.b, g.kv_heads, g.l, g.rep}, kNegInf, fopts)};
-
-  // Block 0, one query tile at a time: running max m, running sum and the unnormalised output,
-  // rescaled by exp(m_old - m_new) whenever a key tile raises the max.
-  at::Tensor q_tile, m, sum, acc;
-  auto finish_query_tile = [&](std::int64_t q0, std::int64_t t) {
-    if (!m.defined()) return;
-    const at::Tensor has = sum > 0;
-    rows_of(g, r.out, q0, t).copy_(acc / at::where(has, sum, at::ones_like(sum)).unsqueeze(-1));
-    rows_of(g, r.lse, q0, t).copy_(at::where(has, finite_or_lowest(m) + at::log(sum), at::full_like(sum, kNegInf)));
-    m = at::Tensor();
-  };
-  std::int64_t open_q0 = -1, open_t = 0;
-  for_each_tile(g, p, [&](std::int64_t q0, std::int64_t t, std::int64_t k0, std::int64_t n, bool first_key) {
-    if (first_key) {
-      finish_query_tile(open_q0, open_t);
-      open_q0 = q0;
-      open_t = t;
-      q_tile = rows_of(g, p.qs, q0, t);
-    }
-    at::Tensor s = tile_scores(g, p, q_tile, q0, t, k0, n);
-    const at::Tensor tile_max = at::amax(s, -1);
-    const at::Tensor m_new = m.defined() ? at::maximum(m, tile_max) : tile_max;
-    const at::Tensor shift = finite_or_lowest(m_new);
-    s.sub_(shift.unsqueeze(-1)).exp_();  // the tile's probabilities, unnormalised
-    const at::Tensor pv = at::matmul(s, p.v0.narrow(2, k0, n));
-    if (!m.defined()) {
-      sum = s.sum(-1);
-      acc = pv;
-    } else {
-      const at::Tensor alpha = (m - shift).exp_();
-      sum.mul_(alpha).add_(s.sum(-1));
-      acc.mul_(alpha.unsqueeze(-1)).add_(pv);
-    }
-    m = m_new;
-  });
-  finish_query_tile(open_q0, open_t);
-  if (g.step == 0) return r;
+  // Block 0 by tiles (trainer/ttt_tiles.h).
+  const tiles::TilePartial b0 = tiles::tile_forward(g.shape, p.queries, p.keys);
+  Result r{b0.out, b0.lse};
+  if (g.step() == 0) return r;
 
   // The chain keys, one per query and block, merged with block 0 by log-sum-exp.
   const at::Tensor c = chain_scores(g, p);
@@ -230,34 +121,18 @@ struct Grads {
 // delta: rowsum(dO * O), [B, kv_heads, L, rep].
 Grads backward_raw(const Geometry& g, const Prepared& p, const at::Tensor& d_out, const at::Tensor& delta,
                    const at::Tensor& lse) {
+  Grads gr{at::zeros_like(p.queries.qs), at::zeros_like(p.keys.k), at::zeros_like(p.keys.v), {}, {}};
+  tiles::tile_backward(g.shape, p.queries, p.keys, d_out, delta, lse, gr.dqs, gr.dk0, gr.dv0);
+  if (g.step() == 0) return gr;
+  const at::Tensor& qs = p.queries.qs;
   const at::Tensor lse0 = finite_or_lowest(lse);  // rows without keys: every score is -inf anyway
-  Grads gr{at::zeros_like(p.qs), at::zeros_like(p.k0), at::zeros_like(p.v0), {}, {}};
-  at::Tensor q_tile, do_tile, lse_tile, delta_tile, dq_tile;
-  for_each_tile(g, p, [&](std::int64_t q0, std::int64_t t, std::int64_t k0, std::int64_t n, bool first_key) {
-    if (first_key) {
-      q_tile = rows_of(g, p.qs, q0, t);
-      do_tile = rows_of(g, d_out, q0, t);
-      lse_tile = rows_of(g, lse0, q0, t).unsqueeze(-1);
-      delta_tile = rows_of(g, delta, q0, t).unsqueeze(-1);
-      dq_tile = rows_of(g, gr.dqs, q0, t);
-    }
-    const at::Tensor k = p.k0.narrow(2, k0, n), v = p.v0.narrow(2, k0, n);
-    at::Tensor prob = tile_scores(g, p, q_tile, q0, t, k0, n);
-    prob.sub_(lse_tile).exp_();
-    gr.dv0.narrow(2, k0, n).add_(at::matmul(prob.transpose(-1, -2), do_tile));
-    at::Tensor ds = at::matmul(do_tile, v.transpose(-1, -2));
-    ds.sub_(delta_tile).mul_(prob);
-    dq_tile.add_(at::matmul(ds, k));
-    gr.dk0.narrow(2, k0, n).add_(at::matmul(ds.transpose(-1, -2), q_tile));
-  });
-  if (g.step == 0) return gr;
   const at::Tensor prob = (chain_scores(g, p) - lse0.unsqueeze(-1)).exp_();  // [B, kv_heads, L, rep, s]
   for (std::size_t c = 0; c < p.k_chain.size(); ++c) {
     const at::Tensor pc = prob.select(-1, static_cast<std::int64_t>(c));
     gr.dv_chain.push_back((pc.unsqueeze(-1) * d_out).sum(3));
     const at::Tensor ds = pc * ((d_out * p.v_chain[c].unsqueeze(3)).sum(-1) - delta);
     gr.dqs.add_(ds.unsqueeze(-1) * p.k_chain[c].unsqueeze(3));
-    gr.dk_chain.push_back((ds.unsqueeze(-1) * p.qs).sum(3));
+    gr.dk_chain.push_back((ds.unsqueeze(-1) * qs).sum(3));
   }
   return gr;
 }
@@ -271,20 +146,9 @@ Geometry geometry_of(const at::Tensor& q, const at::Tensor& k0, std::int64_t ste
   g.d = q.size(3);
   g.kv_heads = k0.size(1);
   g.rep = g.heads / g.kv_heads;
-  g.step = step;
+  g.shape = {step, query_rows, key_rows};
   g.scale = scale;
-  g.query_rows = query_rows;
-  g.key_rows = key_rows;
   return g;
-}
-
-// [B, kv_heads, L, rep, ...] <-> [B, heads, L, ...].
-at::Tensor to_heads(const Geometry& g, const at::Tensor& x) {
-  if (x.dim() == 5) return x.permute({0, 1, 3, 2, 4}).reshape({g.b, g.heads, g.l, g.d});
-  return x.permute({0, 1, 3, 2}).reshape({g.b, g.heads, g.l});
-}
-at::Tensor from_heads(const Geometry& g, const at::Tensor& x) {
-  return x.reshape({g.b, g.kv_heads, g.rep, g.l, g.d}).permute({0, 1, 3, 2, 4}).contiguous();
 }
 
 // The autograd node. Inputs: q, the k blocks, the v blocks (differentiable), key_valid and
@@ -304,7 +168,7 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
       const Prepared p = prepare(g, q, ks, vs, key_valid, docs);
       r = forward_raw(g, p);
     }
-    const at::Tensor out = to_heads(g, r.out);
+    const at::Tensor out = tiles::tiles_to_heads(r.out);
     std::vector<at::Tensor> saved{q};
     saved.insert(saved.end(), ks.begin(), ks.end());
     saved.insert(saved.end(), vs.begin(), vs.end());
@@ -335,11 +199,10 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     const Prepared p =
         prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(), ctx->saved_data["docs"].toTensor());
     const at::Tensor d_out = grad_out[0].to(at::kFloat);
-    const at::Tensor delta =
-        (d_out * out).sum(-1).view({g.b, g.kv_heads, g.rep, g.l}).permute({0, 1, 3, 2}).contiguous();
-    const Grads gr = backward_raw(g, p, from_heads(g, d_out), delta, lse);
+    const at::Tensor delta = tiles::tiles_from_heads((d_out * out).sum(-1), g.kv_heads);
+    const Grads gr = backward_raw(g, p, tiles::tiles_from_heads(d_out, g.kv_heads), delta, lse);
 
-    torch::autograd::variable_list result{to_heads(g, gr.dqs.mul_(g.scale)).to(q.scalar_type())};
+    torch::autograd::variable_list result{tiles::tiles_to_heads(gr.dqs.mul_(g.scale)).to(q.scalar_type())};
     result.push_back(gr.dk0.to(ks[0].scalar_type()));
     for (std::int64_t i = 1; i <= step; ++i)
       result.push_back(shift_up(gr.dk_chain[static_cast<std::size_t>(i - 1)], step - i, 2).to(ks[i].scalar_type()));

@@ -3,6 +3,7 @@
 // one query tile x key tile of scores, the s draft-chain keys as per-row dot products, the
 // two merged by log-sum-exp. Forward and backward are one autograd node that keeps only the
 // inputs, the output and the per-row log-sum-exp, and recomputes the tile scores in backward.
+// The block-0 tiles are trainer/ttt_tiles.h's, which the CP ring uses per pair of chunks.
 //
 // CPU only in effect: the tiles are ATen matmuls, so the code runs on any device, but no
 // fused GPU kernel is used (and none has been tested here). Not twice differentiable.

@@ -2,16 +2,21 @@
 // cp ranks, against the single-rank computation: in process (a group of one) and over
 // 2 and 4 real processes, for TTT steps 0..3 (S = 1..4), lengths that are and are not
 // multiples of the cp size, padding and packed documents (attention alone, and the whole
-// unroll on packed rows: document_ids and position_ids through every chunk).
+// unroll on packed rows: document_ids and position_ids through every chunk); both pair
+// kernels (RingPairKernel::kTiled, the default, and kDense), the block-0 tile pieces on chunk
+// pairs (with a must-fail wrong key offset), and the tiled pairs' memory per rank.
 #include "trainer/ring_attention.h"
 
 #include <cmath>
 
 #include "tests/trainer/dist_harness.h"
+#include "trainer/cpu_memory.h"
+#include "trainer/ttt_tiles.h"
 
 using namespace eaglekit;
 using namespace eaglekit::test;
 using trainer::KvExchange;
+using trainer::RingPairKernel;
 
 namespace {
 
@@ -23,21 +28,36 @@ struct AttnCase {
   std::int64_t step;
   bool docs;
   KvExchange exchange;
-  std::int64_t query_chunk_rows = 0;  // RingOptions::query_chunk_rows (0: the default)
+  std::int64_t query_chunk_rows = 0;  // RingOptions::query_chunk_rows (kDense; 0: the default)
+  RingPairKernel kernel = RingPairKernel::kTiled;
+  trainer::TttFlashTiles tiles = {};  // RingOptions::tiles (kTiled; 0: the default 128 x 256)
+  bool empty_row = false;             // batch row 1 all padding: no visible key anywhere
 };
 
 std::vector<AttnCase> attention_cases(int cp) {
   std::vector<AttnCase> v;
   std::vector<std::int64_t> lengths{12, 13};
   if (cp == 4) lengths.push_back(7);  // chunks of 1-2 rows: chains cross several ranks
+  // The default kernel (tiled, one tile per pair at these lengths).
   for (std::int64_t l : lengths)
     for (std::int64_t s = 0; s <= 3; ++s) v.push_back({l, s, l == 13, KvExchange::kRing});
   v.push_back({13, 2, true, KvExchange::kAllGather});
   v.push_back({12, 3, false, KvExchange::kAllGather});
-  // The diagonal pair in query chunks of 1-3 rows (the first ones see no block-0 key).
-  v.push_back({13, 2, true, KvExchange::kRing, 2});
-  v.push_back({12, 3, false, KvExchange::kRing, 3});
-  v.push_back({13, 1, false, KvExchange::kAllGather, 1});
+  // Tiled with tiles of 1-3 rows: several query and key tiles per pair, tiles straddling the
+  // shifted diagonal, skipped tiles past it and all-padding key tiles, the online rescale
+  // across key tiles; documents crossing chunk boundaries (L = 13 and 7: not multiples of C).
+  for (std::int64_t l : {13, 7})
+    for (std::int64_t s = 0; s <= 3; ++s)
+      v.push_back({l, s, true, KvExchange::kRing, 0, RingPairKernel::kTiled, {2, 3}});
+  v.push_back({12, 1, false, KvExchange::kAllGather, 0, RingPairKernel::kTiled, {3, 1}});
+  v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kTiled, {1, 2}, /*empty_row=*/true});
+  // The dense reference kernel; its diagonal pair in query chunks of 1-3 rows (the first
+  // ones see no block-0 key).
+  for (std::int64_t s = 0; s <= 3; ++s) v.push_back({13, s, true, KvExchange::kRing, 0, RingPairKernel::kDense});
+  v.push_back({13, 2, true, KvExchange::kRing, 2, RingPairKernel::kDense});
+  v.push_back({12, 3, false, KvExchange::kRing, 3, RingPairKernel::kDense});
+  v.push_back({13, 1, false, KvExchange::kAllGather, 1, RingPairKernel::kDense});
+  v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kDense, {}, /*empty_row=*/true});
   return v;
 }
 
@@ -62,6 +82,7 @@ AttnInputs make_inputs(const AttnCase& c, std::uint64_t seed) {
   in.key_valid = at::ones({kB, l}, at::kBool);
   in.key_valid[1].narrow(0, l - 3, 3).fill_(false);
   in.key_valid[0][4] = false;
+  if (c.empty_row) in.key_valid[1].fill_(false);
   if (c.docs) {
     in.docs = at::zeros({kB, l}, at::kLong);
     in.docs[0].narrow(0, l / 2, l - l / 2).fill_(1);
@@ -99,6 +120,8 @@ std::vector<at::Tensor> ring_attention_run(const dist::Group& cp, const AttnCase
   trainer::RingOptions ro;
   ro.exchange = c.exchange;
   ro.query_chunk_rows = c.query_chunk_rows;
+  ro.pair_kernel = c.kernel;
+  ro.tiles = c.tiles;
   const at::Tensor out = trainer::ring_ttt_attention(cp, c.length, q, ks, vs, local(in.key_valid, 1), c.step,
                                                      kScale, local(in.docs, 1), ro);
   (out * local(in.d_out, 2)).sum().backward();
@@ -120,6 +143,16 @@ void check_attention_chunk(const std::vector<at::Tensor>& got, const std::vector
     const double scale = want[i].abs().max().item<double>();
     CHECK_MESSAGE(close(got[i], w, 1e-5, 1e-5 * scale), diff_text(got[i], w));
   }
+}
+
+// The attention case's name for CAPTURE.
+std::string case_text(const AttnCase& c) {
+  return "L=" + std::to_string(c.length) + " s=" + std::to_string(c.step) + (c.docs ? " docs" : "") +
+         (c.exchange == KvExchange::kAllGather ? " all-gather" : " ring") +
+         (c.kernel == RingPairKernel::kDense
+              ? " dense, query chunks " + std::to_string(c.query_chunk_rows)
+              : " tiled " + std::to_string(c.tiles.query_rows) + "x" + std::to_string(c.tiles.key_rows)) +
+         (c.empty_row ? " empty row" : "");
 }
 
 std::int64_t steps_of(int i) { return 1 + i % 4; }
@@ -216,16 +249,18 @@ void check_ring_job(int cp_size) {
   const auto cases = attention_cases(cp_size);
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const AttnCase& c = cases[i];
-    CAPTURE(c.length);
-    CAPTURE(c.step);
-    CAPTURE(c.query_chunk_rows);
-    CAPTURE(c.docs);
-    CAPTURE(static_cast<int>(c.exchange));
+    const std::string what = case_text(c);
+    CAPTURE(what);
     const auto want = reference_attention(c, make_inputs(c, 100 + i));
     for (int rank = 0; rank < cp_size; ++rank) {
       CAPTURE(rank);
       const auto got = load_tensors(d / ("attn_" + std::to_string(i) + "_" + std::to_string(rank) + ".pt"));
       check_attention_chunk(got, want, trainer::cp_chunk(c.length, cp_size, rank));
+      if (c.empty_row) {
+        // Batch row 1 sees nothing: output 0 there, and every tensor finite.
+        CHECK(got[0].select(0, 1).abs().max().item<float>() == 0.0f);
+        for (const auto& t : got) CHECK(at::isfinite(t).all().item<bool>());
+      }
     }
   }
 
@@ -263,6 +298,121 @@ void check_ring_job(int cp_size) {
 
 }  // namespace
 
+namespace {
+
+// --- The block-0 tile pieces (trainer/ttt_tiles.h) on chunk pairs -------------------------
+
+struct PieceRun {
+  at::Tensor out, dq, dk, dv;  // [B, heads, L, D], [B, heads, L, D], [B, kv_heads, L, D] x 2
+};
+
+// Block 0 of step `step` over `chunks` query chunks x `chunks` key chunks (cp_chunk layout)
+// by tile_forward, merged by log-sum-exp per query chunk, and the gradients of
+// sum(out * d_out) by tile_backward per pair against the merged out / lse, as the ring does
+// (docs/context-parallel.md, "Pair kernels"). key_shift is added to every key chunk's
+// global offset: 0 is right, anything else must fail.
+PieceRun tiles_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, std::int64_t key_shift,
+                           trainer::TttFlashTiles t) {
+  namespace tl = trainer::tiles;
+  const std::int64_t l = in.q.size(2);
+  const tl::TileShape shape{step, t.query_rows, t.key_rows};
+  auto cut = [&](const at::Tensor& x, int dim, const trainer::SequenceChunk& c) {
+    return x.defined() ? x.narrow(dim, c.begin, c.size()) : x;
+  };
+  auto keys_of = [&](int src) {
+    const auto c = trainer::cp_chunk(l, chunks, src);
+    return tl::tile_keys(cut(in.ks[0], 2, c), cut(in.vs[0], 2, c), cut(in.key_valid, 1, c), cut(in.docs, 1, c),
+                         c.begin + key_shift);
+  };
+  PieceRun r;
+  r.dk = at::zeros_like(in.ks[0]);
+  r.dv = at::zeros_like(in.vs[0]);
+  std::vector<at::Tensor> outs, dq_chunks;
+  for (int rank = 0; rank < chunks; ++rank) {
+    const auto c = trainer::cp_chunk(l, chunks, rank);
+    const tl::TileQueries tq = tl::tile_queries(cut(in.q, 2, c), kKvHeads, kScale, cut(in.docs, 1, c), c.begin);
+    std::optional<trainer::AttentionPartial> acc;
+    for (int src = 0; src < chunks; ++src) {
+      const tl::TilePartial p = tl::tile_forward(shape, tq, keys_of(src));
+      const trainer::AttentionPartial part{tl::tiles_to_heads(p.out), tl::tiles_to_heads(p.lse)};
+      acc = acc ? trainer::merge_partials(*acc, part) : part;
+    }
+    const at::Tensor d_out = cut(in.d_out, 2, c);
+    const at::Tensor d_out_t = tl::tiles_from_heads(d_out, kKvHeads);
+    const at::Tensor delta = tl::tiles_from_heads((d_out * acc->out).sum(-1), kKvHeads);
+    const at::Tensor lse = tl::tiles_from_heads(acc->lse, kKvHeads);
+    at::Tensor dqs = at::zeros_like(tq.qs);
+    for (int src = 0; src < chunks; ++src) {
+      const auto kc = trainer::cp_chunk(l, chunks, src);
+      at::Tensor dk = r.dk.narrow(2, kc.begin, kc.size()), dv = r.dv.narrow(2, kc.begin, kc.size());
+      tl::tile_backward(shape, tq, keys_of(src), d_out_t, delta, lse, dqs, dk, dv);
+    }
+    outs.push_back(acc->out);
+    dq_chunks.push_back(tl::tiles_to_heads(dqs).mul_(kScale));
+  }
+  r.out = at::cat(outs, 2);
+  r.dq = at::cat(dq_chunks, 2);
+  return r;
+}
+
+bool same_pieces(const PieceRun& got, const PieceRun& want) {
+  bool ok = true;
+  for (const auto& [g, w] : {std::pair{got.out, want.out}, {got.dq, want.dq}, {got.dk, want.dk}, {got.dv, want.dv}}) {
+    const double scale = w.abs().max().item<double>();
+    ok = ok && close(g, w, 1e-5, 1e-5 * scale);
+  }
+  return ok;
+}
+
+// --- Memory per rank: the tiled pairs against the dense pair's scores ---------------------
+
+constexpr std::int64_t kMemHeads = 8, kMemKvHeads = 4, kMemDim = 32, kMemStep = 1;
+const std::vector<std::int64_t> kMemLengths{2048, 4096};
+
+// The allocator peak of one forward + backward of ring_ttt_attention on this rank, per
+// length and kernel (tiled, dense), on one thread so that the probe sees every allocation.
+ScenarioRegistration ring_memory_job("ring_memory", [] {
+  const auto mesh = dist::Mesh::from_environment(env_int("EAGLEKIT_TEST_CP", 2), worker_group_options());
+  at::set_num_threads(1);
+  std::vector<double> peaks;
+  for (const std::int64_t length : kMemLengths) {
+    const auto chunk = trainer::cp_chunk(length, mesh.cp_size(), mesh.cp_rank());
+    auto gen = at::detail::createCPUGenerator(7 + static_cast<std::uint64_t>(mesh.rank()));
+    auto randn = [&](std::vector<std::int64_t> shape) { return at::empty(shape, at::kFloat).normal_(0.0, 1.0, gen); };
+    const at::Tensor q0 = randn({1, kMemHeads, chunk.size(), kMemDim});
+    const at::Tensor d_out = randn({1, kMemHeads, chunk.size(), kMemDim});
+    std::vector<at::Tensor> k0, v0;
+    for (std::int64_t i = 0; i <= kMemStep; ++i) {
+      k0.push_back(randn({1, kMemKvHeads, chunk.size(), kMemDim}));
+      v0.push_back(randn({1, kMemKvHeads, chunk.size(), kMemDim}));
+    }
+    const at::Tensor valid = at::ones({1, chunk.size()}, at::kBool);
+    for (const RingPairKernel kernel : {RingPairKernel::kTiled, RingPairKernel::kDense}) {
+      const at::Tensor q = q0.clone().requires_grad_(true);
+      std::vector<at::Tensor> ks, vs;
+      for (const auto& k : k0) ks.push_back(k.clone().requires_grad_(true));
+      for (const auto& v : v0) vs.push_back(v.clone().requires_grad_(true));
+      trainer::RingOptions ro;
+      ro.pair_kernel = kernel;
+      mesh.world().barrier();
+      std::int64_t peak = 0;
+      {
+        trainer::CpuAllocationProbe probe;
+        {
+          const at::Tensor out = trainer::ring_ttt_attention(mesh.cp(), length, q, ks, vs, valid, kMemStep,
+                                                             1.0 / std::sqrt(double(kMemDim)), {}, ro);
+          (out * d_out).sum().backward();
+        }
+        peak = probe.peak_bytes();
+      }
+      peaks.push_back(static_cast<double>(peak));
+    }
+  }
+  save_tensors(job_dir() + "/memory_" + std::to_string(mesh.rank()) + ".pt", {at::tensor(peaks, at::kDouble)});
+});
+
+}  // namespace
+
 TEST_CASE("ring: chunks follow [r*L/C, (r+1)*L/C) and shard_batch slices every tensor") {
   struct Row {
     std::int64_t length;
@@ -296,10 +446,8 @@ TEST_CASE("ring: one-rank ring attention equals the dense reference, output and 
   const dist::Group solo;
   int i = 0;
   for (const AttnCase& c : attention_cases(4)) {
-    CAPTURE(c.length);
-    CAPTURE(c.step);
-    CAPTURE(c.query_chunk_rows);
-    CAPTURE(c.docs);
+    const std::string what = case_text(c);
+    CAPTURE(what);
     const auto in = make_inputs(c, 900 + i++);
     check_attention_chunk(ring_attention_run(solo, c, in), reference_attention(c, in), {0, c.length});
   }
@@ -307,9 +455,10 @@ TEST_CASE("ring: one-rank ring attention equals the dense reference, output and 
 
 TEST_CASE("ring: rows with no visible key give 0 and finite gradients, never NaN") {
   const dist::Group solo;
-  for (const std::int64_t rows : {0, 2}) {
-    CAPTURE(rows);
-    AttnCase c{6, 2, false, KvExchange::kRing, rows};
+  for (const std::int64_t rows : {0, 2, -1}) {
+    CAPTURE(rows);  // -1: the tiled kernel, else the dense one with query chunks of `rows`
+    AttnCase c{6, 2, false, KvExchange::kRing, std::max<std::int64_t>(rows, 0),
+               rows < 0 ? RingPairKernel::kTiled : RingPairKernel::kDense, {2, 2}};
     auto in = make_inputs(c, 5);
     in.key_valid.fill_(false);
     const auto got = ring_attention_run(solo, c, in);
@@ -345,4 +494,67 @@ TEST_CASE("ring: CP=2 on 2 processes equals one rank (attention, loss, accuracy,
 
 TEST_CASE("ring: CP=4 on 4 processes equals one rank (attention, loss, accuracy, every gradient; packed documents)") {
   check_ring_job(4);
+}
+
+TEST_CASE("ring: the block-0 tile pieces on chunk pairs at offsets equal the dense attention; a wrong key offset does not") {
+  // Step 0 is block 0 alone: the pieces over 1, 2, 3 and 4 chunks (L = 13: uneven chunks),
+  // padding, packed documents crossing the chunk boundaries, GQA, against ttt_attention_dense.
+  for (const trainer::TttFlashTiles t : {trainer::TttFlashTiles{128, 256}, trainer::TttFlashTiles{2, 3}}) {
+    CAPTURE(t.query_rows);
+    const AttnCase c{13, 0, true, KvExchange::kRing};
+    const AttnInputs in = make_inputs(c, 77);
+    const auto ref = reference_attention(c, in);  // out, dq, dk0, dv0
+    const PieceRun want{ref[0], ref[1], ref[2], ref[3]};
+    for (const int chunks : {1, 2, 3, 4}) {
+      CAPTURE(chunks);
+      CHECK(same_pieces(tiles_over_chunks(in, 0, chunks, 0, t), want));
+    }
+    // The must-fail: each key chunk one position off (its keys judged by another key's
+    // causal mask) gives values and gradients beyond the tolerance.
+    CHECK_FALSE(same_pieces(tiles_over_chunks(in, 0, 3, 1, t), want));
+  }
+  // Steps 1..3: the shifted diagonal at offsets, pairs against the one whole-sequence pair
+  // at offset 0 (ttt_attention_flash's block 0, which tests/trainer/test_ttt_flash.cpp checks
+  // against the dense reference).
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const AttnInputs in = make_inputs({13, step, true, KvExchange::kRing}, 80 + static_cast<std::uint64_t>(step));
+    const PieceRun whole = tiles_over_chunks(in, step, 1, 0, {2, 3});
+    for (const int chunks : {2, 4}) CHECK(same_pieces(tiles_over_chunks(in, step, chunks, 0, {3, 2}), whole));
+    CHECK_FALSE(same_pieces(tiles_over_chunks(in, step, 2, -1, {3, 2}), whole));
+  }
+}
+
+TEST_CASE("ring: CP=2 on 2 processes, memory: a tiled pair holds one tile of scores, its peak per rank O(L/C), far below the dense pair's scores") {
+  TempDir d("ring_memory");
+  JobOptions jo;
+  jo.env["EAGLEKIT_TEST_CP"] = "2";
+  const JobResult r = run_job(2, "ring_memory", d.path(), jo);
+  INFO(r.all_logs());
+  REQUIRE(r.launch.exit_code == 0);
+  // 2 ranks, 8 heads / 4 kv heads x 32, step 1, batch 1, float32. Rank 1's pair with rank
+  // 0's chunk has B x heads x (L/2)^2 scores: 32 MiB at L = 2048, 128 MiB at L = 4096.
+  // Measured (one thread), rank 1: tiled 23.2 / 46.4 MiB, dense 109.7 / 411.4 MiB at
+  // L = 2048 / 4096 (rank 0, the diagonal pair alone: tiled the same, dense 135.3 MiB at 4096). The tiled
+  // peak is O(L/C) (q, out, lse, the chunks in flight, gradients: ~23 chunk-sized tensors
+  // of 2 MiB at 4096, plus one tile of 1 MiB); the dense one follows the scores.
+  auto mib = [](double b) { return b / (1 << 20); };
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    const at::Tensor peaks = load_tensors(d / ("memory_" + std::to_string(rank) + ".pt"))[0];
+    REQUIRE(peaks.numel() == 4);
+    const double tiled_short = peaks[0].item<double>(), dense_short = peaks[1].item<double>();
+    const double tiled = peaks[2].item<double>(), dense = peaks[3].item<double>();
+    const double scores = 1.0 * kMemHeads * (kMemLengths[1] / 2) * (kMemLengths[1] / 2) * 4;
+    MESSAGE("rank " << rank << " peak at L = 2048 / 4096: tiled " << mib(tiled_short) << " / " << mib(tiled)
+                    << " MiB, dense " << mib(dense_short) << " / " << mib(dense) << " MiB; dense pair scores at 4096 "
+                    << mib(scores) << " MiB");
+    CHECK(tiled < scores / 2);
+    CHECK(tiled < 2.5 * tiled_short);  // twice the length: about twice the bytes
+    if (rank == 1) {
+      CHECK(dense > scores);              // the off-diagonal pair's whole score matrix
+      CHECK(dense > 3.5 * dense_short);   // quadratic
+      CHECK(dense > 8 * tiled);
+    }
+  }
 }
