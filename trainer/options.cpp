@@ -128,7 +128,8 @@ opt::Group run_options(RunOptions& r) {
                    "-1: auto, chunks only when a step's logits would exceed 2^26 values (256 MiB)"),
               field("recompute", "", r.recompute,
                     "Recompute each draft layer's projections and MLP in backward instead of keeping their "
-                    "activations: the same result in less memory, for about a third more compute (docs/ttt.md)"),
+                    "activations: the same result in less memory, for one more forward of those pieces per step "
+                    "(docs/ttt.md, recomputation)"),
           }};
 }
 
