@@ -377,10 +377,10 @@ SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSourc
   const auto run = run_options_of(source);
   if (o.speculative_tokens > 0) {
     info.speculative_tokens = o.speculative_tokens;
-  } else if (run && run->second.contains("ttt_steps") && run->second["ttt_steps"].is_number_integer()) {
-    info.speculative_tokens = run->second["ttt_steps"].get<std::int64_t>();
+  } else if (const auto steps = trained_with(source, "ttt_steps")) {
+    info.speculative_tokens = steps->first;
     notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +
-                    ", the --ttt-steps the draft was trained with (" + run->first + "); --speculative-tokens sets it");
+                    ", the --ttt-steps the draft was trained with (" + steps->second + "); --speculative-tokens sets it");
   } else if (found.speculators.speculative_tokens > 0) {
     info.speculative_tokens = found.speculators.speculative_tokens;
     notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +

@@ -182,7 +182,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* me
     if (auto latest = find_latest_checkpoint(draft_dir)) draft_dir = *latest;
   }
   const std::vector<std::string> inherited = inherit_run_options(o, draft_dir);
-  o.check();
+  o.check();  // again: the values read from the run's file
 
   SelectedData data = select_data(o);
   if (data.samples.empty())

@@ -566,8 +566,14 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   // Recomputation only matters when backward will run (docs/ttt.md, "Recomputation"); the
   // pieces rerun in backward, outside this function's autocast region, so they carry it.
   const bool recompute_layers = impl_->options.recompute && at::GradMode::is_enabled();
-  const std::optional<c10::ScalarType> autocast_dtype = impl_->options.autocast;
   const std::vector<at::Tensor> params = recompute_layers ? draft.parameters() : std::vector<at::Tensor>{};
+  auto under_autocast = [autocast_dtype = impl_->options.autocast, device](auto piece) -> RecomputeFn {
+    return [autocast_dtype, device, piece](const std::vector<at::Tensor>& x) {
+      std::optional<AutocastGuard> ac;
+      if (autocast_dtype) ac.emplace(device.type(), *autocast_dtype);
+      return piece(x);
+    };
+  };
   at::Tensor chain_ok = at::ones({b, n}, long_opts.dtype(at::kBool));
   at::Tensor prev_out;
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -578,14 +584,11 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       scope.begin("ttt.qkv");
       Qkv qkv;
       if (recompute_layers) {
-        const std::vector<at::Tensor> r = recompute(
-            [draft, rope, layer, autocast_dtype, device](const std::vector<at::Tensor>& x) {
-              std::optional<AutocastGuard> ac;
-              if (autocast_dtype) ac.emplace(device.type(), *autocast_dtype);
-              Qkv y = draft.qkv(x[0], x[1], rope, layer);
-              return std::vector<at::Tensor>{y.q, y.k, y.v};
-            },
-            {emb_normed, out}, params);
+        const std::vector<at::Tensor> r = recompute(under_autocast([draft, rope, layer](const std::vector<at::Tensor>& x) {
+                                                      Qkv y = draft.qkv(x[0], x[1], rope, layer);
+                                                      return std::vector<at::Tensor>{y.q, y.k, y.v};
+                                                    }),
+                                                    {emb_normed, out}, params);
         qkv = Qkv{r[0], r[1], r[2]};
       } else {
         qkv = draft.qkv(emb_normed, out, rope, layer);
@@ -596,13 +599,10 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       const at::Tensor attn = cx.attention(qkv.q, k_blocks[li], v_blocks[li], key_valid, s, scale, docs);
       scope.begin("ttt.layer");
       if (recompute_layers) {
-        out = recompute(
-            [draft, layer, autocast_dtype, device](const std::vector<at::Tensor>& x) {
-              std::optional<AutocastGuard> ac;
-              if (autocast_dtype) ac.emplace(device.type(), *autocast_dtype);
-              return std::vector<at::Tensor>{draft.finish_layer(x[0], x[1], layer)};
-            },
-            {out, attn}, params)[0];
+        out = recompute(under_autocast([draft, layer](const std::vector<at::Tensor>& x) {
+                          return std::vector<at::Tensor>{draft.finish_layer(x[0], x[1], layer)};
+                        }),
+                        {out, attn}, params)[0];
       } else {
         out = draft.finish_layer(out, attn, layer);
       }
