@@ -1,9 +1,11 @@
 #include "trainer/config.h"
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -14,6 +16,8 @@ namespace eaglekit::trainer {
 namespace {
 
 using nlohmann::json;
+
+constexpr auto kInt64Max = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
 
 std::string read_text(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -52,6 +56,8 @@ std::int64_t get_int(const json& j, const char* key, const std::string& where,
     if (fallback) return *fallback;
     throw FormatError(where, std::nullopt, key, "missing");
   }
+  if (v->is_number_unsigned() && v->get<std::uint64_t>() > kInt64Max)
+    throw FormatError(where, std::nullopt, key, "out of range, got " + v->dump());
   if (v->is_number_integer()) return v->get<std::int64_t>();
   // Some exporters write integral values as floats (32.0).
   if (v->is_number_float()) {
@@ -84,7 +90,9 @@ std::vector<std::int64_t> get_int_list(const json& v, const char* key, const std
   if (!v.is_array()) throw FormatError(where, std::nullopt, key, "expected a list of integers");
   std::vector<std::int64_t> out;
   for (const auto& e : v) {
-    if (!e.is_number_integer()) throw FormatError(where, std::nullopt, key, "expected a list of integers");
+    if (!e.is_number_integer() ||
+        (e.is_number_unsigned() && e.get<std::uint64_t>() > kInt64Max))
+      throw FormatError(where, std::nullopt, key, "expected a list of integers, got " + e.dump());
     out.push_back(e.get<std::int64_t>());
   }
   return out;
@@ -131,6 +139,13 @@ RopeScaling parse_rope_object(const json& v, const std::string& name, const json
     return *x;
   };
   const auto integer = [&](const char* k) {
+    // An integer is taken as written: through a double, one past 2^53 would change, and
+    // the exported config would no longer read back as the draft trained (found by fuzz_config).
+    if (const auto exact = field(v, k); exact && exact->is_number_integer()) {
+      if (exact->is_number_unsigned() && exact->get<std::uint64_t>() > kInt64Max)
+        throw FormatError(where, std::nullopt, key(k), "out of range, got " + exact->dump());
+      return exact->get<std::int64_t>();
+    }
     const double x = number(k);
     if (x != std::floor(x) || !(std::abs(x) < 9.0e18))
       throw FormatError(where, std::nullopt, key(k), "expected an integer, got " + number_text(x));
@@ -469,7 +484,14 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
   } else if (const auto ec = field(j, "eagle_config"); ec && ec->is_object()) {
     if (const auto nested = field(*ec, "eagle_aux_hidden_state_layer_ids")) {
       d.aux_layer_ids = get_int_list(*nested, "eagle_config.eagle_aux_hidden_state_layer_ids", where);
-      for (auto& id : d.aux_layer_ids) id += 1;
+      for (auto& id : d.aux_layer_ids) {
+        // SGLang's ids count layers from 0; one at INT64_MAX has no HF index (found by fuzz_config).
+        if (id < 0 || id == std::numeric_limits<std::int64_t>::max()) {
+          throw FormatError(where, std::nullopt, "eagle_config.eagle_aux_hidden_state_layer_ids",
+                            "expected layer indices from 0, got " + std::to_string(id));
+        }
+        id += 1;
+      }
     }
   }
   // k: ours, else the engines' num_aux_hidden_states, else the number of aux ids, else 3.

@@ -106,6 +106,32 @@ TEST_CASE("config: bad base configs name the file and the field") {
   CHECK_THROWS_AS(load_base_config("/nonexistent/eaglekit/base"), IoError);
 }
 
+// Found by fuzz_config: integers past 2^53 went through a double on the way back in, so
+// an exported config read back as another RoPE; an SGLang aux id of INT64_MAX overflowed.
+TEST_CASE("config: context lengths past 2^53 read back exactly; out-of-range ids are refused") {
+  const std::string dir = test::source_dir() + "/tests/fuzz/regressions/";
+  const std::int64_t past = 9007199254740993;  // 2^53 + 1: no double holds it
+  for (const char* name : {"config-yarn-context-past-2p53.json", "config-longrope-top-context-past-2p53.json"}) {
+    CAPTURE(name);
+    const BaseConfig b = load_base_config(dir + name);
+    CHECK(b.rope_scaling.original_max_position_embeddings == past);
+    const DraftConfig d = draft_config_from_base(b, {});
+    const DraftConfig back = parse_draft_config(draft_config_json(d), "export");
+    CHECK(back.rope_scaling.original_max_position_embeddings == past);
+    CHECK(back.rope_scaling == d.rope_scaling);
+  }
+  CHECK(message_of<FormatError>([&] { load_draft_config(dir + "config-sglang-aux-id-int64-max.json"); }) ==
+        dir + "config-sglang-aux-id-int64-max.json: eagle_config.eagle_aux_hidden_state_layer_ids: expected layer "
+              "indices from 0, got 9223372036854775807");
+  CHECK(message_of<FormatError>([] {
+          parse_base_config(R"({"hidden_size": 18446744073709551615, "intermediate_size": 8})", "b/config.json");
+        }) == "b/config.json: hidden_size: out of range, got 18446744073709551615");
+  CHECK(message_of<FormatError>([] {
+          parse_draft_config(R"({"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 9,
+              "eagle_aux_hidden_state_layer_ids": [1, 18446744073709551615]})", "d/config.json");
+        }) == "d/config.json: eagle_aux_hidden_state_layer_ids: expected a list of integers, got 18446744073709551615");
+}
+
 TEST_CASE("config: draft config.json writes both aux-layer conventions and reads back") {
   DraftOptions options;
   options.draft_vocab_size = 32000;
