@@ -244,7 +244,10 @@ TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype
   o.schedule = Schedule::kConstant;
   run_training(o);
 
-  const ExportReport r = export_checkpoint(dir / "out", dir / "served", {{3, 17, 29}, "bf16"});
+  ExportCheckpointOptions as_bf16;
+  as_bf16.aux_layer_ids = {3, 17, 29};
+  as_bf16.dtype = "bf16";
+  const ExportReport r = export_checkpoint(dir / "out", dir / "served", as_bf16);
   CHECK(r.source == dir / "out/checkpoint-3");
   CHECK(r.dtype == "bfloat16");
   const auto cfg = nlohmann::json::parse(std::ifstream(dir / "served/config.json"));
@@ -264,7 +267,9 @@ TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype
     }
   }
   CHECK_THROWS_AS(export_checkpoint(dir / "nothing-here", dir / "x"), UsageError);
-  CHECK_THROWS_WITH_AS(export_checkpoint(dir / "out/checkpoint-3", dir / "y", {{}, "int8"}),
+  ExportCheckpointOptions as_int8;
+  as_int8.dtype = "int8";
+  CHECK_THROWS_WITH_AS(export_checkpoint(dir / "out/checkpoint-3", dir / "y", as_int8),
                        "dtype must be bfloat16, float16 or float32, not 'int8'", UsageError);
 
   // --init-draft: a fresh run that starts from the checkpoint's weights. With a vanishing

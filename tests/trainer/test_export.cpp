@@ -187,7 +187,9 @@ TEST_CASE("export: the folder opens in Python with the exact names, shapes, dtyp
   const BaseModel base = fixtures::random_base(c, 93);
   const DraftModel d = trained_looking_draft(c, base);
   export_draft(d, dir / "fp32");
-  export_draft(d, dir / "bf16", ExportOptions{at::kBFloat16});
+  ExportOptions as_bf16;
+  as_bf16.dtype = at::kBFloat16;
+  export_draft(d, dir / "bf16", as_bf16);
   const auto r = test::python(R"(
 import json, struct, sys, torch
 out = {}
