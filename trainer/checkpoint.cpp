@@ -359,12 +359,17 @@ std::optional<std::pair<std::string, json>> run_options_of(const std::string& so
   }
 }
 
+// An integer option of a run read by run_options_of, with the file that said it.
+std::optional<std::pair<std::int64_t, std::string>> integer_option(
+    const std::optional<std::pair<std::string, json>>& run, const std::string& key) {
+  if (!run || !run->second.contains(key) || !run->second[key].is_number_integer()) return std::nullopt;
+  return std::make_pair(run->second[key].get<std::int64_t>(), run->first);
+}
+
 }  // namespace
 
 std::optional<std::pair<std::int64_t, std::string>> trained_with(const std::string& source, const std::string& key) {
-  const auto run = run_options_of(source);
-  if (!run || !run->second.contains(key) || !run->second[key].is_number_integer()) return std::nullopt;
-  return std::make_pair(run->second[key].get<std::int64_t>(), run->first);
+  return integer_option(run_options_of(source), key);
 }
 
 namespace {
@@ -377,7 +382,7 @@ SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSourc
   const auto run = run_options_of(source);
   if (o.speculative_tokens > 0) {
     info.speculative_tokens = o.speculative_tokens;
-  } else if (const auto steps = trained_with(source, "ttt_steps")) {
+  } else if (const auto steps = integer_option(run, "ttt_steps")) {
     info.speculative_tokens = steps->first;
     notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +
                     ", the --ttt-steps the draft was trained with (" + steps->second + "); --speculative-tokens sets it");

@@ -7,12 +7,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iomanip>
-#include <algorithm>
 #include <sstream>
 
 #include "formats/error.h"

@@ -41,6 +41,18 @@ std::vector<at::Tensor> grads_of(DraftModel& d) {
   return g;
 }
 
+// Every parameter's gradient within tol of its largest reference entry; a reference that is
+// all zero (an undefined gradient reads as zeros) fails.
+void check_grads_close(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i);
+    const double scale = want[i].abs().max().item<double>();
+    REQUIRE(scale > 0);
+    CHECK((got[i] - want[i]).abs().max().item<double>() <= tol * scale);
+  }
+}
+
 nlohmann::json metrics_json(const TttResult& r) {
   return {{"loss", r.loss.item<double>()},
           {"loss_per_step", [&] {
@@ -479,9 +491,7 @@ TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (los
         TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 43), o);
         TttResult r = unroll.forward(batch);
         r.loss.backward();
-        std::vector<at::Tensor> grads;
-        for (const auto& [name, p] : unroll.draft().named_parameters()) grads.push_back(p.grad().clone());
-        return std::make_pair(r, grads);
+        return std::make_pair(r, grads_of(unroll.draft()));
       };
       const auto whole = run(0);
       for (const std::int64_t chunk : {1, 5, 7, 40}) {
@@ -499,13 +509,7 @@ TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (los
           CHECK(std::abs(part.first.stats.cond_correct[s] - whole.first.stats.cond_correct[s]) <= 1);
         }
         CHECK(part.first.stats.mask_sum == whole.first.stats.mask_sum);
-        REQUIRE(part.second.size() == whole.second.size());
-        for (std::size_t i = 0; i < whole.second.size(); ++i) {
-          CAPTURE(i);
-          const double scale = whole.second[i].abs().max().item<double>();
-          REQUIRE(scale > 0);  // every parameter gets a gradient, lm_head included
-          CHECK((part.second[i] - whole.second[i]).abs().max().item<double>() <= tol * scale);
-        }
+        check_grads_close(part.second, whole.second, tol);  // every parameter, lm_head included
       }
     }
   }
@@ -539,14 +543,12 @@ TEST_CASE("ttt: --recompute gives the loss, metrics and every gradient of the pl
           kept = probe.live_bytes();
           r.loss.backward();
         }
-        std::vector<at::Tensor> grads;
         for (const auto& [name, p] : unroll.draft().named_parameters()) {
           CAPTURE(name);
           CAPTURE(recompute);
           REQUIRE(p.grad().defined());
-          grads.push_back(p.grad().clone());
         }
-        return std::make_tuple(r, grads, kept);
+        return std::make_tuple(r, grads_of(unroll.draft()), kept);
       };
       const auto [plain, plain_grads, plain_kept] = run(false);
       const auto [rec, rec_grads, rec_kept] = run(true);
@@ -554,13 +556,7 @@ TEST_CASE("ttt: --recompute gives the loss, metrics and every gradient of the pl
       CHECK(std::abs(rec.loss.item<double>() - plain.loss.item<double>()) <= tol * std::abs(plain.loss.item<double>()));
       CHECK(rec.stats.correct == plain.stats.correct);
       CHECK(rec.stats.cond_correct == plain.stats.cond_correct);
-      REQUIRE(rec_grads.size() == plain_grads.size());
-      for (std::size_t i = 0; i < plain_grads.size(); ++i) {
-        CAPTURE(i);
-        const double scale = plain_grads[i].abs().max().item<double>();
-        REQUIRE(scale > 0);
-        CHECK((rec_grads[i] - plain_grads[i]).abs().max().item<double>() <= tol * scale);
-      }
+      check_grads_close(rec_grads, plain_grads, tol);
       // The plain unroll keeps at least gate, up, silu(gate) * up ([B, L, I] each) per layer
       // and step; recomputation keeps none of them (what it keeps is O(H) per token).
       const std::int64_t mlp = 3 * 3 * 40 * c.intermediate_size * (bf16 ? 2 : 4) * steps * layers;

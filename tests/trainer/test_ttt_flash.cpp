@@ -338,6 +338,22 @@ std::string attention_node(SingleRankContext& context, std::int64_t l) {
   return context.attention(in.q, in.ks, in.vs, in.key_valid, 1, 0.3, {}).grad_fn()->name();
 }
 
+// Each parameter's gradient of `a` within 1e-5 (relative) of `b`'s, where `b` has one; returns
+// how many were compared.
+std::int64_t check_same_grads(TttUnroll& a, TttUnroll& b) {
+  const auto pa = a.draft().named_parameters();
+  const auto pb = b.draft().named_parameters();
+  REQUIRE(pa.size() == pb.size());
+  std::int64_t compared = 0;
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    if (!pb[i].second.grad().defined()) continue;
+    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
+    ++compared;
+  }
+  return compared;
+}
+
 }  // namespace
 
 TEST_CASE("ttt flash: SingleRankContext uses it from kTttFlashMinLength on, and the unroll trains the same") {
@@ -357,14 +373,7 @@ TEST_CASE("ttt flash: SingleRankContext uses it from kTttFlashMinLength on, and 
   CHECK(max_rel(a.ce_sum, b.ce_sum) < 1e-5);
   a.loss.backward();
   b.loss.backward();
-  const auto pa = flash.draft().named_parameters();
-  const auto pb = local.draft().named_parameters();
-  REQUIRE(pa.size() == pb.size());
-  for (std::size_t i = 0; i < pa.size(); ++i) {
-    CAPTURE(pa[i].first);
-    if (!pb[i].second.grad().defined()) continue;
-    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
-  }
+  check_same_grads(flash, local);
 }
 
 TEST_CASE("ttt flash: TttOptions::attention picks the kernel at every length, and local and tiled train the same") {
@@ -390,15 +399,5 @@ TEST_CASE("ttt flash: TttOptions::attention picks the kernel at every length, an
   CHECK(max_rel(ra.ce_sum, rb.ce_sum) < 1e-5);
   ra.loss.backward();
   rb.loss.backward();
-  const auto pa = a.draft().named_parameters();
-  const auto pb = b.draft().named_parameters();
-  REQUIRE(pa.size() == pb.size());
-  std::int64_t compared = 0;
-  for (std::size_t i = 0; i < pa.size(); ++i) {
-    CAPTURE(pa[i].first);
-    if (!pb[i].second.grad().defined()) continue;
-    CHECK(max_rel(pa[i].second.grad(), pb[i].second.grad()) < 1e-5);
-    ++compared;
-  }
-  CHECK(compared >= 8);
+  CHECK(check_same_grads(a, b) >= 8);
 }
