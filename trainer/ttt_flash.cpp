@@ -16,7 +16,10 @@ namespace eaglekit::trainer {
 namespace {
 
 const double kNegInf = -std::numeric_limits<double>::infinity();
-const double kLowest = std::numeric_limits<float>::lowest();
+
+using tiles::finite_or_lowest;
+using tiles::shift_down;
+using tiles::shift_up;
 
 // The kernel's layout is trainer/ttt_tiles.h's: queries [B, kv_heads, L, rep, D], row
 // statistics [B, kv_heads, L, rep]. Block 0 is its one pair (queries and keys of the whole
@@ -36,25 +39,6 @@ struct Prepared {
   std::vector<at::Tensor> v_chain;   //   the key of position q - (s - i), [B, kv_heads, L, D]
   std::vector<at::Tensor> chain_ok;  // whether query q may see that key, [B, L] bool
 };
-
-// Rows moved towards higher positions by `shift` along dim; the first `shift` rows are zero.
-at::Tensor shift_down(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
-  const std::int64_t n = x.size(dim);
-  if (shift == 0) return x;
-  if (shift >= n) return at::zeros_like(x);
-  return at::cat({at::zeros_like(x.narrow(dim, 0, shift)), x.narrow(dim, 0, n - shift)}, dim);
-}
-
-// The adjoint of shift_down: rows moved towards lower positions, the last `shift` rows zero.
-at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
-  const std::int64_t n = x.size(dim);
-  if (shift == 0) return x;
-  if (shift >= n) return at::zeros_like(x);
-  return at::cat({x.narrow(dim, shift, n - shift), at::zeros_like(x.narrow(dim, 0, shift))}, dim);
-}
-
-// -inf replaced by the lowest finite float, so that subtracting it is safe.
-at::Tensor finite_or_lowest(const at::Tensor& m) { return at::clamp_min(m, kLowest); }
 
 Prepared prepare(const Geometry& g, const at::Tensor& q, at::TensorList ks, at::TensorList vs,
                  const at::Tensor& key_valid, const at::Tensor& document_ids) {
@@ -214,36 +198,13 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
   }
 };
 
-void check_inputs(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                  const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                  const at::Tensor& document_ids, std::int64_t step) {
-  if (q.dim() != 4) throw UsageError("TTT flash attention: q must be [B, heads, L, D]");
-  if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 || v_blocks.size() != k_blocks.size())
-    throw UsageError("TTT flash attention: step " + std::to_string(step) + " needs " + std::to_string(step + 1) +
-                     " key/value blocks, got " + std::to_string(k_blocks.size()) + "/" +
-                     std::to_string(v_blocks.size()));
-  for (std::size_t i = 0; i < k_blocks.size(); ++i) {
-    for (const at::Tensor* t : {&k_blocks[i], &v_blocks[i]}) {
-      if (t->dim() != 4 || t->size(0) != q.size(0) || t->size(2) != q.size(2) || t->size(3) != q.size(3) ||
-          t->size(1) < 1 || q.size(1) % t->size(1) != 0 || t->size(1) != k_blocks[0].size(1))
-        throw UsageError("TTT flash attention: key/value block shape " + c10::str(t->sizes()) +
-                         " does not fit q " + c10::str(q.sizes()));
-    }
-  }
-  const std::vector<std::int64_t> bl{q.size(0), q.size(2)};
-  if (!key_valid.defined() || key_valid.sizes() != at::IntArrayRef(bl))
-    throw UsageError("TTT flash attention: key_valid must be [B, L] = " + c10::str(at::IntArrayRef(bl)));
-  if (document_ids.defined() && document_ids.sizes() != at::IntArrayRef(bl))
-    throw UsageError("TTT flash attention: document_ids must be [B, L] = " + c10::str(at::IntArrayRef(bl)));
-}
-
 }  // namespace
 
 at::Tensor ttt_attention_flash(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids,
                                TttFlashTiles tiles) {
-  check_inputs(q, k_blocks, v_blocks, key_valid, document_ids, step);
+  tiles::check_attention_args("TTT flash attention", q, k_blocks, v_blocks, key_valid, document_ids, step);
   const std::int64_t query_rows = tiles.query_rows > 0 ? tiles.query_rows : kTttFlashQueryRows;
   const std::int64_t key_rows = tiles.key_rows > 0 ? tiles.key_rows : kTttFlashKeyRows;
   const c10::optional<at::Tensor> docs =

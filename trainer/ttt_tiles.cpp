@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
+
+#include "formats/error.h"
 
 namespace eaglekit::trainer::tiles {
 
@@ -11,10 +14,6 @@ namespace {
 
 const double kNegInf = -std::numeric_limits<double>::infinity();
 const double kLowest = std::numeric_limits<float>::lowest();
-
-// -inf (a row that has seen no allowed key) replaced by the lowest finite float, so that
-// subtracting it is safe: the row's scores are all -inf and stay -inf (exp gives 0).
-at::Tensor finite_or_lowest(const at::Tensor& m) { return at::clamp_min(m, kLowest); }
 
 std::int64_t invalid_in(const TileKeys& k, std::int64_t k0, std::int64_t n) {
   return k.invalid_prefix[static_cast<std::size_t>(k0 + n)] - k.invalid_prefix[static_cast<std::size_t>(k0)];
@@ -83,6 +82,45 @@ at::Tensor tile_scores(const TileShape& shape, const TileQueries& q, const TileK
 }
 
 }  // namespace
+
+at::Tensor finite_or_lowest(const at::Tensor& m) { return at::clamp_min(m, kLowest); }
+
+at::Tensor shift_down(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
+  const std::int64_t n = x.size(dim);
+  if (shift == 0) return x;
+  if (shift >= n) return at::zeros_like(x);
+  return at::cat({at::zeros_like(x.narrow(dim, 0, shift)), x.narrow(dim, 0, n - shift)}, dim);
+}
+
+at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
+  const std::int64_t n = x.size(dim);
+  if (shift == 0) return x;
+  if (shift >= n) return at::zeros_like(x);
+  return at::cat({x.narrow(dim, shift, n - shift), at::zeros_like(x.narrow(dim, 0, shift))}, dim);
+}
+
+void check_attention_args(const char* who, const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                          const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
+                          const at::Tensor& document_ids, std::int64_t step) {
+  if (q.dim() != 4) throw UsageError(std::string(who) + ": q must be [B, heads, L, D]");
+  if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 || v_blocks.size() != k_blocks.size())
+    throw UsageError(std::string(who) + ": step " + std::to_string(step) + " needs " + std::to_string(step + 1) +
+                     " key/value blocks, got " + std::to_string(k_blocks.size()) + "/" +
+                     std::to_string(v_blocks.size()));
+  for (std::size_t i = 0; i < k_blocks.size(); ++i) {
+    for (const at::Tensor* t : {&k_blocks[i], &v_blocks[i]}) {
+      if (t->dim() != 4 || t->size(0) != q.size(0) || t->size(2) != q.size(2) || t->size(3) != q.size(3) ||
+          t->size(1) < 1 || q.size(1) % t->size(1) != 0 || t->size(1) != k_blocks[0].size(1))
+        throw UsageError(std::string(who) + ": key/value block shape " + c10::str(t->sizes()) +
+                         " does not fit q " + c10::str(q.sizes()));
+    }
+  }
+  const std::vector<std::int64_t> bl{q.size(0), q.size(2)};
+  if (!key_valid.defined() || key_valid.sizes() != at::IntArrayRef(bl))
+    throw UsageError(std::string(who) + ": key_valid must be [B, L] = " + c10::str(at::IntArrayRef(bl)));
+  if (document_ids.defined() && document_ids.sizes() != at::IntArrayRef(bl))
+    throw UsageError(std::string(who) + ": document_ids must be [B, L] = " + c10::str(at::IntArrayRef(bl)));
+}
 
 TileQueries tile_queries(const at::Tensor& q, std::int64_t kv_heads, double scale, const at::Tensor& docs,
                          std::int64_t offset) {

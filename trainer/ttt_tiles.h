@@ -84,6 +84,19 @@ TilePartial tile_forward(const TileShape& shape, const TileQueries& q, const Til
 void tile_backward(const TileShape& shape, const TileQueries& q, const TileKeys& k, const at::Tensor& d_out,
                    const at::Tensor& delta, const at::Tensor& lse, at::Tensor& dqs, at::Tensor& dk, at::Tensor& dv);
 
+// Helpers of the block-0 kernels (tiled here, fused in trainer/ttt_fused.h):
+// -inf (a row that has seen no allowed key) replaced by the lowest finite float, so that
+// subtracting it is safe: the row's scores are all -inf and stay -inf (exp gives 0).
+at::Tensor finite_or_lowest(const at::Tensor& m);
+// Rows moved towards higher positions by `shift` along dim, the first `shift` rows zero
+// (row q then holds the key of position q - shift); shift_up is its adjoint.
+at::Tensor shift_down(const at::Tensor& x, std::int64_t shift, std::int64_t dim);
+at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim);
+// The shapes of a TTT attention call (trainer/ttt.h's arguments), or UsageError naming `who`.
+void check_attention_args(const char* who, const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
+                          const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
+                          const at::Tensor& document_ids, std::int64_t step);
+
 // [B, heads, n, D] -> [B, kv_heads, n, rep, D] and [B, heads, n] -> [B, kv_heads, n, rep]
 // (contiguous copies), and back.
 at::Tensor tiles_from_heads(const at::Tensor& x, std::int64_t kv_heads);
