@@ -53,7 +53,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
                          const std::function<void(const TttStats&)>& on_batch) {
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
-  const std::unique_ptr<SequenceContext> context = make_sequence_context(m);
+  const std::unique_ptr<SequenceContext> context = make_sequence_context(m, unroll.options().attention);
   TttStats total(unroll.options().steps);
   c10::NoGradGuard no_grad;
   unroll.draft().train(false);
@@ -130,6 +130,7 @@ void EvaluateOptions::check() const {
   if (draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  check_ttt_attention(ttt_attention);
   if (max_length < 2) throw UsageError("--max-length must be at least 2");
   if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
   if (cp_size < 1) throw UsageError("--cp must be at least 1");

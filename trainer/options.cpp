@@ -1,5 +1,10 @@
 #include "trainer/options.h"
 
+#include <string>
+
+#include "formats/error.h"
+#include "trainer/ttt_fused.h"
+
 namespace eaglekit::trainer {
 
 std::string_view schedule_name(Schedule s) {
@@ -23,8 +28,15 @@ std::string_view ttt_attention_name(TttAttention a) {
     case TttAttention::kAuto: return "auto";
     case TttAttention::kLocal: return "local";
     case TttAttention::kTiled: return "tiled";
+    case TttAttention::kFused: return "fused";
   }
   return "?";
+}
+
+void check_ttt_attention(TttAttention a, std::string_view flag) {
+  std::string why;
+  if (a == TttAttention::kFused && !ttt_fused_available(&why))
+    throw UsageError(std::string(flag) + " fused is not available: " + why);
 }
 
 opt::Group model_options(ModelOptions& m) {
@@ -64,10 +76,15 @@ opt::Group model_options(ModelOptions& m) {
                           "auto: the stated forms, post when no record states one (said), an error when only "
                           "some do. eaglekit validate --base measures which one a dump is"),
               opt::choice("ttt_attention", m.ttt_attention,
-                          {{TttAttention::kAuto, "auto"}, {TttAttention::kLocal, "local"}, {TttAttention::kTiled, "tiled"}},
+                          {{TttAttention::kAuto, "auto"},
+                           {TttAttention::kLocal, "local"},
+                           {TttAttention::kTiled, "tiled"},
+                           {TttAttention::kFused, "fused"}},
                           "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
-                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device); auto: "
-                          "tiled on the CPU from 512 positions, else local"),
+                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
+                          "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
+                          ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
+                          "below and on GPUs"),
           }};
 }
 

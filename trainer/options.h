@@ -31,12 +31,15 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // plan_hidden_states_norm).
 enum class HiddenStatesNorm { kPost, kPre, kAuto };
 
-// The TTT attention kernel (docs/ttt.md, "Two implementations"): auto (on the CPU tiled from
-// kTttFlashMinLength positions, local below; local on other devices), local
-// (ttt_attention_local: O(L^2) memory) or tiled (ttt_attention_flash: O(L) memory, any
-// device). trainer::TttOptions::attention takes it.
-enum class TttAttention { kAuto, kLocal, kTiled };
-std::string_view ttt_attention_name(TttAttention a);  // "auto", "local", "tiled"
+// The TTT attention kernel (docs/ttt.md, "Two implementations" and "Fused kernels"): auto
+// (fused where this build has it; else on the CPU tiled from kTttFlashMinLength positions,
+// local below, and local on other devices), local (ttt_attention_local: O(L^2) memory), tiled
+// (ttt_attention_flash: O(L) memory, any device) or fused (ttt_attention_fused: LibTorch's
+// fused kernels, O(L) memory, LibTorch >= 2.5). trainer::TttOptions::attention takes it.
+enum class TttAttention { kAuto, kLocal, kTiled, kFused };
+std::string_view ttt_attention_name(TttAttention a);  // "auto", "local", "tiled", "fused"
+// UsageError naming `flag` when this build cannot run `a` (fused on LibTorch < 2.5).
+void check_ttt_attention(TttAttention a, std::string_view flag = "--ttt-attention");
 
 struct ModelOptions {
   std::string base;                          // Hugging Face base model folder

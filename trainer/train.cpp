@@ -109,6 +109,7 @@ void TrainOptions::check() const {
   if (out.empty()) throw UsageError("--out is required (the output folder)");
   if (eval_fraction < 0 || eval_fraction >= 1) throw UsageError("--eval-fraction must be in [0, 1)");
   if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  check_ttt_attention(ttt_attention);
   if (!(loss_decay > 0)) throw UsageError("--loss-decay must be positive");
   if (max_length < 2) throw UsageError("--max-length must be at least 2");
   if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
@@ -243,7 +244,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   result.start_step = step;
   std::optional<GradientSync> sync;
   if (world > 1) sync.emplace(mesh.world(), params);
-  const std::unique_ptr<SequenceContext> context = make_sequence_context(mesh);
+  const std::unique_ptr<SequenceContext> context = make_sequence_context(mesh, opts.ttt_attention);
 
   say("draft: " + std::to_string(param_count) + " parameters, hidden " + std::to_string(draft.config().hidden_size) +
       ", draft vocab " + std::to_string(draft.config().draft_vocab_size) + "; " + std::to_string(total_steps) +

@@ -14,6 +14,7 @@
 #include "trainer/recompute.h"
 #include "trainer/soft_ce.h"
 #include "trainer/ttt_flash.h"
+#include "trainer/ttt_fused.h"
 
 namespace eaglekit::trainer {
 
@@ -315,9 +316,12 @@ at::Tensor SingleRankContext::shift_left(const at::Tensor& x) {
 at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                         const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                         std::int64_t step, double scale, const at::Tensor& document_ids) {
-  // docs/ttt.md, "Two implementations": auto is, on the CPU, the O(L)-memory kernel from the
-  // length where bench/bench_ttt_attention measures it no slower than the local one; not on a
-  // GPU, where its tile loop has not been measured.
+  // docs/ttt.md, "Two implementations" and "Fused kernels": auto is the fused kernels where
+  // this build has them; else, on the CPU, the O(L)-memory tiles from the length where
+  // bench/bench_ttt_attention measures them no slower than the local path; not on a GPU,
+  // where their tile loop has not been measured.
+  if (kind_ == TttAttention::kFused || (kind_ == TttAttention::kAuto && ttt_fused_available()))
+    return ttt_attention_fused(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
   const bool tiled = kind_ == TttAttention::kTiled ||
                      (kind_ == TttAttention::kAuto && q.device().is_cpu() && q.size(2) >= kTttFlashMinLength);
   if (tiled)

@@ -334,7 +334,7 @@ TEST_CASE("ttt: masks are built once per (L, step) and reused") {
   const DraftConfig c = fixtures::tiny_config();
   const BaseModel base = fixtures::random_base(c, 51);
   TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 52));
-  SingleRankContext context;
+  SingleRankContext context(TttAttention::kLocal);  // the path that builds masks (auto may be fused)
   at::NoGradGuard no_grad;
   for (int i = 0; i < 3; ++i) unroll.forward(fixtures::random_batch(c, 1, 8, {8}, 53 + i), &context);
   CHECK(context.masks().size() == 3);
