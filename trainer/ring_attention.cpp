@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "formats/error.h"
+#include "trainer/ttt_fused.h"
 #include "trainer/ttt_tiles.h"
 
 namespace eaglekit::trainer {
@@ -289,12 +290,29 @@ std::optional<tiles::TileKeys> tile_keys_of(const RingGeometry& g, const at::Ten
                           g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s], g.begins[s]);
 }
 
+// RingPairKernel::kFused: src's block 0 against this rank's queries, or nullopt when no query
+// reaches it.
+std::optional<fused::Pair> fused_pair_of(const RingGeometry& g, const at::Tensor& q, const at::Tensor& packed,
+                                         int src) {
+  const auto s = static_cast<std::size_t>(src);
+  const std::int64_t qo = g.begins[static_cast<std::size_t>(g.rank())];
+  if (!tiles::pair_reaches(qo, g.rows(g.rank()), g.begins[s], g.step)) return std::nullopt;
+  const at::Tensor docs_k = g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s];
+  return fused::Pair{q, packed.select(0, 0), packed.select(0, g.step + 1), g.meta.valid[s], g.docs_q, docs_k, qo,
+                     g.begins[s]};
+}
+
 // One pair's partial with the configured kernel (tq: defined for kTiled). Without autograd.
 std::optional<AttentionPartial> pair_from_packed(const RingGeometry& g, const at::Tensor& q,
                                                  const tiles::TileQueries& tq, const at::Tensor& packed, int src) {
   if (g.options.pair_kernel == RingPairKernel::kDense) return dense_from_packed(g, q, packed, src);
   std::optional<AttentionPartial> acc;
-  if (const auto keys = tile_keys_of(g, packed, src)) {
+  if (g.options.pair_kernel == RingPairKernel::kFused) {
+    if (const auto pair = fused_pair_of(g, q, packed, src)) {
+      fused::Partial b0 = fused::block0_forward(*pair, g.step, g.scale);
+      acc = AttentionPartial{std::move(b0.out), std::move(b0.lse)};
+    }
+  } else if (const auto keys = tile_keys_of(g, packed, src)) {
     const tiles::TilePartial b0 = tiles::tile_forward(tile_shape(g), tq, *keys);
     acc = AttentionPartial{tiles::tiles_to_heads(b0.out), tiles::tiles_to_heads(b0.lse)};
   }
@@ -421,9 +439,16 @@ struct RingAttentionBackward : public Node {
     at::Tensor dkv;
     std::optional<TiledBackward> tiled;
     if (g.options.pair_kernel == RingPairKernel::kTiled) tiled.emplace(g, q, packed.size(2), d_out, out, lse);
-    // One visible pair: its block-0 tiles (kTiled) and its autograd-recomputed part.
+    // One visible pair: its block-0 tiles (kTiled) or fused kernels (kFused), and its
+    // autograd-recomputed part.
     auto pair_grads = [&](const at::Tensor& chunk, int src, at::Tensor& into) {
       if (tiled) tiled->pair(g, chunk, src, into);
+      if (g.options.pair_kernel == RingPairKernel::kFused) {
+        if (const auto pair = fused_pair_of(g, q, chunk, src)) {
+          at::Tensor dk = into.select(0, 0), dv = into.select(0, g.step + 1);
+          fused::block0_backward(*pair, g.step, g.scale, d_out, out, lse, dq, dk, dv);
+        }
+      }
       const auto r = pair_backward(g, q, chunk, src, d_out, out, lse);
       if (r.first.defined()) dq.add_(r.first.to(at::kFloat));
       if (r.second.defined()) into.add_(r.second.to(at::kFloat));
@@ -570,6 +595,11 @@ TttBatch shard_batch(const TttBatch& full, int cp_size, int cp_rank) {
   b.position_ids = cut(full.position_ids);
   b.hidden_states_prenorm = cut(full.hidden_states_prenorm);
   return b;
+}
+
+RingPairKernel ring_pair_kernel(TttAttention attention) {
+  const bool fused = attention == TttAttention::kFused || (attention == TttAttention::kAuto && ttt_fused_available());
+  return fused ? RingPairKernel::kFused : RingPairKernel::kTiled;
 }
 
 at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const at::Tensor& q,

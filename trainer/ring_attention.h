@@ -16,9 +16,10 @@
 // around the ring back to their owners. Block 0 of a pair (the shifted causal part) goes
 // through the tiles of ttt_attention_flash (trainer/ttt_tiles.h, RingPairKernel::kTiled, the
 // default): memory per rank is the saved q/k/v/out/lse of its own chunk and the chunk in
-// flight, O(L/C), plus one query tile x key tile of scores at a time. RingPairKernel::kDense
-// keeps the per-pair score matrix, O(heads * (L/C)^2), as the reference
-// (docs/context-parallel.md, "Pair kernels").
+// flight, O(L/C), plus one query tile x key tile of scores at a time. RingPairKernel::kFused
+// runs it on LibTorch's fused kernels instead (trainer/ttt_fused.h, fused::block0_forward /
+// block0_backward; LibTorch >= 2.5), also O(L/C). RingPairKernel::kDense keeps the per-pair
+// score matrix, O(heads * (L/C)^2), as the reference (docs/context-parallel.md, "Pair kernels").
 //
 // Thread safety: a RingContext serves one training loop; every rank of the cp group must
 // run the same sequence of forward/backward calls. Communication failures throw
@@ -60,7 +61,12 @@ enum class KvExchange {
 enum class RingPairKernel {
   kTiled,  // tiled online softmax, flash backward (trainer/ttt_tiles.h): O(L/C) memory (default)
   kDense,  // one masked score matrix per pair, autograd backward: O(heads * (L/C)^2), the reference
+  kFused,  // LibTorch's fused kernels per pair (trainer/ttt_fused.h; LibTorch >= 2.5): O(L/C)
 };
+// The pair kernel that carries out --ttt-attention on a cp group: fused for fused, and for
+// auto where this build has the kernels; tiled otherwise (local's O(L^2) scores per pair are
+// never what a context-parallel run wants).
+RingPairKernel ring_pair_kernel(TttAttention attention);
 
 struct RingOptions {
   KvExchange exchange = KvExchange::kRing;

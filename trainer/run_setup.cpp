@@ -116,9 +116,11 @@ at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {
   return out;
 }
 
-std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh) {
+std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh, TttAttention attention) {
   if (mesh.cp_size() == 1) return nullptr;
-  return std::make_unique<RingContext>(mesh.cp(), mesh.cp());
+  RingOptions ro;
+  ro.pair_kernel = ring_pair_kernel(attention);
+  return std::make_unique<RingContext>(mesh.cp(), mesh.cp(), ro);
 }
 
 void prepare_context(SequenceContext* context, const Batch& batch) {

@@ -63,7 +63,8 @@ at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps);
 // The sequence layout of a mesh: nullptr when the mesh is single-rank (the unroll's own
 // SingleRankContext), else a RingContext over the mesh's cp group whose normalizer group is
 // the cp group as well (callers pass the global normalizer to ttt_loss themselves).
-std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh);
+// Its pair kernel carries out `attention` (ring_pair_kernel).
+std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh, TttAttention attention);
 // Hands the coming batch's global row length to a context that needs it (RingContext).
 void prepare_context(SequenceContext* context, const Batch& batch);
 

@@ -11,6 +11,7 @@
 
 #include "tests/trainer/dist_harness.h"
 #include "trainer/cpu_memory.h"
+#include "trainer/ttt_fused.h"
 #include "trainer/ttt_tiles.h"
 
 using namespace eaglekit;
@@ -58,6 +59,15 @@ std::vector<AttnCase> attention_cases(int cp) {
   v.push_back({12, 3, false, KvExchange::kRing, 3, RingPairKernel::kDense});
   v.push_back({13, 1, false, KvExchange::kAllGather, 1, RingPairKernel::kDense});
   v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kDense, {}, /*empty_row=*/true});
+  // LibTorch's fused kernels per pair, where this build has them (trainer/ttt_fused.h): pairs
+  // at offsets whose first queries see only part of the key chunk (a plain call on the keys
+  // they all see plus a causal square), documents crossing chunks, an empty row.
+  if (trainer::ttt_fused_available()) {
+    for (std::int64_t l : lengths)
+      for (std::int64_t s = 0; s <= 3; ++s) v.push_back({l, s, l != 12, KvExchange::kRing, 0, RingPairKernel::kFused});
+    v.push_back({13, 2, true, KvExchange::kAllGather, 0, RingPairKernel::kFused});
+    v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kFused, {}, /*empty_row=*/true});
+  }
   return v;
 }
 
@@ -355,6 +365,45 @@ PieceRun tiles_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, 
   return r;
 }
 
+// The same through the fused kernels' pair pieces (trainer/ttt_fused.h).
+PieceRun fused_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, std::int64_t key_shift) {
+  const std::int64_t l = in.q.size(2);
+  auto cut = [&](const at::Tensor& x, int dim, const trainer::SequenceChunk& c) {
+    return x.defined() ? x.narrow(dim, c.begin, c.size()) : x;
+  };
+  auto pair_of = [&](const trainer::SequenceChunk& qc, int src) {
+    const auto kc = trainer::cp_chunk(l, chunks, src);
+    return trainer::fused::Pair{cut(in.q, 2, qc), cut(in.ks[0], 2, kc), cut(in.vs[0], 2, kc),
+                                cut(in.key_valid, 1, kc), cut(in.docs, 1, qc), cut(in.docs, 1, kc),
+                                qc.begin, kc.begin + key_shift};
+  };
+  PieceRun r;
+  r.dk = at::zeros_like(in.ks[0]);
+  r.dv = at::zeros_like(in.vs[0]);
+  std::vector<at::Tensor> outs, dq_chunks;
+  for (int rank = 0; rank < chunks; ++rank) {
+    const auto c = trainer::cp_chunk(l, chunks, rank);
+    std::optional<trainer::AttentionPartial> acc;
+    for (int src = 0; src < chunks; ++src) {
+      const trainer::fused::Partial p = trainer::fused::block0_forward(pair_of(c, src), step, kScale);
+      const trainer::AttentionPartial part{p.out, p.lse};
+      acc = acc ? trainer::merge_partials(*acc, part) : part;
+    }
+    at::Tensor dq = at::zeros_like(acc->out);
+    for (int src = 0; src < chunks; ++src) {
+      const auto kc = trainer::cp_chunk(l, chunks, src);
+      at::Tensor dk = r.dk.narrow(2, kc.begin, kc.size()), dv = r.dv.narrow(2, kc.begin, kc.size());
+      trainer::fused::block0_backward(pair_of(c, src), step, kScale, cut(in.d_out, 2, c), acc->out, acc->lse, dq,
+                                      dk, dv);
+    }
+    outs.push_back(acc->out);
+    dq_chunks.push_back(dq);
+  }
+  r.out = at::cat(outs, 2);
+  r.dq = at::cat(dq_chunks, 2);
+  return r;
+}
+
 bool same_pieces(const PieceRun& got, const PieceRun& want) {
   bool ok = true;
   for (const auto& [g, w] : {std::pair{got.out, want.out}, {got.dq, want.dq}, {got.dk, want.dk}, {got.dv, want.dv}}) {
@@ -522,6 +571,38 @@ TEST_CASE("ring: the block-0 tile pieces on chunk pairs at offsets equal the den
     const PieceRun whole = tiles_over_chunks(in, step, 1, 0, {2, 3});
     for (const int chunks : {2, 4}) CHECK(same_pieces(tiles_over_chunks(in, step, chunks, 0, {3, 2}), whole));
     CHECK_FALSE(same_pieces(tiles_over_chunks(in, step, 2, -1, {3, 2}), whole));
+  }
+}
+
+TEST_CASE("ring: the fused kernels' pair pieces at offsets equal the dense attention; a wrong key offset does not") {
+  if (!trainer::ttt_fused_available()) {
+    // Debian's LibTorch 1.13: the pieces say why they cannot run.
+    const AttnInputs in = make_inputs({13, 0, true, KvExchange::kRing}, 77);
+    CHECK_THROWS_AS(fused_over_chunks(in, 0, 2, 0), UsageError);
+    return;
+  }
+  // Step 0: over 1..4 chunks (L = 13: uneven chunks), padding, packed documents crossing the
+  // chunk boundaries, GQA, against ttt_attention_dense.
+  const AttnCase c{13, 0, true, KvExchange::kRing};
+  const AttnInputs in = make_inputs(c, 77);
+  const auto ref = reference_attention(c, in);
+  const PieceRun want{ref[0], ref[1], ref[2], ref[3]};
+  for (const int chunks : {1, 2, 3, 4}) {
+    CAPTURE(chunks);
+    CHECK(same_pieces(fused_over_chunks(in, 0, chunks, 0), want));
+  }
+  CHECK_FALSE(same_pieces(fused_over_chunks(in, 0, 3, 1), want));
+  // Steps 1..3: the shifted diagonal at offsets (first queries of a chunk that see part of
+  // the previous chunk), against the tile pieces over the same chunks.
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const AttnInputs ins = make_inputs({13, step, true, KvExchange::kRing}, 80 + static_cast<std::uint64_t>(step));
+    const PieceRun whole = tiles_over_chunks(ins, step, 1, 0, {2, 3});
+    for (const int chunks : {1, 2, 3, 4}) {
+      CAPTURE(chunks);
+      CHECK(same_pieces(fused_over_chunks(ins, step, chunks, 0), whole));
+    }
+    CHECK_FALSE(same_pieces(fused_over_chunks(ins, step, 2, -1), whole));
   }
 }
 
