@@ -31,7 +31,7 @@
 // usage: bench_long_context --lengths L1,L2,... [--batch-size 1] [--ttt-steps 7]
 //          [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64] [--intermediate 768]
 //          [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]
-//          [--attention auto|local|tiled] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]
+//          [--attention auto|local|tiled|fused] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]
 //          [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]
 // --steps timed steps per length after --warmup, fewer when they pass --max-seconds.
 // Exit status 0, 1 on a runtime error, 2 on a usage error.
@@ -80,7 +80,7 @@ constexpr const char* kUsage =
     "usage: bench_long_context --lengths L1,L2,... [--batch-size 1] [--ttt-steps 7]\n"
     "         [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64] [--intermediate 768]\n"
     "         [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]\n"
-    "         [--attention auto|local|tiled] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]\n"
+    "         [--attention auto|local|tiled|fused] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]\n"
     "         [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]\n"
     "eaglekit's training steps on a synthetic draft and batch (the same ones bench_train.py\n"
     "--synthetic builds), one JSON line per length (bench/bench_long_context.cpp's header).\n";
@@ -150,7 +150,8 @@ Args parse(int argc, char** argv) {
       if (v == "auto") a.attention = TttAttention::kAuto;
       else if (v == "local") a.attention = TttAttention::kLocal;
       else if (v == "tiled") a.attention = TttAttention::kTiled;
-      else throw Usage("--attention takes auto, local or tiled, not '" + v + "'");
+      else if (v == "fused") a.attention = TttAttention::kFused;
+      else throw Usage("--attention takes auto, local, tiled or fused, not '" + v + "'");
     } else if (k == "--recompute") {
       if (v != "0" && v != "1") throw Usage("--recompute takes 0 or 1, not '" + v + "'");
       a.recompute = v == "1";

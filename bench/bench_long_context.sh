@@ -3,6 +3,8 @@
 # count S and row length L, a training step (forward, backward, clip, AdamW) of the same
 # synthetic draft on the same rows by
 #   tiled        eaglekit, --ttt-attention tiled (ttt_attention_flash, O(L) memory)
+#   fused        eaglekit, --ttt-attention fused (ttt_attention_fused: LibTorch's fused SDPA
+#                kernels, O(L) memory; a build against LibTorch >= 2.5: EAGLEKIT_BUILD_DIR=build-torch2)
 #   local        eaglekit, --ttt-attention local (the explicit-mask path, O(L^2) memory)
 #   eager-sdpa   bench/bench_train.py --synthetic --attention sdpa: PyTorch eager, one
 #                scaled_dot_product_attention per step over the full TTT mask (torch >= 2.0;
@@ -24,7 +26,7 @@
 #
 # usage: bench/bench_long_context.sh [--preset small|8b|tiny] [--lengths 256,512,1024]
 #          [--ttt-steps 7] (a list: 3,7) [--batch-size 1] [--device cpu|cuda] [--dtype fp32|bf16]
-#          [--impls tiled,local,eager-sdpa] (also eager-matmul; tiled-recompute: tiled with
+#          [--impls tiled,local,eager-sdpa] (also fused, eager-matmul; tiled-recompute: tiled with
 #          train's --recompute) [--steps 3] [--warmup 1]
 #          [--cell-seconds 300] [--deadline 0 (none)] [--threads 0] [--peak-tflops X]
 #          [--out DIR] [--python PY] [--no-build] [--hidden H --heads N --kv-heads K --head-dim D
@@ -143,7 +145,7 @@ for s in "${S_LIST[@]}"; do
       fi
       budget=$(( limit / 3 > 1 ? limit / 3 : 1 ))  # timed steps stop after this many seconds
       case "$m" in
-        tiled|local) cmd=("$BUILD/bin/bench_long_context" --attention "$m") ;;
+        tiled|local|fused) cmd=("$BUILD/bin/bench_long_context" --attention "$m") ;;
         tiled-recompute) cmd=("$BUILD/bin/bench_long_context" --attention tiled --recompute 1) ;;
         eager-*) cmd=("$PY" bench/bench_train.py --synthetic --attention "${m#eager-}") ;;
       esac

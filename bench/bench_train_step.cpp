@@ -12,7 +12,7 @@
 //
 // usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
-//                         [--shapes] [--ttt-attention auto|local|tiled]
+//                         [--shapes] [--ttt-attention auto|local|tiled|fused]
 // --ttt-attention picks the TTT attention kernel (trainer/options.h TttAttention; default auto).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,7 +57,7 @@ struct Usage : std::runtime_error {
 constexpr const char* kUsage =
     "usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]\n"
     "                        [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]\n"
-    "                        [--shapes] [--ttt-attention auto|local|tiled]\n"
+    "                        [--shapes] [--ttt-attention auto|local|tiled|fused]\n"
     "One training step's time by phase and by operator (the header of bench/bench_train_step.cpp).\n";
 
 Args parse(int argc, char** argv) {
@@ -83,7 +83,8 @@ Args parse(int argc, char** argv) {
       if (v == "auto") a.attention = TttAttention::kAuto;
       else if (v == "local") a.attention = TttAttention::kLocal;
       else if (v == "tiled") a.attention = TttAttention::kTiled;
-      else throw Usage("--ttt-attention takes auto, local or tiled, not '" + v + "'");
+      else if (v == "fused") a.attention = TttAttention::kFused;
+      else throw Usage("--ttt-attention takes auto, local, tiled or fused, not '" + v + "'");
     }
     else if (k == "-h" || k == "--help") {
       std::cout << kUsage;

@@ -1,12 +1,14 @@
-// bench_ttt_attention: the two fast TTT attentions side by side in one process on the same
-// data (docs/ttt.md, "Two implementations"): ttt_attention_local (block-0 scores per query
-// chunk, kept by autograd) and ttt_attention_flash (tiled online softmax, one autograd node,
-// scores recomputed in backward). One measured unit is the attention of a whole S-step TTT
+// bench_ttt_attention: the fast TTT attentions side by side in one process on the same data
+// (docs/ttt.md, "Two implementations" and "Fused kernels"): local (ttt_attention_local,
+// block-0 scores per query chunk, kept by autograd), tiled (ttt_attention_flash, tiled online
+// softmax, one autograd node, scores recomputed in backward) and, on a build against
+// LibTorch >= 2.5, fused (ttt_attention_fused, LibTorch's fused SDPA kernels for block 0).
+// One measured unit is the attention of a whole S-step TTT
 // unroll: steps s = 0..S-1, each over its s + 1 kept blocks, forward then backward of a
 // weighted sum of the outputs. Per (S, L) it prints:
-//   time:   median wall ms of the unit over --reps rounds (the variants alternate, after one
-//           warm-up each), and the ratios flash / local of the median wall and of the median
-//           process CPU time (steadier on a shared machine);
+//   time:   median wall ms of the unit over --reps rounds (the variants take turns, in a
+//           rotating order, after one warm-up each), and the ratios of each variant to tiled
+//           of the median wall and of the median process CPU time (steadier on a shared machine);
 //   memory: bytes that stay allocated after the S forwards (what autograd keeps for backward,
 //           outputs included) and the allocator peak of forward + backward, counted exactly by
 //           trainer/cpu_memory.h on the calling thread (intra-op worker threads' temporaries
@@ -16,8 +18,10 @@
 // usage: bench_ttt_attention [--lengths 256,512,1024,2048] [--steps 3,7] [--heads 8]
 //                            [--kv-heads 2] [--head-dim 64] [--batch 1] [--reps 3]
 //                            [--threads N] [--query-rows N] [--key-rows N] [--rss]
+//                            [--variants local,tiled,fused] (default: all this build has)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,6 +41,7 @@
 #include "trainer/cpu_memory.h"
 #include "trainer/ttt.h"
 #include "trainer/ttt_flash.h"
+#include "trainer/ttt_fused.h"
 
 using namespace eaglekit;
 
@@ -50,7 +55,8 @@ struct Args {
   int threads = 0;
   trainer::TttFlashTiles tiles;
   bool rss = false;
-  std::string child;  // "local" or "flash": run one unit of (steps[0], lengths[0]) and print RSS
+  std::vector<std::string> variants;  // local, tiled, fused
+  std::string child;  // a variant: run one unit of (steps[0], lengths[0]) and print RSS
 };
 
 std::vector<std::int64_t> list_of(const std::string& s) {
@@ -79,10 +85,24 @@ Args parse(int argc, char** argv) {
     else if (k == "--query-rows") a.tiles.query_rows = std::stoll(next());
     else if (k == "--key-rows") a.tiles.key_rows = std::stoll(next());
     else if (k == "--rss") a.rss = true;
+    else if (k == "--variants") {
+      std::stringstream ss(next());
+      for (std::string x; std::getline(ss, x, ',');) a.variants.push_back(x);
+    }
     else if (k == "--child") a.child = next();
     else throw std::runtime_error("unknown option " + k);
   }
   if (a.lengths.empty() || a.steps.empty() || a.reps < 1) throw std::runtime_error("nothing to measure");
+  if (a.variants.empty()) {
+    a.variants = {"local", "tiled"};
+    if (trainer::ttt_fused_available()) a.variants.push_back("fused");
+  }
+  for (const std::string& v : a.variants) {
+    std::string why;
+    if (v == "fused" && !trainer::ttt_fused_available(&why)) throw std::runtime_error("--variants fused: " + why);
+    if (v != "local" && v != "tiled" && v != "fused")
+      throw std::runtime_error("--variants takes local, tiled and fused, not '" + v + "'");
+  }
   return a;
 }
 
@@ -143,9 +163,10 @@ Run run_unit(const Args& a, Unit& u, const std::string& variant, bool probe_memo
     for (std::int64_t s = 0; s < steps; ++s) {
       const std::vector<at::Tensor> ks(u.ks.begin(), u.ks.begin() + s + 1), vs(u.vs.begin(), u.vs.begin() + s + 1);
       const auto i = static_cast<std::size_t>(s);
-      const at::Tensor out = variant == "flash"
-                                 ? trainer::ttt_attention_flash(u.qs[i], ks, vs, u.valid, s, u.scale, {}, a.tiles)
-                                 : trainer::ttt_attention_local(u.qs[i], ks, vs, u.valid, s, u.scale, {}, &cache);
+      const at::Tensor out =
+          variant == "tiled"   ? trainer::ttt_attention_flash(u.qs[i], ks, vs, u.valid, s, u.scale, {}, a.tiles)
+          : variant == "fused" ? trainer::ttt_attention_fused(u.qs[i], ks, vs, u.valid, s, u.scale)
+                               : trainer::ttt_attention_local(u.qs[i], ks, vs, u.valid, s, u.scale, {}, &cache);
       const at::Tensor part = (out * u.weights[i]).sum();
       total = total.defined() ? total + part : part;
     }
@@ -200,42 +221,43 @@ int main(int argc, char** argv) {
     const std::int64_t qr = a.tiles.query_rows > 0 ? a.tiles.query_rows : trainer::kTttFlashQueryRows;
     const std::int64_t kr = a.tiles.key_rows > 0 ? a.tiles.key_rows : trainer::kTttFlashKeyRows;
     std::printf("bench_ttt_attention: batch %lld, %lld heads / %lld kv heads x %lld, float32, %d threads, "
-                "flash tiles %lld x %lld; forward + backward of all S steps' attention; median of %d rounds\n",
+                "tiled tiles %lld x %lld; forward + backward of all S steps' attention; median of %d rounds; "
+                "LibTorch %s\n",
                 static_cast<long long>(a.batch), static_cast<long long>(a.heads), static_cast<long long>(a.kv_heads),
                 static_cast<long long>(a.head_dim), at::get_num_threads(), static_cast<long long>(qr),
-                static_cast<long long>(kr), a.reps);
-    std::printf("\n%3s %6s %10s %10s %7s %7s %11s %11s %11s %11s %13s", "S", "L", "local ms", "flash ms", "wall",
-                "CPU", "local kept", "flash kept", "local peak", "flash peak", "flash kept/L");
-    if (a.rss) std::printf(" %9s %9s", "local RSS", "flash RSS");
-    std::printf("\n%3s %6s %10s %10s %7s %7s %11s %11s %11s %11s %13s", "", "", "wall", "wall", "f/l", "f/l", "MiB",
-                "MiB", "MiB", "MiB", "KiB/row");
-    if (a.rss) std::printf(" %9s %9s", "MiB", "MiB");
+                static_cast<long long>(kr), a.reps, TORCH_VERSION);
+    const std::size_t nv = a.variants.size();
+    const auto tiled_at = std::find(a.variants.begin(), a.variants.end(), "tiled") - a.variants.begin();
+    std::printf("\n%3s %6s %-6s %10s %9s %9s %11s %11s %13s", "S", "L", "impl", "wall ms", "wall/tld", "CPU/tld",
+                "kept MiB", "peak MiB", "kept KiB/row");
+    if (a.rss) std::printf(" %9s", "RSS MiB");
     std::printf("\n");
     for (const std::int64_t steps : a.steps) {
       for (const std::int64_t l : a.lengths) {
         Unit u = make_unit(a, steps, l);
-        // Memory first (exact, untimed), which also warms both variants up.
-        const Run local_mem = run_unit(a, u, "local", true);
-        const Run flash_mem = run_unit(a, u, "flash", true);
-        std::vector<double> local_ms, flash_ms, local_cpu, flash_cpu;
-        auto time = [&](const std::string& variant) {
-          const Run r = run_unit(a, u, variant, false);
-          (variant == "flash" ? flash_ms : local_ms).push_back(r.ms);
-          (variant == "flash" ? flash_cpu : local_cpu).push_back(r.cpu);
-        };
+        // Memory first (exact, untimed), which also warms every variant up.
+        std::vector<Run> mem;
+        for (const std::string& v : a.variants) mem.push_back(run_unit(a, u, v, true));
+        std::vector<std::vector<double>> ms(nv), cpu(nv);
         for (int r = 0; r < a.reps; ++r) {
-          // Alternate which goes first, so neither always runs on a warmer cache.
-          time(r % 2 == 0 ? "local" : "flash");
-          time(r % 2 == 0 ? "flash" : "local");
+          // A rotating order, so that no variant always runs on a warmer cache.
+          for (std::size_t j = 0; j < nv; ++j) {
+            const std::size_t i = (j + static_cast<std::size_t>(r)) % nv;
+            const Run run = run_unit(a, u, a.variants[i], false);
+            ms[i].push_back(run.ms);
+            cpu[i].push_back(run.cpu);
+          }
         }
-        const double lm = median(local_ms), fm = median(flash_ms);
-        std::printf("%3lld %6lld %10.1f %10.1f %7.2f %7.2f %11.1f %11.1f %11.1f %11.1f %13.2f",
-                    static_cast<long long>(steps), static_cast<long long>(l), lm, fm, fm / lm,
-                    median(flash_cpu) / median(local_cpu), mib(local_mem.kept), mib(flash_mem.kept),
-                    mib(local_mem.peak), mib(flash_mem.peak),
-                    static_cast<double>(flash_mem.kept) / 1024.0 / static_cast<double>(l * a.batch));
-        if (a.rss) std::printf(" %9.1f %9.1f", child_rss(a, "local", steps, l), child_rss(a, "flash", steps, l));
-        std::printf("\n");
+        for (std::size_t i = 0; i < nv; ++i) {
+          const bool has_tiled = tiled_at < static_cast<std::ptrdiff_t>(nv);
+          const double rw = has_tiled ? median(ms[i]) / median(ms[static_cast<std::size_t>(tiled_at)]) : 0;
+          const double rc = has_tiled ? median(cpu[i]) / median(cpu[static_cast<std::size_t>(tiled_at)]) : 0;
+          std::printf("%3lld %6lld %-6s %10.1f %9.2f %9.2f %11.1f %11.1f %13.2f", static_cast<long long>(steps),
+                      static_cast<long long>(l), a.variants[i].c_str(), median(ms[i]), rw, rc, mib(mem[i].kept),
+                      mib(mem[i].peak), static_cast<double>(mem[i].kept) / 1024.0 / static_cast<double>(l * a.batch));
+          if (a.rss) std::printf(" %9.1f", child_rss(a, a.variants[i], steps, l));
+          std::printf("\n");
+        }
         std::fflush(stdout);
       }
     }

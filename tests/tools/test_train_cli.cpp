@@ -602,7 +602,7 @@ TEST_CASE("train cli: one step over the same samples trains the same draft in pa
   CHECK_FALSE(test::agreement(d + "/fewer/final/model.safetensors", d + "/pad/final/model.safetensors", bound).holds());
 }
 
-TEST_CASE("train cli: --ttt-attention local and tiled train and evaluate the same; a bad value exits 2") {
+TEST_CASE("train cli: --ttt-attention local, tiled and fused train and evaluate the same; a bad value exits 2") {
   auto job = make_job();
   const std::string d = job->dir.path();
   const std::string train = "train" + job->data_args() +
@@ -614,13 +614,31 @@ TEST_CASE("train cli: --ttt-attention local and tiled train and evaluate the sam
     REQUIRE(std::getline(f, line));
     return nlohmann::json::parse(line)["loss"].get<double>();
   };
-  for (const char* kind : {"local", "tiled"}) {
+#ifdef EAGLEKIT_FUSED_BUILD
+  const std::vector<const char*> kinds{"local", "tiled", "fused"};
+#else
+  const std::vector<const char*> kinds{"local", "tiled"};
+  // Without the fused kernels (LibTorch < 2.5) fused is a usage error that says why.
+  for (const std::string where : {" --out " + test::quote(d + "/fused"), " --draft " + test::quote(d + "/none")}) {
+    const std::string cmd = where.find("--out") != std::string::npos ? "train" : "evaluate";
+    const auto r = test::eaglekit(cmd + job->data_args() + " --ttt-attention fused" + where);
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.find("--ttt-attention fused is not available: this build's LibTorch is ") != std::string::npos,
+                  r.err);
+    CHECK_MESSAGE(r.err.find("LibTorch >= 2.5") != std::string::npos, r.err);
+  }
+#endif
+  for (const char* kind : kinds) {
     const auto r = test::eaglekit(train + " --ttt-attention " + kind + " --out " + test::quote(d + "/" + kind));
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
     CHECK_MESSAGE(r.err.find(std::string("TTT attention ") + kind) != std::string::npos, r.err);
   }
   const double local = first_loss("local"), tiled = first_loss("tiled");
   CHECK(std::abs(local - tiled) <= 1e-5 * std::abs(local));
+#ifdef EAGLEKIT_FUSED_BUILD
+  const double fused = first_loss("fused");
+  CHECK(std::abs(local - fused) <= 1e-5 * std::abs(local));
+#endif
 
   auto eval_loss = [&](const char* kind) {
     const auto e = test::eaglekit("evaluate" + job->data_args() + " --max-length 24 --draft " +
@@ -630,12 +648,17 @@ TEST_CASE("train cli: --ttt-attention local and tiled train and evaluate the sam
   };
   const double el = eval_loss("local"), et = eval_loss("tiled");
   CHECK(std::abs(el - et) <= 1e-5 * std::abs(el));
+#ifdef EAGLEKIT_FUSED_BUILD
+  const double ef = eval_loss("fused");
+  CHECK(std::abs(el - ef) <= 1e-5 * std::abs(el));
+#endif
 
   for (const char* cmd : {"train", "evaluate"}) {
     auto r = test::eaglekit(std::string(cmd) + " --ttt-attention flash");
     CHECK(r.exit_code == 2);
-    CHECK_MESSAGE(r.err.find("--ttt-attention must be auto, local or tiled, not 'flash'") != std::string::npos, r.err);
+    CHECK_MESSAGE(r.err.find("--ttt-attention must be auto, local, tiled or fused, not 'flash'") != std::string::npos,
+                  r.err);
     r = test::eaglekit(std::string(cmd) + " --help");
-    CHECK(r.out.find("--ttt-attention auto|local|tiled") != std::string::npos);
+    CHECK(r.out.find("--ttt-attention auto|local|tiled|fused") != std::string::npos);
   }
 }
