@@ -88,6 +88,17 @@ void require_python(const std::string& module) {
                                     << (stdlib ? "python3" : "python3-" + module) << " (scripts/setup does)");
 }
 
+bool require_program(const std::string& path, const std::string& provider) {
+  if (::access(path.c_str(), X_OK) == 0) return true;
+  const char* allow = std::getenv("EAGLEKIT_ALLOW_SKIP");
+  if (allow && std::string(allow) == "1") {
+    MESSAGE("skipped (EAGLEKIT_ALLOW_SKIP=1): " << path << " is missing; " << provider);
+    return false;
+  }
+  FAIL(path << " is missing: " << provider << " (or set EAGLEKIT_ALLOW_SKIP=1 to skip this test)");
+  return false;
+}
+
 std::string eaglekit_path() {
   const char* bin = std::getenv("EAGLEKIT_BIN");
   return bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";

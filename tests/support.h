@@ -49,6 +49,11 @@ std::string message_of(const std::function<void()>& f) {
   }
   return "(no exception)";
 }
+// A test that needs a program the suite cannot make itself calls this first. It fails the
+// test, naming `path` and what provides it (`provider`: "install Debian's chromium
+// (scripts/setup does)"), unless EAGLEKIT_ALLOW_SKIP=1 is set, which CI never sets: then it
+// says the test is skipped and returns false, and the caller returns. True when present.
+bool require_program(const std::string& path, const std::string& provider);
 // Runs the built eaglekit binary with args (already shell-quoted as needed).
 RunResult eaglekit(const std::string& args);
 std::string eaglekit_path();  // that binary ($EAGLEKIT_BIN, else the build's bin/eaglekit)

@@ -357,7 +357,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       sums[steps_s] += static_cast<double>(b.tokens);
     }
     sums = reduce_sum(mesh.world(), sums, device);
-    const at::Tensor normalizer = sums.narrow(0, 0, steps_s).to(device, at::kFloat);
+    at::Tensor normalizer = sums.narrow(0, 0, steps_s).to(device, at::kFloat);
+    if (hooks.normalizer_scale) normalizer = normalizer * hooks.normalizer_scale(step);
     const double step_tokens = sums[steps_s].item<double>();
 
     optimizer.zero_grad();

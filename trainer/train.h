@@ -79,6 +79,10 @@ struct TrainHooks {
   std::function<bool(std::int64_t step, DraftModel& draft)> after_step;
   // Every metrics line (rank 0), as written to metrics.jsonl.
   std::function<void(const std::string& json_line)> on_metrics;
+  // A fault to inject, for the tests' must-fails only: the factor each step's loss
+  // normalizer is multiplied by (a gradient-scale bug AdamW's update and clipping hide from
+  // the weights; test_train shows grad_norm catches it). Unset: the normalizer as computed.
+  std::function<double(std::int64_t step)> normalizer_scale;
 };
 
 struct TrainResult {

@@ -2,7 +2,6 @@
 // the options (differences marked) and the dataset section, escapes what it quotes, and
 // survives a torn last metrics line; bad input names the file.
 #include <doctest/doctest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -131,12 +130,9 @@ TEST_CASE("report: a self-contained page overlaying runs, with evaluation, optio
   CHECK_THROWS_AS(render_report(o), UsageError);
 }
 
-TEST_CASE("report: renders in headless Chromium at phone and desktop widths (where Chromium is installed)") {
+TEST_CASE("report: renders in headless Chromium at phone and desktop widths") {
   const char* chromium = "/usr/bin/chromium";
-  if (::access(chromium, X_OK) != 0) {
-    MESSAGE("skipped: no " << chromium << " (apt-get install chromium to render the report)");
-    return;
-  }
+  if (!test::require_program(chromium, "install Debian's chromium (scripts/setup does)")) return;
   test::TempDir d("report-render");
   write_run(d / "run", 1e-3, false);
   ReportOptions o;

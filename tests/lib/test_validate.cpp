@@ -359,11 +359,7 @@ TEST_CASE("validate: bad options and inputs") {
 }
 
 TEST_CASE("validate: the CLI exits 0 when trainable, 1 when not, 2 on usage") {
-  const std::string bin = std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
-  if (!fs::exists(bin)) {
-    MESSAGE("eaglekit binary not built; CLI checks skipped");
-    return;
-  }
+  if (!test::require_program(test::eaglekit_path(), "build the eaglekit target (cmake --build build --target eaglekit)")) return;
   Planted ok(false);
   auto r = test::eaglekit("validate --data " + test::quote(ok.data) + " --index " +
                           test::quote(ok.index) + " --json");

@@ -69,8 +69,8 @@ TEST_CASE("examples: the Llama-3.1-8B config, torchrun and Slurm scripts dry-run
     CHECK(plan["draft_config"]["rope_scaling"]["rope_type"] == "llama3");
     CHECK(plan["draft_config"]["rope_theta"] == 500000.0);
     CHECK(plan["rope"].get<std::string>().find("llama3") != std::string::npos);
-    // One 8B-wide decoder layer, fc and a 32k lm_head.
-    CHECK(plan["parameters"].get<std::int64_t>() > 300'000'000);
+    // One 8B-wide decoder layer, fc and a 32k lm_head: the README's count, exactly.
+    CHECK(plan["parameters"].get<std::int64_t>() == 424'689'664);
     CHECK(plan["memory_estimate_bytes"]["total"].get<double>() > 8e9);
     CHECK(!fs::exists(job->dir / "run"));
   }

@@ -9,11 +9,13 @@
 #include <string>
 
 #include "formats/safetensors_format.h"
+#include "tests/compare.h"
 
 namespace eaglekit::test {
 
 // Largest |a - b| / max|b| over the tensors of two safetensors files, per tensor (the worst
-// tensor wins). Both files must hold the same names and element counts.
+// tensor wins); a NaN or an infinity on either side makes it +inf (worst_of). Both files must
+// hold the same names and element counts.
 inline double max_rel_diff(const std::string& a_path, const std::string& b_path) {
   const auto a = SafetensorsFile::open(a_path), b = SafetensorsFile::open(b_path);
   REQUIRE(a->entries().size() == b->entries().size());
@@ -24,10 +26,10 @@ inline double max_rel_diff(const std::string& a_path, const std::string& b_path)
     REQUIRE(x->numel() == y->numel());
     double scale = 1e-12, diff = 0;
     for (std::int64_t i = 0; i < x->numel(); ++i) {
-      scale = std::max(scale, std::abs(y->get(i)));
-      diff = std::max(diff, std::abs(x->get(i) - y->get(i)));
+      scale = worst_of(scale, std::abs(y->get(i)));
+      diff = worst_of(diff, std::abs(x->get(i) - y->get(i)));
     }
-    worst = std::max(worst, diff / scale);
+    worst = worst_of(worst, diff / scale);
   }
   return worst;
 }

@@ -95,6 +95,7 @@ TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32
     CHECK(lb[i]["loss"].get<double>() == doctest::Approx(la[i]["loss"].get<double>()).epsilon(1e-6));
     CHECK(lb[i]["lr"].get<double>() == doctest::Approx(la[i]["lr"].get<double>()).epsilon(1e-12));
   }
+  CHECK(test::metric_rel_diff(dir / "split/metrics.jsonl", dir / "whole/metrics.jsonl", "grad_norm") < 1e-6);
   const LoadedCheckpoint ck = load_checkpoint(dir / "split/checkpoint-8");
   CHECK(ck.checkpoint.state.step == 8);
   CHECK(ck.checkpoint.state.optimizer_steps == 8);

@@ -191,9 +191,9 @@ TEST_CASE("train: the normalizer computed ahead equals the unroll's mask sums (p
   }
 }
 
-TEST_CASE("train: gradient accumulation equals one big batch") {
+TEST_CASE("train: gradient accumulation equals one big batch (weights, and grad_norm at every step)") {
   auto job = test::make_synth_job(24);
-  auto run = [&](std::int64_t batch, std::int64_t accum, const std::string& out) {
+  auto run = [&](std::int64_t batch, std::int64_t accum, const std::string& out, const TrainHooks& hooks = {}) {
     TrainOptions o = test::small_options(*job, out);
     o.batch_size = batch;
     o.grad_accum = accum;
@@ -203,11 +203,12 @@ TEST_CASE("train: gradient accumulation equals one big batch") {
     o.weight_decay = 0.01;
     o.schedule = Schedule::kLinear;
     o.warmup_steps = 1;
-    run_training(o);
+    run_training(o, nullptr, hooks);
     return out + "/checkpoint-3/model.safetensors";
   };
   test::TempDir dir("accum");
   const auto big = run(4, 1, dir / "b4");
+  const std::string big_metrics = dir / "b4/metrics.jsonl";
   // Sums in another order: the weights agree within what AdamW makes of gradients that agree
   // to rounding (rho as in test_data_parallel).
   const auto bound = test::AdamWBound::from_run(dir / "b4", 3, 1e-4);
@@ -215,10 +216,42 @@ TEST_CASE("train: gradient accumulation equals one big batch") {
     CAPTURE(batch);
     const auto w = test::agreement(run(batch, accum, dir / ("b" + std::to_string(batch))), big, bound);
     CHECK_MESSAGE(w.holds(), w.text());
+    // The gradient norm before clipping, per step: the scale of the gradients, which the
+    // weights cannot show (below).
+    CHECK(test::metric_rel_diff(dir / ("b" + std::to_string(batch) + "/metrics.jsonl"), big_metrics, "grad_norm") < 1e-4);
   }
   // ... and a different batch trains to different weights (the comparison can fail).
   const auto other = run(2, 1, dir / "other");
   CHECK_FALSE(test::agreement(other, big, bound).holds());
+
+  // The must-fail of the scale: accumulation whose normalizer is doubled (as a bug reducing
+  // the mask sums twice would) halves every gradient. grad_norm sees it at every step; the
+  // weights barely do, since AdamW divides the update by the gradient's own scale and the
+  // clip at 1.0 removes the rest (this is why grad_norm is compared at all): when written,
+  // they stayed within 0.0007 of the bound the correct runs are held to.
+  TrainHooks doubled;
+  doubled.normalizer_scale = [](std::int64_t) { return 2.0; };
+  const auto twice = run(2, 2, dir / "doubled", doubled);
+  const double g = test::metric_rel_diff(dir / "doubled/metrics.jsonl", big_metrics, "grad_norm");
+  CHECK(g > 0.4);
+  CHECK(g < 0.6);  // the gradients are halved, not otherwise changed
+  MESSAGE("normalizer x2: grad_norm off by " << g << ", weights " << test::agreement(twice, big, bound).text());
+}
+
+TEST_CASE("train: the weight comparison counts a NaN or an infinity as infinitely different") {
+  // test::max_rel_diff over tensors, as the resume and checkpoint tests use it.
+  const auto w = [](std::vector<float> v) {
+    return std::vector<std::pair<std::string, at::Tensor>>{{"w", at::tensor(v)}};
+  };
+  const auto good = w({1, -2, 3, 4});
+  CHECK(test::max_rel_diff(good, good) == 0);
+  CHECK(test::max_rel_diff(w({1, -2, 3, 4.0000004f}), good) < 1e-6);
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    CAPTURE(bad);
+    CHECK(std::isinf(test::max_rel_diff(w({1, bad, 3, 4}), good)));
+    CHECK(std::isinf(test::max_rel_diff(good, w({1, bad, 3, 4}))));
+    CHECK(std::isinf(test::max_rel_diff(w({1, bad, 3, 4}), w({1, bad, 3, 4}))));
+  }
 }
 
 TEST_CASE("train: a short run raises step-0 accuracy far above chance; metrics.jsonl has every field") {

@@ -16,6 +16,7 @@
 #include "formats/safetensors_format.h"
 #include "lib/index.h"
 #include "lib/synth.h"
+#include "tests/compare.h"
 #include "tests/support.h"
 #include "trainer/base_model.h"
 #include "trainer/train.h"
@@ -93,7 +94,8 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_weights(const std::s
   return out;
 }
 
-// Largest |a - b| / (|b|_max + tiny) over every tensor of two weight lists with equal names.
+// Largest |a - b| / (|b|_max + tiny) over every tensor of two weight lists with equal names;
+// a NaN on either side makes it +inf (worst_of, tests/compare.h).
 inline double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& a,
                            const std::vector<std::pair<std::string, at::Tensor>>& b) {
   REQUIRE(a.size() == b.size());
@@ -104,7 +106,8 @@ inline double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>
     REQUIRE(x.sizes() == y.sizes());
     if (x.numel() == 0) continue;
     const double scale = y.abs().max().item<double>() + 1e-12;
-    worst = std::max(worst, (x - y).abs().max().item<double>() / scale);
+    // max() propagates NaN, and inf - inf is NaN: both reach worst_of as NaN.
+    worst = worst_of(worst, (x - y).abs().max().item<double>() / scale);
   }
   return worst;
 }
