@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <new>
@@ -93,6 +94,22 @@ std::string clip_error(std::string e) {
   return e;
 }
 
+// The absolute, lexically normal folder holding the index file `path`.
+std::string folder_of(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path a = std::filesystem::absolute(path, ec);
+  if (ec) a = path;
+  return a.lexically_normal().parent_path().string();
+}
+
+// How a path is stored: relative to `dir` when it lies below it, else as given.
+std::string_view stored_path(std::string_view p, const std::string& dir) {
+  if (dir.size() <= 1 || p.size() <= dir.size() + 1 || p.compare(0, dir.size(), dir) != 0 ||
+      p[dir.size()] != '/')
+    return p;
+  return p.substr(dir.size() + 1);
+}
+
 // The strings section. Paths, ids and errors are mostly unique and go in as they come;
 // only strings that repeat by nature (codecs, roots) are interned.
 class StringTable {
@@ -138,6 +155,9 @@ struct DatasetIndex::Impl {
   std::uint64_t entry_count = 0, file_count = 0, root_count = 0;
   std::uint64_t roots_off = 0, files_off = 0, entries_off = 0, sorted_off = 0;
   std::uint64_t strings_off = 0, strings_size = 0, bad_count = 0;
+  // Version 3 stores paths below the index's folder relative to it: their absolute forms,
+  // per file and root ("" where the stored path is absolute; empty vectors when none is).
+  std::vector<std::string> resolved_files, resolved_roots;
 
   std::string_view str(std::uint64_t ref, std::uint64_t at, const char* field) const {
     const std::uint64_t off = ref & ((1ull << 40) - 1);
@@ -216,10 +236,11 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
   impl->strings_size = c.u64("strings size");
   const std::uint64_t total = c.u64("total size");
   impl->bad_count = c.u64("bad count");
-  if (version != kVersion)
+  if (version < kOldestVersion || version > kVersion)
     throw UnsupportedError(path, 8, "version",
                            "index version " + std::to_string(version) + "; this build reads " +
-                               std::to_string(kVersion) + ": rebuild it with `eaglekit index`");
+                               std::to_string(kOldestVersion) + " to " + std::to_string(kVersion) +
+                               ": rebuild it with `eaglekit index`");
   if (header_size != kHeaderSize || entry_size != kEntrySize || file_entry_size != kFileEntrySize)
     throw FormatError(path, 12, "header",
                       "record sizes " + std::to_string(header_size) + "/" +
@@ -269,6 +290,21 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
                           std::to_string(impl->entry_count) + " entries");
   impl->base = h;
   impl->src = std::move(src);
+  if (version >= 3) {
+    const std::string dir = folder_of(path);
+    auto resolve = [&](std::uint64_t table, std::uint64_t count, std::uint64_t stride, const char* field,
+                       std::vector<std::string>& out) {
+      for (std::uint64_t i = 0; i < count; ++i) {
+        const std::uint64_t at = table + i * stride;
+        const std::string_view p = impl->str(load_le64(h + at), at, field);
+        if (p.empty() || p.front() == '/') continue;
+        out.resize(static_cast<std::size_t>(count));
+        out[static_cast<std::size_t>(i)] = dir + "/" + std::string(p);
+      }
+    };
+    resolve(impl->files_off, impl->file_count, kFileEntrySize, "file path", impl->resolved_files);
+    resolve(impl->roots_off, impl->root_count, 8, "root", impl->resolved_roots);
+  }
   return DatasetIndex(std::move(impl));
 }
 
@@ -336,6 +372,7 @@ IndexFile DatasetIndex::file(std::size_t i) const {
   ByteCursor c(*m.src, at, at + kFileEntrySize, "index file entry");
   IndexFile f;
   f.path = m.next_str(c, "file path");
+  if (!m.resolved_files.empty() && !m.resolved_files[i].empty()) f.path = m.resolved_files[i];
   f.error = m.next_str(c, "file error");
   f.size = c.u64("file size");
   f.mtime_ns = c.i64("file mtime");
@@ -358,7 +395,10 @@ std::vector<std::string> DatasetIndex::roots() const {
   const Impl& m = *impl_;
   ByteCursor c(*m.src, m.roots_off, m.roots_off + m.root_count * 8, "index roots");
   std::vector<std::string> out;
-  for (std::uint64_t i = 0; i < m.root_count; ++i) out.emplace_back(m.next_str(c, "root"));
+  for (std::uint64_t i = 0; i < m.root_count; ++i) {
+    out.emplace_back(m.next_str(c, "root"));
+    if (!m.resolved_roots.empty() && !m.resolved_roots[i].empty()) out.back() = m.resolved_roots[i];
+  }
   return out;
 }
 
@@ -430,7 +470,8 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   // written out behind the header in layout order.
   StringTable strings;
   ByteWriter roots_w, files_w, entries_w, sorted_w;
-  for (const auto& root : roots) roots_w.u64(strings.intern(root, "root path"));
+  const std::string dir = folder_of(path);
+  for (const auto& root : roots) roots_w.u64(strings.intern(stored_path(root, dir), "root path"));
 
   std::vector<std::string_view> ids;  // per entry, for sorting
   ids.reserve(static_cast<std::size_t>(n_entries));
@@ -439,7 +480,7 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   std::uint32_t e = 0;
   for (std::size_t fi = 0; fi < files.size(); ++fi) {
     const IndexedFile& f = files[fi];
-    const std::uint64_t path_ref = strings.add(f.path, "file path");
+    const std::uint64_t path_ref = strings.add(stored_path(f.path, dir), "file path");
     const std::uint64_t file_error_ref = strings.add(clip_error(f.error), "file error");
     files_w.u64(path_ref).u64(file_error_ref).u64(f.size).i64(f.mtime_ns);
     files_w.u32(e).u32(static_cast<std::uint32_t>(f.records.size()));

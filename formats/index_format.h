@@ -5,7 +5,7 @@
 // the layout, all integers little-endian:
 //
 //   header (128 bytes)
-//     0  magic "EKINDEX\0"        8  u32 version (2)        12 u32 header size (128)
+//     0  magic "EKINDEX\0"        8  u32 version (3)        12 u32 header size (128)
 //     16 u32 entry size (80)      20 u32 file entry size (48)
 //     24 u64 entry count          32 u64 file count         40 u64 root count
 //     48 u64 roots offset         56 u64 files offset       64 u64 entries offset
@@ -28,7 +28,10 @@
 //     76 u8 error kind (EntryError), 77..79 zero
 //
 // A string ref is one u64: offset into the strings section in the low 40 bits, length in
-// the high 24. Every section offset is 8-aligned. Loading checks the header, the section
+// the high 24. File paths and roots below the index file's own folder are stored relative
+// to that folder ("dumps/000/a.pt"), others absolute: an index moved together with its
+// dumps, or moved alone, still finds them. Readers resolve relative paths against the folder
+// the index is loaded from. Every section offset is 8-aligned. Loading checks the header, the section
 // bounds and the checksum, nothing per entry; references inside entries are checked when
 // an entry is decoded.
 //
@@ -95,7 +98,7 @@ struct IndexEntry {
 };
 
 struct IndexFile {
-  std::string_view path;      // absolute, lexically normal
+  std::string_view path;      // absolute, lexically normal (a relative one resolved)
   std::uint64_t size = 0;     // bytes, when indexed
   std::int64_t mtime_ns = 0;  // modification time, when indexed
   Format format = Format::kUnknown;
@@ -108,7 +111,11 @@ class DatasetIndex {
  public:
   // 2: entries carry the records' stated norm form (flags 8, 16). A version 1 index cannot
   // say it, so it is refused (rebuild it) rather than read as "not stated".
-  static constexpr std::uint32_t kVersion = 2;
+  // 3: paths below the index's folder are relative to it. Version 2 (all absolute) is read
+  // too; an older build refuses version 3 instead of resolving its paths against the
+  // working folder.
+  static constexpr std::uint32_t kVersion = 3;
+  static constexpr std::uint32_t kOldestVersion = 2;
 
   static DatasetIndex load(const std::string& path);
   // Same, from bytes already in memory (name is used in messages).
@@ -125,7 +132,8 @@ class DatasetIndex {
   std::size_t file_count() const;
   IndexFile file(std::size_t i) const;
   std::string_view file_path(std::size_t entry_index) const { return file(entry(entry_index).file).path; }
-  // The folders the index was built from, as given to build_index (absolute).
+  // The folders the index was built from, as given to build_index (absolute; relative ones
+  // resolved like file paths).
   std::vector<std::string> roots() const;
   const std::string& path() const;  // where it was loaded from
 

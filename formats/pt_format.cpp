@@ -1,6 +1,7 @@
 #include "formats/pt_format.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -74,6 +75,7 @@ Archive open_archive(std::shared_ptr<const ByteSource> src) {
       throw FormatError(path, bo->data_offset, "byteorder",
                         "expected 'little' or 'big', got " + squote(order.substr(0, 32)));
   }
+  a.zip->verify_crc(*pkl);  // a few hundred bytes; the storages are checked when read whole
   a.pk = pickle::unpickle(a.zip->data(*pkl), static_cast<std::size_t>(pkl->size), path, "data.pkl");
   return a;
 }
@@ -374,6 +376,11 @@ struct PtReader::Impl {
   std::string path;
   Record record;
   std::uint64_t file_size = 0;
+  // The storages the record's tensors view, checked against their CRC-32 on the first
+  // whole read (a prefix read cannot check them without touching the rows it skips).
+  std::unique_ptr<ZipArchive> zip;
+  std::vector<const ZipEntry*> storages;
+  mutable std::atomic<bool> verified{false};
 };
 
 namespace {
@@ -414,7 +421,7 @@ std::optional<bool> prenorm_flag(const Archive& a, const Value& root) {
   return fail("is a " + std::string(pickle::kind_name(v->kind)) + ", expected a bool");
 }
 
-Record normalize(const Archive& a, const std::string& id_path) {
+Record normalize(const Archive& a, const std::string& id_path, std::vector<const ZipEntry*>* storages) {
   const std::string& path = a.path();
   const Value* root = &a.pk.root();
   if (root->kind == Kind::kList || root->kind == Kind::kTuple) {
@@ -444,6 +451,8 @@ Record normalize(const Archive& a, const std::string& id_path) {
       throw FormatError(path, v->offset, key,
                         "is a " + std::string(pickle::kind_name(v->kind)) + ", expected a tensor");
     HostTensor t = tensor_view(a, *v, key);
+    const ZipEntry* e = a.zip->find(a.prefix + "data/" + v->storage->s);
+    if (std::find(storages->begin(), storages->end(), e) == storages->end()) storages->push_back(e);
     // SpecForge keeps the batch dimension of 1.
     if (t.shape.size() == batched_dim && t.shape[0] == 1) t = t.squeeze0();
     return t;
@@ -476,8 +485,9 @@ PtReader::PtReader(std::shared_ptr<const ByteSource> source, const std::string& 
     : impl_(std::make_unique<Impl>()) {
   impl_->path = source->name();
   impl_->file_size = source->size();
-  const Archive a = open_archive(std::move(source));
-  impl_->record = normalize(a, id_path);
+  Archive a = open_archive(std::move(source));
+  impl_->record = normalize(a, id_path, &impl_->storages);
+  impl_->zip = std::move(a.zip);
 }
 
 PtReader::~PtReader() = default;
@@ -493,7 +503,12 @@ RecordInfo PtReader::info(std::size_t i) const {
 
 Record PtReader::read_prefix(std::size_t i, std::int64_t max_rows) const {
   if (i != 0) throw Error(impl_->path + ": record " + std::to_string(i) + " out of range (a .pt file holds 1)");
-  Record r = (max_rows < 0 ? impl_->record : impl_->record.prefix(max_rows)).with_common_hidden_dtype();
+  const bool whole = max_rows < 0 || max_rows >= impl_->record.tokens();
+  if (whole && !impl_->verified.load(std::memory_order_acquire)) {
+    for (const ZipEntry* e : impl_->storages) impl_->zip->verify_crc(*e);
+    impl_->verified.store(true, std::memory_order_release);
+  }
+  Record r = (whole ? impl_->record : impl_->record.prefix(max_rows)).with_common_hidden_dtype();
   r.input_ids = aligned(r.input_ids);
   r.hidden_states = aligned(r.hidden_states);
   r.aux_hidden_states = aligned(r.aux_hidden_states);

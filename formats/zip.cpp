@@ -3,6 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 
@@ -246,6 +247,20 @@ const std::uint8_t* ZipArchive::data(const ZipEntry& e) const {
                                "; only stored entries are read (torch.save never compresses; "
                                "was the archive re-zipped?)");
   return source_->at(e.data_offset, e.size, "zip entry data");
+}
+
+void ZipArchive::verify_crc(const ZipEntry& e) const {
+  const std::uint8_t* p = data(e);
+  const std::uint32_t crc = crc_update(static_cast<std::uint32_t>(::crc32(0, nullptr, 0)), p,
+                                       static_cast<std::size_t>(e.size));
+  if (crc != e.crc32) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "CRC-32 stored %08x, computed %08x: the bytes changed after the archive was "
+                  "written (a damaged copy or disk)",
+                  e.crc32, crc);
+    throw ChecksumError(name(), e.data_offset, "zip entry " + squote(e.name), buf);
+  }
 }
 
 std::string_view ZipArchive::text(const ZipEntry& e) const {

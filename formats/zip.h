@@ -10,8 +10,9 @@
 // size before it is used or anything is allocated for it; a violation is a FormatError
 // naming the source, the byte offset and the field. Only method 0 (stored) entries can be
 // read: torch never compresses, so a deflated entry is an UnsupportedError when read.
-// CRCs are not verified on read: that would touch every byte and defeat zero-copy views
-// and prefix reads (torch.load does not verify them either when it maps a file).
+// CRCs are not verified by data(): that would touch every byte and defeat zero-copy views
+// and prefix reads (torch.load does not verify them either when it maps a file); callers
+// that read an entry whole call verify_crc (the .pt record reader does, formats/pt_format.h).
 //
 // Writer: each entry's data starts at a multiple of `alignment` (64, like torch >= 1.6),
 // reached by padding the local header's extra field with an "FB" block of 'Z' bytes, the
@@ -61,6 +62,9 @@ class ZipArchive {
   // UnsupportedError for compressed entries.
   const std::uint8_t* data(const ZipEntry& e) const;
   std::string_view text(const ZipEntry& e) const;
+  // Reads the entry's every byte and compares their CRC-32 with the directory's. Throws
+  // ChecksumError naming the entry and both values, UnsupportedError for compressed entries.
+  void verify_crc(const ZipEntry& e) const;
   const std::shared_ptr<const ByteSource>& source() const { return source_; }
   const std::string& name() const;
   bool zip64() const { return zip64_; }

@@ -261,7 +261,8 @@ std::vector<Piece> split_json_array(const ByteSource& src, const std::string& pa
   return pieces;
 }
 
-void read_conversation_file(const std::string& path, bool jsonl, std::vector<Conversation>& out) {
+void read_conversation_file(const std::string& path, bool jsonl, std::vector<Conversation>& out,
+                            std::vector<BadConversation>* bad) {
   const auto src = ByteSource::open_file(path);
   const std::vector<Piece> pieces = jsonl ? split_jsonl(*src) : split_json_array(*src, path);
   std::vector<Parsed> parsed(pieces.size());
@@ -273,9 +274,12 @@ void read_conversation_file(const std::string& path, bool jsonl, std::vector<Con
   });
   out.reserve(out.size() + pieces.size());
   for (std::size_t i = 0; i < pieces.size(); ++i) {
-    if (!parsed[i].error.empty())
-      throw FormatError(path, pieces[i].offset, "line " + std::to_string(pieces[i].line),
-                        parsed[i].error);
+    if (!parsed[i].error.empty()) {
+      if (bad == nullptr)
+        throw FormatError(path, pieces[i].offset, "line " + std::to_string(pieces[i].line), parsed[i].error);
+      bad->push_back({path + ":" + std::to_string(pieces[i].line), parsed[i].error});
+      continue;
+    }
     out.push_back({std::move(parsed[i].id), path + ":" + std::to_string(pieces[i].line)});
   }
 }
@@ -293,7 +297,9 @@ std::string trim(const std::string& s) {
 
 }  // namespace
 
-std::vector<Conversation> load_conversations(const std::string& path) {
+std::vector<Conversation> load_conversations(const std::string& path) { return load_conversations(path, nullptr); }
+
+std::vector<Conversation> load_conversations(const std::string& path, std::vector<BadConversation>* bad) {
   std::vector<Conversation> out;
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
@@ -307,10 +313,10 @@ std::vector<Conversation> load_conversations(const std::string& path) {
       throw Error(path + ": no *.jsonl files in this folder (--data takes a .jsonl file, a "
                          "folder of them, or a JSON array file)");
     std::sort(files.begin(), files.end());
-    for (const auto& f : files) read_conversation_file(f, true, out);
+    for (const auto& f : files) read_conversation_file(f, true, out, bad);
     return out;
   }
-  read_conversation_file(path, ends_with(path, ".jsonl"), out);
+  read_conversation_file(path, ends_with(path, ".jsonl"), out, bad);
   return out;
 }
 

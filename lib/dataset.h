@@ -35,6 +35,14 @@ struct Conversation {
 // a string or an integer, or an empty string, is an error. Blank lines in JSONL are skipped.
 // Throws IoError when the path cannot be read, Error when a folder has no *.jsonl.
 std::vector<Conversation> load_conversations(const std::string& path);
+// The same, collecting instead of throwing for conversations that cannot be read (bad JSON,
+// no id): each goes to `bad` as {"FILE:LINE", why} and is left out (validate reports them
+// all). IoError and a folder without *.jsonl still throw.
+struct BadConversation {
+  std::string source;  // "FILE:LINE"
+  std::string error;
+};
+std::vector<Conversation> load_conversations(const std::string& path, std::vector<BadConversation>* bad);
 
 // One trainable sample: a record located through the index.
 struct SampleRef {

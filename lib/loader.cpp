@@ -26,6 +26,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/finite.h"
 #include "formats/pt_format.h"
 #include "lib/index.h"
 
@@ -302,9 +303,15 @@ struct Loader::Impl {
                               std::to_string(std::min(s.tokens, need)) +
                               " tokens the index promised (" + std::to_string(s.tokens) +
                               " in all; re-run eaglekit index)");
-      // The tensor bytes are not touched here; collation copies them from the mapping into
-      // the batch. Populating the mapping first (MADV_POPULATE_READ) cost more CPU than the
-      // copy's own fault-around faults, as did reading them with pread (bench_loader.sh).
+      // A NaN or Inf in a record would make the loss NaN steps later, with nothing pointing
+      // back at the record: the values are checked here, one pass over the rows read (a
+      // .pt read whole has had its zip CRC-32s checked by the reader as well).
+      if (auto bad = first_nonfinite(r))
+        throw FormatError(path, std::nullopt, "values",
+                          *bad + " (no model produces that: a damaged or wrongly dumped record)");
+      // Collation copies the tensor bytes from the mapping into the batch. Populating the
+      // mapping first (MADV_POPULATE_READ) cost more CPU than the copy's own fault-around
+      // faults, as did reading them with pread (bench_loader.sh).
       job.placements[i].record = std::move(r);
     } catch (const UsageError&) {
       throw;
@@ -446,9 +453,18 @@ Loader::Loader(const Dataset& dataset, std::vector<SampleRef> samples, LoaderOpt
       if (first_error.empty()) first_error = e.what();
     }
   }
-  if (!found)
+  if (!found) {
+    std::size_t absent = 0;
+    for (std::size_t i = 0; i < probes; ++i) {
+      std::error_code ec;
+      absent += !std::filesystem::exists(m.files[m.samples[i].file], ec);
+    }
     throw Error("none of the first " + std::to_string(probes) +
-                " samples could be opened; the first error: " + first_error);
+                " samples could be opened; the first error: " + first_error +
+                (absent > 0 ? " (" + std::to_string(absent) + " of their files are not where the index says: " +
+                                  "moved or deleted since indexing? Re-run `eaglekit index`)"
+                            : std::string()));
+  }
 
   // Longest and pack mode plan rows from token counts; measure the ones the caller lacks.
   m.lengths.resize(m.samples.size());

@@ -11,10 +11,10 @@
 // token window's end); the read stage parses only metadata, and collation copies the tensor
 // bytes once, from the file mapping straight into recycled batch tensors.
 //
-// Bad records (unreadable, wrong shape or dtype, token count not the index's) are skipped
-// with a warning and counted, or, with `strict`, end the run: next() rethrows the worker's
-// exception. Destroying a Loader mid-epoch stops and joins its threads.
-//
+// Bad records (unreadable, a .pt failing its zip CRC-32, NaN/Inf among the values read, wrong
+// shape or dtype, token count not the index's) are skipped with a warning naming them and
+// counted, or, with `strict`, end the run: next() rethrows the worker's exception.
+// Destroying a Loader mid-epoch stops and joins its threads.
 // Thread safety: one consumer thread calls next()/restore(); stats() and state() may be
 // called from any thread. Throws UsageError for bad options, Error when no sample of the
 // dataset can be opened, and whatever a worker threw from next().

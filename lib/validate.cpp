@@ -1,10 +1,11 @@
 #include "lib/validate.h"
 
-#include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <sys/stat.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -23,6 +25,7 @@
 #include "formats/byte_source.h"
 #include "formats/eks_format.h"
 #include "formats/error.h"
+#include "formats/finite.h"
 #include "formats/format.h"
 #include "formats/record.h"
 #include "formats/zip.h"
@@ -57,56 +60,11 @@ T majority(const std::map<T, std::size_t>& counts, T fallback) {
   return best;
 }
 
-// Index of the first NaN/Inf element (row-major), if any. Integer tensors have none.
-std::optional<std::int64_t> first_nonfinite(const HostTensor& t) {
-  if (!is_floating(t.dtype) || t.numel() == 0) return std::nullopt;
-  const HostTensor c = t.is_contiguous() ? t : t.contiguous();
-  const std::uint8_t* p = c.data;
-  const std::int64_t n = c.numel();
-  switch (c.dtype) {
-    case DType::kBFloat16:
-    case DType::kFloat16: {
-      const std::uint16_t mask = c.dtype == DType::kBFloat16 ? 0x7f80 : 0x7c00;
-      for (std::int64_t i = 0; i < n; ++i) {
-        std::uint16_t v;
-        std::memcpy(&v, p + 2 * i, 2);
-        if ((v & mask) == mask) return i;
-      }
-      return std::nullopt;
-    }
-    case DType::kFloat32:
-      for (std::int64_t i = 0; i < n; ++i) {
-        std::uint32_t v;
-        std::memcpy(&v, p + 4 * i, 4);
-        if ((v & 0x7f800000u) == 0x7f800000u) return i;
-      }
-      return std::nullopt;
-    case DType::kFloat64:
-      for (std::int64_t i = 0; i < n; ++i) {
-        std::uint64_t v;
-        std::memcpy(&v, p + 8 * i, 8);
-        if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return i;
-      }
-      return std::nullopt;
-    default:
-      return std::nullopt;
-  }
-}
-
-// torch.save zips carry a CRC-32 per entry that readers skip (zero-copy views); --deep
-// checks them all.
+// torch.save zips carry a CRC-32 per entry; a record's storages are checked when it is read
+// whole, and --deep checks every entry, the ones no record uses included.
 void verify_zip_crcs(const std::string& path) {
   const ZipArchive zip(ByteSource::open_file(path));
-  for (const ZipEntry& e : zip.entries()) {
-    const std::uint8_t* data = zip.data(e);
-    const unsigned long crc = crc32_z(0L, data, static_cast<z_size_t>(e.size));
-    if (static_cast<std::uint32_t>(crc) != e.crc32) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "CRC-32 stored %08x, computed %08x", e.crc32,
-                    static_cast<unsigned>(crc));
-      throw ChecksumError(path, e.data_offset, "zip entry " + e.name, buf);
-    }
-  }
+  for (const ZipEntry& e : zip.entries()) zip.verify_crc(e);
 }
 
 std::unique_ptr<RecordReader> open_for_deep(const std::string& path, Format f) {
@@ -148,17 +106,7 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
                 std::to_string(r.aux_width()) + ", " +
                 std::string(dtype_name(r.hidden_states.dtype)) +
                 " (the file changed since indexing: run `eaglekit index` again)"};
-  const std::pair<const char*, const HostTensor*> tensors[] = {
-      {"hidden_states", &r.hidden_states}, {"aux_hidden_states", &r.aux_hidden_states}};
-  for (const auto& [name, t] : tensors) {
-    if (const auto i = first_nonfinite(*t)) {
-      const std::int64_t cols = t->dim() == 2 ? t->shape[1] : 1;
-      const double v = t->get(*i);
-      return {DeepOutcome::kNonfinite,
-              std::string(std::isnan(v) ? "NaN" : "Inf") + " in " + name + " at token " +
-                  std::to_string(*i / cols) + ", column " + std::to_string(*i % cols)};
-    }
-  }
+  if (auto where_bad = first_nonfinite(r)) return {DeepOutcome::kNonfinite, std::move(*where_bad)};
   return {};
 }
 
@@ -253,8 +201,17 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
 
   ValidateReport rep;
   const bool has_data = !o.data.empty();
-  const std::vector<Conversation> convs = has_data ? load_conversations(o.data) : std::vector<Conversation>{};
+  // Every conversation that cannot be read is listed (train would stop at the first).
+  const std::vector<Conversation> convs =
+      has_data ? load_conversations(o.data, &rep.bad_conversations) : std::vector<Conversation>{};
   const DatasetIndex index = DatasetIndex::load(o.index);
+  // An existing quarantine file: its ids are left out, as the loader leaves them out.
+  std::set<std::string> excluded;
+  {
+    std::error_code ec;
+    if (!o.quarantine.empty() && std::filesystem::exists(o.quarantine, ec)) excluded = load_quarantine(o.quarantine);
+  }
+  rep.quarantine_read = excluded.size();
   rep.conversations = convs.size();
   rep.records = index.size();
   rep.deep = o.deep;
@@ -264,10 +221,10 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   // match_records decides), or without --data every usable record of the index.
   Dataset d;
   if (has_data) {
-    d = match_records(convs, index, {}, o.match_by);
+    d = match_records(convs, index, excluded, o.match_by);
   } else {
     try {
-      d = index_dataset(index);
+      d = index_dataset(index, excluded);
     } catch (const Error&) {
       d.matched_by = "index";  // nothing usable: said below
     }
@@ -288,6 +245,36 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   std::vector<bool> matched_entry(index.size(), false);
   for (std::size_t i = 0; i < index.size(); ++i)
     matched_entry[i] = matched_at.count({std::string(index.file_path(i)), index.entry(i).record}) != 0;
+
+  // Files that moved, vanished or changed since indexing: the index no longer describes
+  // them and the loader would fail on them, so they are named here, with the fix (a dump
+  // folder moved away from its index used to pass and then fail in train with "none of the
+  // first 64 samples could be opened"). One stat per matched file, in parallel.
+  std::vector<std::string> stale(index.file_count());
+  {
+    std::vector<char> used(index.file_count(), 0);
+    for (std::size_t i = 0; i < index.size(); ++i)
+      if (matched_entry[i]) used[index.entry(i).file] = 1;
+    tbb::task_arena arena(o.jobs > 0 ? o.jobs : tbb::task_arena::automatic);
+    arena.execute([&] {
+      tbb::parallel_for(std::size_t{0}, used.size(), [&](std::size_t f) {
+        if (!used[f]) return;
+        const IndexFile file = index.file(f);
+        const std::string path(file.path);
+        struct stat st {};
+        if (::stat(path.c_str(), &st) != 0) {
+          stale[f] = std::string(IoError::from_errno(path, "cannot stat", errno).what()) +
+                     " (moved or deleted since indexing? re-run `eaglekit index`)";
+          return;
+        }
+        const std::int64_t mtime =
+            static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000LL + static_cast<std::int64_t>(st.st_mtim.tv_nsec);
+        if (static_cast<std::uint64_t>(st.st_size) != file.size || mtime != file.mtime_ns)
+          stale[f] = path + ": changed since indexing (" + std::to_string(file.size) + " bytes then, " +
+                     std::to_string(st.st_size) + " now, or a newer modification time): re-run `eaglekit index`";
+      });
+    });
+  }
 
   // The key an entry and a conversation meet on: the id, or with row matching the row
   // (record data_12 is conversation 12). Without --data the records are the conversations.
@@ -322,7 +309,8 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   {
     std::unordered_set<std::string> listed;
     for (std::size_t c = 0; c < convs.size(); ++c)
-      if (entry_count.count(conv_key[c]) == 0 && listed.insert(convs[c].id).second) rep.missing.push_back(convs[c].id);
+      if (entry_count.count(conv_key[c]) == 0 && !excluded.count(convs[c].id) && listed.insert(convs[c].id).second)
+        rep.missing.push_back(convs[c].id);
   }
   {
     std::set<std::string> dups;
@@ -330,6 +318,7 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
       if (conv_count[conv_key[c]] > 1) dups.emplace(convs[c].id);
     for (std::size_t i = 0; i < index.size(); ++i)
       if (!entry_key[i].empty() && entry_count[entry_key[i]] > 1) dups.emplace(sample_id(i));
+    for (const auto& id : excluded) dups.erase(id);
     rep.duplicate_ids.assign(dups.begin(), dups.end());
   }
 
@@ -353,12 +342,13 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
 
   // Ids to quarantine, by category.
   std::vector<std::string> q_unreadable, q_shape, q_dtype, q_nonfinite, q_short;
-  std::size_t fatal_shape = 0, fatal_dtype = 0, fatal_nonfinite = 0, fatal_unreadable = 0;
+  std::size_t fatal_shape = 0, fatal_dtype = 0, fatal_nonfinite = 0, fatal_unreadable = 0, fatal_stale = 0;
   std::vector<std::size_t> deep_entries;
 
   for (std::size_t i = 0; i < index.size(); ++i) {
     const IndexEntry e = index.entry(i);
     const std::string id = sample_id(i);
+    if (!id.empty() && excluded.count(id)) continue;  // quarantined already
     const std::string name = id.empty() ? location(index, e) : id;
     const bool matched = matched_entry[i];
     if (!e.ok) {
@@ -369,6 +359,12 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
         rep.unreadable.push_back({location(index, e), std::string(e.error), id});
         if (!id.empty()) q_unreadable.push_back(id);
       }
+      continue;
+    }
+    if (matched && !stale[e.file].empty()) {
+      rep.unreadable.push_back({location(index, e), stale[e.file], id});
+      if (!id.empty()) q_unreadable.push_back(id);
+      ++fatal_stale;
       continue;
     }
     if (has_data && (entry_key[i].empty() || conv_count.count(entry_key[i]) == 0)) rep.orphans.push_back(name);
@@ -475,10 +471,13 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
     rep.padding = scan_padding(index, candidates, sample_id, o.jobs);
   }
 
+  if (!rep.bad_conversations.empty())
+    rep.fatal.push_back(std::to_string(rep.bad_conversations.size()) +
+                        " conversations of --data cannot be read (train stops at the first): fix or remove those lines");
   if (rep.matched == 0) {
     try {
-      if (has_data) match_dataset(convs, index, {}, o.match_by);
-      else index_dataset(index);
+      if (has_data) match_dataset(convs, index, excluded, o.match_by);
+      else index_dataset(index, excluded);
     } catch (const Error& e) {
       rep.fatal.push_back(e.what());
     }
@@ -497,9 +496,14 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   if (fatal_unreadable > 0)
     rep.fatal.push_back(std::to_string(fatal_unreadable) +
                         " matched records could not be read in full (the index lists them as ok)");
+  if (fatal_stale > 0)
+    rep.fatal.push_back(std::to_string(fatal_stale) +
+                        " matched records are in files that moved, vanished or changed since the index was built: "
+                        "re-run `eaglekit index` (an index moved together with its dumps still finds them)");
   rep.ok = rep.fatal.empty();
 
   rep.quarantine_groups = {
+      {"quarantined before (" + o.quarantine + ")", std::vector<std::string>(excluded.begin(), excluded.end())},
       {"duplicate_ids", rep.duplicate_ids}, {"unreadable", q_unreadable},
       {"shape_mismatch", q_shape},          {"dtype_mismatch", q_dtype},
       {"nonfinite", q_nonfinite},           {"too_short", q_short},
@@ -530,6 +534,10 @@ std::string validate_report_to_json(const ValidateReport& r) {
             {"nonfinite", ids(r.nonfinite)},
             {"too_short", ids(r.too_short)},
             {"fatal", r.fatal}};
+  json bad = json::array();
+  for (const auto& b : r.bad_conversations) bad.push_back({{"line", b.source}, {"error", b.error}});
+  j["bad_conversations"] = bad;
+  j["quarantine_read"] = r.quarantine_read;
   j["matched_by"] = r.matched_by;
   j["padding"] = padding_json(r.padding);
   if (r.max_length > 0)
@@ -569,6 +577,16 @@ std::string validate_report_to_text(const ValidateReport& r) {
     for (const auto& p : ps) out.push_back(p.id + ": " + p.detail);
     return out;
   };
+  {
+    std::vector<std::string> lines;
+    for (const auto& b : r.bad_conversations) lines.push_back(b.source + ": " + b.error);
+    section("bad_conversations", r.bad_conversations.size(), "conversations of --data cannot be read", lines,
+            "train stops at the first of them: give each an id (\"conversation_id\", \"uuid\" or \"id\") or "
+            "remove the line");
+  }
+  if (r.quarantine_read > 0)
+    os << "\nquarantined before: " << r.quarantine_read << " ids of " << r.quarantine_path
+       << " left out, as training leaves them out (delete the file to check them again)\n";
   section("missing", r.missing.size(), "conversations have no record", r.missing,
           "the loader skips them; dump their hidden states if they should train");
   section("orphans", r.orphans.size(), "records match no conversation", r.orphans,

@@ -5,9 +5,9 @@
 // What is a warning and what is fatal follows one rule: a problem the loader skips by
 // itself (match_dataset leaves out conversations without a record, duplicated ids, records
 // the index marks bad, records under 2 tokens) is a warning; a problem in a record it would
-// train on (mixed hidden sizes or dtypes, NaN/Inf, a record --deep cannot read) makes the
-// dataset not trainable as is, and so does matching nothing. --quarantine writes the ids of
-// every problem record; the loader accepts that file and then skips them too.
+// train on (mixed hidden sizes or dtypes, NaN/Inf, a record --deep cannot read, a file moved
+// or changed since indexing) makes the dataset not trainable as is, and so does matching
+// nothing. --quarantine writes the ids of every problem record; the loader takes it too.
 //
 // Thread safety: validate_dataset is reentrant; --deep reads records in parallel (TBB).
 // Throws: what load_conversations and DatasetIndex::load throw (IoError, FormatError),
@@ -64,7 +64,10 @@ struct ValidateOptions {
   std::string index;        // built by `eaglekit index`
   bool deep = false;        // read every value of every matched record (NaN/Inf, checksums)
   std::int64_t max_length = 0;  // > 0: report what truncation to this many tokens drops
-  std::string quarantine;   // non-empty: write the ids to exclude here
+  // Non-empty: write the ids to exclude here. When the file already exists, its ids are left
+  // out first (as every other command's --quarantine does) and written again with the new
+  // problems, so that a dataset fixed by quarantining validates as trainable.
+  std::string quarantine;
   MatchBy match_by = MatchBy::kAuto;  // with data: by id, by row (lib/dataset.h)
   int jobs = 0;             // threads for --deep; 0: all cores
   int progress = -1;        // -1: a progress line when stderr is a terminal
@@ -89,6 +92,8 @@ struct ValidateReport {
   std::size_t records = 0;          // index entries, ok and bad
   std::size_t matched = 0;          // samples the loader would train on
   std::string matched_by = "id";    // "id", "row", or "index" (no conversations)
+  std::vector<BadConversation> bad_conversations;  // lines of --data that cannot be read (no id, bad JSON)
+  std::size_t quarantine_read = 0;        // ids of an existing --quarantine file left out
   std::vector<std::string> missing;       // conversation ids with no record
   std::vector<std::string> orphans;       // records with no conversation (id, or path)
   std::vector<std::string> duplicate_ids; // twice in the conversations or in the records
@@ -128,8 +133,8 @@ void write_validate_quarantine(ValidateReport& report, const std::string& path);
 
 // {"ok", "conversations", "records", "matched", "missing", "orphans", "duplicate_ids",
 //  "unreadable": [{"path", "error"}], "shape_mismatch", "dtype_mismatch", "nonfinite",
-//  "too_short"} (lists of ids), plus "truncation" with --max-length and "quarantine"
-// when one was written.
+//  "too_short"} (lists of ids), "bad_conversations": [{"line", "error"}], "quarantine_read",
+// plus "truncation" with --max-length and "quarantine" when one was written.
 std::string validate_report_to_json(const ValidateReport& report);
 // Counts, the first few of each problem and a hint of what to do.
 std::string validate_report_to_text(const ValidateReport& report);

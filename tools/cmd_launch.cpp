@@ -45,7 +45,7 @@ int run_launch(int argc, char** argv) {
       "--nproc-per-node NPROC`: each gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, "
       "MASTER_ADDR and MASTER_PORT; the launcher hosts the rendezvous store. SIGINT/SIGTERM "
       "are forwarded to every rank; when one rank fails the others are stopped, and the exit "
-      "code is the failed rank's. COMMAND is an eaglekit command (train, evaluate, ...) or a "
+      "code is the failed rank's (3 when the ranks were interrupted and saved a checkpoint). COMMAND is an eaglekit command (train, evaluate, ...) or a "
       "program.");
   if (!cl) return 0;
   if (!cl->given("nproc")) throw UsageError("--nproc is required (see --help)");

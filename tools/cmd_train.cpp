@@ -54,7 +54,8 @@ int run_train(int argc, char** argv) {
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",
       "Train an EAGLE-3 draft with training-time test on offline hidden states. Writes "
-      "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/ and OUT/final/.");
+      "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/ and OUT/final/. SIGINT or "
+      "SIGTERM saves a checkpoint and exits 3 (--resume continues).");
   if (!cl) return 0;
   cl->apply([&](const std::string& path) { o.apply_json(read_file(path), path); });
   o.progress = o.progress && stderr_is_tty();
@@ -73,7 +74,8 @@ int run_train(int argc, char** argv) {
   go.timeout = collective_timeout(o.timeout);
   const dist::Mesh mesh = dist::Mesh::from_environment(o.cp_size, go);
   const trainer::TrainResult r = trainer::run_training(o, &mesh);
-  if (!mesh.is_main()) return 0;
+  const int rc = r.interrupted ? trainer::kExitInterrupted : 0;
+  if (!mesh.is_main()) return rc;
   if (json) {
     nlohmann::ordered_json j;
     j["steps"] = r.steps;
@@ -102,7 +104,7 @@ int run_train(int argc, char** argv) {
     std::cout << "checkpoint: " << r.last_checkpoint << "\n";
     if (!r.final_dir.empty()) std::cout << "final draft: " << r.final_dir << "\n";
   }
-  return 0;
+  return rc;
 }
 
 }  // namespace eaglekit::tools

@@ -79,7 +79,8 @@ void print_usage(std::ostream& os) {
     name.resize(std::max<std::size_t>(name.size(), 14), ' ');
     os << "  " << name << c.summary << "\n";
   }
-  os << "\nexit codes: 0 ok, 1 data or runtime error, 2 usage error\n";
+  os << "\nexit codes: 0 ok, 1 data or runtime error, 2 usage error, 3 train interrupted (checkpoint saved;\n"
+        "            --resume continues)\n";
 }
 
 }  // namespace

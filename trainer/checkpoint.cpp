@@ -376,12 +376,22 @@ namespace {
 
 // The proposal and the verifier of a speculators export (see ExportCheckpointOptions).
 SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found,
-                                     const ExportCheckpointOptions& o, std::vector<std::string>& notes) {
+                                     const ExportCheckpointOptions& o, std::vector<std::string>& notes,
+                                     std::vector<std::string>& warnings) {
   if (o.speculative_tokens < 0) throw UsageError("--speculative-tokens must be at least 1");
   SpeculatorsInfo info;
   const auto run = run_options_of(source);
   if (o.speculative_tokens > 0) {
     info.speculative_tokens = o.speculative_tokens;
+    const auto steps = integer_option(run, "ttt_steps");
+    if (steps && o.speculative_tokens > steps->first)
+      warnings.push_back("--speculative-tokens " + std::to_string(o.speculative_tokens) + " asks the draft for more " +
+                         "tokens than the " + std::to_string(steps->first) + " TTT steps it was trained with (" +
+                         steps->second + "): tokens " + std::to_string(steps->first + 1) + " to " +
+                         std::to_string(o.speculative_tokens) +
+                         " come from steps it never trained and are mostly rejected; speculate at most " +
+                         std::to_string(steps->first) + ", or train with --ttt-steps " +
+                         std::to_string(o.speculative_tokens));
   } else if (const auto steps = integer_option(run, "ttt_steps")) {
     info.speculative_tokens = steps->first;
     notes.push_back("speculative tokens: " + std::to_string(info.speculative_tokens) +
@@ -401,6 +411,25 @@ SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSourc
     info.verifier = run->second["base"].get<std::string>();
     notes.push_back("verifier: " + info.verifier + ", the run's --base (" + run->first +
                     "); --verifier names the target as the server finds it");
+    // A local folder name ("smallbase", "/models/x") resolves only where it was typed; the
+    // base's config.json may name the model it came from.
+    std::error_code ec;
+    if (fs::is_directory(info.verifier, ec)) {
+      std::string hub;
+      std::ifstream f(fs::path(info.verifier) / "config.json");
+      const json j = json::parse(std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()),
+                                 nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("_name_or_path") && j["_name_or_path"].is_string())
+        hub = j["_name_or_path"].get<std::string>();
+      if (!hub.empty() && hub.front() != '/' && hub.front() != '.' && hub.find('/') != std::string::npos &&
+          !fs::exists(hub, ec))
+        warnings.push_back("verifier " + info.verifier + " is a local folder; its config.json names the model " + hub +
+                           ": if that is what the server loads, pass --verifier " + hub);
+      else
+        warnings.push_back("verifier " + info.verifier + " is a local folder, which the server resolves only if it "
+                           "finds the same path; pass --verifier with the name it serves the target under "
+                           "(e.g. meta-llama/Llama-3.1-8B-Instruct)");
+    }
   } else if (!found.speculators.verifier.empty()) {
     info.verifier = found.speculators.verifier;
     info.verifier_architectures = found.speculators.verifier_architectures;
@@ -462,9 +491,15 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   eo.allow_unservable = options.allow_unservable;
   eo.format = *format;
   if (*format == ExportFormat::kSpeculators) {
-    eo.speculators = speculators_info_for(source, found, options, r.notes);
+    eo.speculators = speculators_info_for(source, found, options, r.notes, r.warnings);
     r.speculative_tokens = eo.speculators.speculative_tokens;
     r.verifier = eo.speculators.verifier;
+  }
+  // The run's options go along as they are stored, so that the export says how the draft was
+  // trained wherever it is copied (final/ of the same run holds the same bytes).
+  if (const auto run = run_options_of(source)) {
+    std::ifstream f(run->first, std::ios::binary);
+    eo.run_options_json.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
   }
   export_draft_folder(draft, out_dir, eo);
   r.source = source;

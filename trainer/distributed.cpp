@@ -35,6 +35,8 @@
 #include <set>
 #include <sstream>
 
+#include "trainer/train.h"
+
 extern char** environ;
 
 namespace eaglekit::dist {
@@ -733,7 +735,12 @@ LaunchResult launch_local(const LaunchOptions& options) {
       auto& re = result.ranks[static_cast<std::size_t>(r)];
       re.exit_code = exit_code_of(status);
       re.stopped = signalled;
-      if (re.exit_code != 0 && result.first_failed < 0 && !result.timed_out) {
+      if (re.exit_code == trainer::kExitInterrupted && !signalled) {
+        // Stopped by a signal after its checkpoint: every rank of the job stops at the same
+        // step on its own (the stop flag is all-reduced), so this is no failure to stop the
+        // others for; the job's code says it was interrupted unless a rank fails.
+        if (result.first_failed < 0 && !result.timed_out) result.exit_code = trainer::kExitInterrupted;
+      } else if (re.exit_code != 0 && result.first_failed < 0 && !result.timed_out) {
         result.first_failed = r;
         result.exit_code = re.exit_code;
         stopping = true;

@@ -186,7 +186,7 @@ struct RankExit {
 };
 
 struct LaunchResult {
-  int exit_code = 0;        // 0, or the exit code of the first rank that failed
+  int exit_code = 0;        // 0, the first failed rank's code, or 3 (all stopped on a signal)
   int first_failed = -1;    // that rank, -1 when all succeeded
   bool timed_out = false;
   std::vector<RankExit> ranks;
@@ -195,8 +195,8 @@ struct LaunchResult {
 // Blocks until every rank has exited. SIGINT and SIGTERM received meanwhile are forwarded
 // to every rank (the ranks run in their own process group so a terminal's ^C reaches them
 // once, through us; they get SIGTERM if we die). When one rank fails, the others are
-// stopped (see stop_grace). Throws UsageError on bad options, IoError when a process
-// cannot be started.
+// stopped (see stop_grace); exit 3, train's kExitInterrupted, is no failure. Throws
+// UsageError on bad options, IoError when a process cannot be started.
 LaunchResult launch_local(const LaunchOptions& options);
 
 }  // namespace eaglekit::dist

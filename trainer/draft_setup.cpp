@@ -27,29 +27,42 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The draft's d2t for a fresh run: --d2t, else counted over the train split when the
-// draft vocabulary is smaller, else the identity.
-at::Tensor fresh_d2t(const TrainOptions& o, const BaseConfig& base, const SelectedData& data,
-                     const std::function<void(const std::string&)>& say) {
+// The draft vocabulary of a fresh run: --d2t's size (which --draft-vocab-size, when given,
+// must equal), else --draft-vocab-size, else the base's whole vocabulary.
+std::int64_t fresh_draft_vocab_size(const TrainOptions& o, const BaseConfig& base) {
   if (!o.d2t.empty()) {
-    at::Tensor d2t = load_d2t(o.d2t);
-    if (o.draft_vocab_size > 0 && d2t.size(0) != o.draft_vocab_size) {
-      throw UsageError("--d2t " + o.d2t + " holds " + std::to_string(d2t.size(0)) +
-                       " entries but --draft-vocab-size is " + std::to_string(o.draft_vocab_size));
+    const std::int64_t n = load_d2t(o.d2t).size(0);
+    if (o.draft_vocab_size > 0 && n != o.draft_vocab_size) {
+      throw UsageError("--d2t " + o.d2t + " holds " + std::to_string(n) + " entries but --draft-vocab-size is " +
+                       std::to_string(o.draft_vocab_size));
     }
-    return d2t;
+    return n;
   }
   const std::int64_t vd = o.draft_vocab_size > 0 ? o.draft_vocab_size : base.vocab_size;
   if (vd > base.vocab_size) {
     throw UsageError("--draft-vocab-size " + std::to_string(vd) + " exceeds the base vocabulary (" +
                      std::to_string(base.vocab_size) + ")");
   }
+  return vd;
+}
+
+// The d2t of a fresh run with `vd` draft tokens: --d2t, else counted over the train split
+// when the draft vocabulary is smaller, else the identity.
+at::Tensor fresh_d2t(const TrainOptions& o, const BaseConfig& base, std::int64_t vd, const SelectedData& data,
+                     const std::function<void(const std::string&)>& say) {
+  if (!o.d2t.empty()) return load_d2t(o.d2t);
   if (vd == base.vocab_size) return identity_d2t(base.vocab_size);
   const auto t0 = Clock::now();
   const auto counts = count_tokens(data.dataset, data.samples, base.vocab_size, o.jobs);
   say("draft vocabulary: the " + std::to_string(vd) + " most frequent of " + std::to_string(base.vocab_size) +
       " tokens, counted over the train split in " + std::to_string(seconds_since(t0)).substr(0, 4) + " s");
   return d2t_from_counts(counts, vd);
+}
+
+std::string ids_text(const std::vector<std::int64_t>& ids) {
+  std::string s;
+  for (auto id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
 }
 
 // A copy of `draft` whose config differs only in `config` (aux ids, norm form).
@@ -117,76 +130,104 @@ std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::M
   return resumed;
 }
 
-DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const RecordShape& shape,
-                       const SelectedData& train_data, const LoadedCheckpoint* resumed, const Say& say) {
-  const BaseConfig& bc = base.config;
+DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const RecordShape& shape,
+                           const DraftOrigin& origin) {
   const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
-
-  std::optional<DraftModel> draft_holder;
-  if (resumed) {
-    check_draft_layers(o, resumed->draft.config(), resumed->dir);
-    draft_holder.emplace(resumed->draft);
-  } else if (!o.init_draft.empty()) {
-    DraftSource source;
-    DraftModel init = load_draft(o.init_draft, &source);
-    DraftConfig c = init.config();
-    bool changed = false;
+  DraftDecision d;
+  if (origin.kind == DraftOrigin::Kind::kResume) {
+    d.config = *origin.config;
+    check_draft_layers(o, d.config, origin.dir);
+    d.source = "resume " + origin.dir;
+    d.aux_layer_ids_source = "the draft";
+  } else if (origin.kind == DraftOrigin::Kind::kInit) {
+    DraftConfig c = *origin.config;
+    d.aux_layer_ids_source = "the draft";
     if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
       c.aux_layer_ids = o.aux_layer_ids;
-      changed = true;
+      d.config_changed = true;
+      d.aux_layer_ids_source = "--aux-layer-ids";
     } else if (c.aux_layer_ids.empty() && c.num_aux_layers == 3 && bc.num_hidden_layers >= 6) {
       // Published configs often name no aux layers; the engines then use EAGLE-3's default.
       c.aux_layer_ids = default_aux_layer_ids(bc.num_hidden_layers);
-      changed = true;
-      std::string ids;
-      for (auto id : c.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
-      say("--init-draft names no aux layer ids: " + ids + ", EAGLE-3's default for a " +
-          std::to_string(bc.num_hidden_layers) + "-layer base; pass --aux-layer-ids if the dump used others");
+      d.config_changed = true;
+      d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                               "-layer base (2, N/2, N-3); the draft names none";
+      d.said.push_back("--init-draft names no aux layer ids: " + ids_text(c.aux_layer_ids) +
+                       ", EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                       "-layer base; pass --aux-layer-ids if the dump used others");
     }
     if (o.modelopt_norm && !c.modelopt_norm) {
       c.modelopt_norm = true;
-      changed = true;
+      d.config_changed = true;
     }
-    check_draft_layers(o, c, o.init_draft);
+    check_draft_layers(o, c, origin.dir);
     if (o.draft_vocab_size > 0 && o.draft_vocab_size != c.draft_vocab_size) {
       throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from --init-draft's (" +
                        std::to_string(c.draft_vocab_size) + ")");
     }
-    if (!o.d2t.empty() && !at::equal(load_d2t(o.d2t).to(at::kLong), init.d2t().to(at::kCPU))) {
-      throw UsageError("--d2t " + o.d2t + " differs from the d2t of --init-draft " + o.init_draft +
+    if (!o.d2t.empty() && !at::equal(load_d2t(o.d2t).to(at::kLong), origin.d2t().to(at::kCPU).to(at::kLong))) {
+      throw UsageError("--d2t " + o.d2t + " differs from the d2t of --init-draft " + origin.dir +
                        " (its lm_head rows belong to its own d2t)");
     }
     c.check();
-    draft_holder.emplace(changed ? with_config(init, c) : init);
-    say("starting from the draft in " + o.init_draft + " (" + source.layout + ")");
+    d.config = c;
+    d.source = "--init-draft " + origin.dir + (origin.layout.empty() ? "" : " (" + origin.layout + ")");
   } else {
     DraftOptions dopts;
-    const at::Tensor d2t = fresh_d2t(o, bc, train_data, say);
-    dopts.draft_vocab_size = d2t.size(0);
+    dopts.draft_vocab_size = fresh_draft_vocab_size(o, bc);
     dopts.num_aux_layers = aux_layers;
     dopts.aux_layer_ids = o.aux_layer_ids;
     dopts.modelopt_norm = o.modelopt_norm;
     dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
-    const DraftConfig c = draft_config_from_base(bc, dopts);
-    if (o.aux_layer_ids.empty() && !c.aux_layer_ids.empty()) {
-      std::string ids;
-      for (auto id : c.aux_layer_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
-      say("aux layer ids " + ids + ": EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
-          "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used others");
+    d.config = draft_config_from_base(bc, dopts);
+    d.source = "fresh from the base";
+    d.aux_layer_ids_source = "--aux-layer-ids";
+    if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {
+      d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                               "-layer base (2, N/2, N-3)";
+      d.said.push_back("aux layer ids " + ids_text(d.config.aux_layer_ids) + ": EAGLE-3's default for a " +
+                       std::to_string(bc.num_hidden_layers) +
+                       "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used "
+                       "others");
     }
-    draft_holder.emplace(c, d2t, base.lm_head.to(at::kCPU), o.seed);
   }
-  DraftModel draft = *draft_holder;
-  {
-    const DraftConfig& c = draft.config();
-    if (c.hidden_size != bc.hidden_size || c.vocab_size != bc.vocab_size) {
-      throw UsageError("the draft (hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
-                       ") does not fit the base (hidden " + std::to_string(bc.hidden_size) + ", vocab " +
-                       std::to_string(bc.vocab_size) + ")");
-    }
-    check_draft_fits_data(c, shape, o.allow_unservable);
+  const DraftConfig& c = d.config;
+  if (c.hidden_size != bc.hidden_size || c.vocab_size != bc.vocab_size) {
+    throw UsageError("the draft (hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+                     ") does not fit the base (hidden " + std::to_string(bc.hidden_size) + ", vocab " +
+                     std::to_string(bc.vocab_size) + ")");
   }
-  return draft;
+  check_draft_fits_data(c, shape, o.allow_unservable);
+  return d;
+}
+
+DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const RecordShape& shape,
+                       const SelectedData& train_data, const LoadedCheckpoint* resumed, const Say& say) {
+  const BaseConfig& bc = base.config;
+  DraftOrigin origin;
+  std::optional<DraftModel> init;
+  if (resumed) {
+    origin.kind = DraftOrigin::Kind::kResume;
+    origin.dir = resumed->dir;
+    origin.config = &resumed->draft.config();
+  } else if (!o.init_draft.empty()) {
+    DraftSource source;
+    init.emplace(load_draft(o.init_draft, &source));
+    origin.kind = DraftOrigin::Kind::kInit;
+    origin.dir = o.init_draft;
+    origin.layout = source.layout;
+    origin.config = &init->config();
+    origin.d2t = [&] { return init->d2t(); };
+  }
+  const DraftDecision d = decide_draft(o, bc, shape, origin);
+  for (const auto& line : d.said) say(line);
+  if (resumed) return resumed->draft;
+  if (init) {
+    say("starting from the draft in " + o.init_draft + " (" + origin.layout + ")");
+    return d.config_changed ? with_config(*init, d.config) : *init;
+  }
+  const at::Tensor d2t = fresh_d2t(o, bc, d.config.draft_vocab_size, train_data, say);
+  return DraftModel(d.config, d2t, base.lm_head.to(at::kCPU), o.seed);
 }
 
 }  // namespace eaglekit::trainer

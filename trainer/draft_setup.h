@@ -11,8 +11,10 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "trainer/checkpoint.h"
+#include "trainer/config.h"
 
 namespace eaglekit {
 struct RecordShape;
@@ -42,6 +44,31 @@ void check_draft_fits_data(const DraftConfig& config, const RecordShape& shape, 
 // UsageError when --draft-layers was given and differs from the layers of the draft read
 // from `source` (an --init-draft folder or a checkpoint): a draft keeps its depth.
 void check_draft_layers(const TrainOptions& options, const DraftConfig& config, const std::string& source);
+
+// Where the draft of a run comes from, as far as the decision needs it: nothing (fresh),
+// or the config (and, for --init-draft, the d2t) of the checkpoint or folder it starts from.
+struct DraftOrigin {
+  enum class Kind { kFresh, kInit, kResume };
+  Kind kind = Kind::kFresh;
+  std::string dir;                       // the checkpoint or --init-draft folder
+  std::string layout;                    // --init-draft: the layout load_draft recognised
+  const DraftConfig* config = nullptr;   // its config (kInit, kResume); outlives the call
+  std::function<at::Tensor()> d2t;       // kInit: its d2t, asked for only to compare --d2t
+};
+
+// What a run decides about its draft before it loads or builds any weights, in one place
+// for `train` (setup_draft) and `train --dry-run` (plan_training): the config, where it
+// comes from, the lines train says about defaults it applied, and every check against the
+// options, the base and the data. UsageError naming what to pass.
+struct DraftDecision {
+  DraftConfig config;
+  std::string source;                // "fresh from the base", "--init-draft DIR (layout)", "resume DIR"
+  std::string aux_layer_ids_source;  // "--aux-layer-ids", "the draft", "EAGLE-3's default ..."
+  std::vector<std::string> said;     // what train prints about it
+  bool config_changed = false;       // kInit: differs from the folder's (aux ids, norm form)
+};
+DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
+                           const DraftOrigin& origin);
 
 // With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
 // was saved by another world size or cp. Without: nullopt, after checking (on the main

@@ -70,6 +70,8 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   std::filesystem::create_directories(dir, ec);
   if (ec) throw IoError(dir + ": cannot create folder: " + ec.message());
   write_safetensors(dir + "/model.safetensors", tensors);
+  if (!options.run_options_json.empty())
+    write_file_atomic(dir + "/train_options.json", options.run_options_json.data(), options.run_options_json.size());
   write_file_atomic(dir + "/config.json", config_text.data(), config_text.size());
 }
 
@@ -91,7 +93,7 @@ void export_draft_folder(const DraftModel& draft, const std::string& dir, const 
     for (const auto& e : fs::directory_iterator(target, ec)) {
       const std::string name = e.path().filename().string();
       const bool file = e.is_regular_file(ec);
-      if (file && (name == "config.json" || name == "model.safetensors" ||
+      if (file && (name == "config.json" || name == "model.safetensors" || name == "train_options.json" ||
                    name.find(".tmp.") != std::string::npos))
         continue;
       throw UsageError(dir + ": holds " + name + (file ? "" : " (not a file)") +

@@ -49,6 +49,10 @@ struct ExportOptions {
   // with `speculators` (the speculative token count and the verifier).
   ExportFormat format = ExportFormat::kEaglekit;
   SpeculatorsInfo speculators;
+  // The TrainOptions JSON of the run that trained the draft, written beside the weights as
+  // train_options.json ("" when unknown: nothing is written), so that a copy of the folder
+  // still says how it was trained (evaluate takes --ttt-steps and --max-length from it).
+  std::string run_options_json;
 };
 
 // UsageError naming why no serving engine runs `config` as trained (ModelOpt's norm form),

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "formats/error.h"
 
@@ -26,6 +29,40 @@ double learning_rate(double lr, Schedule schedule, std::int64_t warmup_steps, st
   const double progress = std::clamp(static_cast<double>(step - warmup_steps) / span, 0.0, 1.0);
   if (schedule == Schedule::kLinear) return lr * (1.0 - progress);
   return lr * 0.5 * (1.0 + std::cos(kPi * progress));
+}
+
+namespace {
+
+std::string rate_text(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g", x);
+  return buf;
+}
+
+}  // namespace
+
+std::string schedule_text(double lr, Schedule schedule, std::int64_t warmup, std::int64_t total) {
+  std::string s(schedule_name(schedule));
+  if (warmup > 0) s += ", warmup " + std::to_string(warmup) + " steps to " + rate_text(lr);
+  else s += " from " + rate_text(lr);
+  if (schedule != Schedule::kConstant) s += ", then to 0 at step " + std::to_string(total);
+  std::vector<std::int64_t> at = {1, std::min(warmup, total), (total + 1) / 2, total};
+  std::sort(at.begin(), at.end());
+  at.erase(std::unique(at.begin(), at.end()), at.end());
+  std::string points;
+  for (const std::int64_t k : at)
+    if (k >= 1 && k <= total)
+      points += (points.empty() ? "" : ", ") + ("step " + std::to_string(k) + " " +
+                                                 rate_text(learning_rate(lr, schedule, warmup, total, k - 1)));
+  return points.empty() ? s : s + ": " + points;
+}
+
+std::string schedule_warning(double lr, Schedule schedule, std::int64_t warmup, std::int64_t total) {
+  if (warmup <= 0 || total <= 0 || warmup < total) return "";
+  const double last = learning_rate(lr, schedule, warmup, total, total - 1);
+  return "--warmup-steps " + std::to_string(warmup) + " is not shorter than the run (" + std::to_string(total) +
+         " steps): the learning rate never leaves warmup and reaches only " + rate_text(last) + " (--lr " +
+         rate_text(lr) + "); give fewer --warmup-steps (a few percent of the run) or more steps";
 }
 
 // --- AdamW -----------------------------------------------------------------------------

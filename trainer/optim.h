@@ -27,6 +27,13 @@ namespace eaglekit::trainer {
 // wasted).
 double learning_rate(double lr, Schedule schedule, std::int64_t warmup_steps, std::int64_t total_steps,
                      std::int64_t step);
+// The schedule in words, with the rate at a few steps (1-based, as the metrics count them):
+// "cosine, warmup 200 steps to 0.0001, then to 0 at step 10000: step 1 5e-07, step 200
+// 0.0001, step 5100 5e-05, step 10000 ...".
+std::string schedule_text(double lr, Schedule schedule, std::int64_t warmup_steps, std::int64_t total_steps);
+// A warning when the run never leaves warmup (warmup_steps >= total_steps): the peak rate is
+// never reached and the draft barely trains. "" when the schedule is sound.
+std::string schedule_warning(double lr, Schedule schedule, std::int64_t warmup_steps, std::int64_t total_steps);
 
 // --- optimizer -------------------------------------------------------------------------
 

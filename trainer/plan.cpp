@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 
 #include "formats/error.h"
@@ -14,7 +15,9 @@
 #include "trainer/config.h"
 #include "trainer/run_setup.h"
 #include "trainer/draft_setup.h"
+#include "trainer/draft_model.h"
 #include "trainer/export.h"
+#include "trainer/optim.h"
 #include "trainer/train.h"
 #include "trainer/vocab.h"
 
@@ -105,31 +108,30 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.hidden = shape.hidden;
   p.aux_layers = aux_layers_of(shape, bc, o.base);
 
-  DraftConfig c;
-  if (o.resume || !o.init_draft.empty()) {
-    const std::string dir =
-        o.resume ? resolve_resume(o.resume_from.empty() ? o.out : o.resume_from) : o.init_draft;
-    c = load_draft_config(dir);
-    p.draft_source = (o.resume ? "resume " : "--init-draft ") + dir;
-    if (!o.aux_layer_ids.empty() && !o.resume) c.aux_layer_ids = o.aux_layer_ids;
-    check_draft_layers(o, c, dir);
-    p.aux_layer_ids_source = !o.aux_layer_ids.empty() && !o.resume ? "--aux-layer-ids" : "the draft";
-  } else {
-    DraftOptions d;
-    d.num_aux_layers = p.aux_layers;
-    d.aux_layer_ids = o.aux_layer_ids;
-    d.modelopt_norm = o.modelopt_norm;
-    d.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
-    d.draft_vocab_size = o.draft_vocab_size;
-    if (!o.d2t.empty()) d.draft_vocab_size = load_d2t(o.d2t).size(0);
-    c = draft_config_from_base(bc, d);
-    p.draft_source = "fresh from the base";
-    p.aux_layer_ids_source = !o.aux_layer_ids.empty() ? "--aux-layer-ids"
-                                                      : "EAGLE-3's default for a " +
-                                                            std::to_string(bc.num_hidden_layers) +
-                                                            "-layer base (2, N/2, N-3)";
+  // The draft: decided by the code train runs (decide_draft), so that a plan accepts what
+  // train accepts and says what train would say. --init-draft is read whole, as train does.
+  DraftOrigin origin;
+  std::optional<DraftConfig> origin_config;
+  std::optional<DraftModel> init;
+  if (o.resume) {
+    origin.kind = DraftOrigin::Kind::kResume;
+    origin.dir = resolve_resume(o.resume_from.empty() ? o.out : o.resume_from);
+    origin_config = load_draft_config(origin.dir);
+    origin.config = &*origin_config;
+  } else if (!o.init_draft.empty()) {
+    DraftSource source;
+    init.emplace(load_draft(o.init_draft, &source));
+    origin.kind = DraftOrigin::Kind::kInit;
+    origin.dir = o.init_draft;
+    origin.layout = source.layout;
+    origin.config = &init->config();
+    origin.d2t = [&] { return init->d2t(); };
   }
-  check_draft_fits_data(c, shape, o.allow_unservable);
+  const DraftDecision decision = decide_draft(o, bc, shape, origin);
+  const DraftConfig& c = decision.config;
+  p.draft_source = decision.source;
+  p.aux_layer_ids_source = decision.aux_layer_ids_source;
+  for (const auto& line : decision.said) p.notes.push_back(line);
   p.aux_layer_ids = c.aux_layer_ids;
   p.draft_vocab_size = c.draft_vocab_size;
   p.draft_config_json = draft_config_json(c);
@@ -146,17 +148,44 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.rows_per_step = o.batch_size * o.grad_accum * p.dp_size;
   p.steps_per_epoch = o.steps_per_epoch(loader.steps_in_epoch());
   p.total_steps = o.total_steps(loader.steps_in_epoch());
+  p.schedule = schedule_text(o.lr, o.schedule, o.warmup_steps, p.total_steps);
+  if (const std::string w = schedule_warning(o.lr, o.schedule, o.warmup_steps, p.total_steps); !w.empty())
+    p.warnings.push_back(w);
+
+  // Padding: in pad mode every row is max_length long whatever its record's length.
+  {
+    std::vector<std::int64_t> lengths;
+    for (const auto& s : train.samples) lengths.push_back(std::min(s.tokens, o.max_length));
+    std::sort(lengths.begin(), lengths.end());
+    p.median_tokens = lengths.empty() ? 0 : lengths[lengths.size() / 2];
+    if (o.mode == CollateMode::kPad && p.train_samples > 0) {
+      const double rows_tokens = static_cast<double>(p.train_samples) * static_cast<double>(o.max_length);
+      p.padding_share = 1.0 - static_cast<double>(p.tokens_per_epoch) / rows_tokens;
+      if (p.padding_share >= 0.5) {
+        std::ostringstream w;
+        w << "--mode pad at --max-length " << o.max_length << " spends " << static_cast<int>(100 * p.padding_share + 0.5)
+          << "% of every step on padding (the median train record has " << p.median_tokens
+          << " tokens); --mode pack fills rows with several records, about "
+          << std::max<std::int64_t>(1, static_cast<std::int64_t>(rows_tokens / std::max<double>(1, p.tokens_per_epoch)))
+          << "x fewer rows for the same samples, and scores the same";
+        p.warnings.push_back(w.str());
+      }
+    }
+  }
 
   p.state_bytes = 16.0 * static_cast<double>(p.parameters);
   p.base_bytes = 4.0 * static_cast<double>(bc.vocab_size * bc.hidden_size) * (bc.tie_word_embeddings ? 1 : 2);
   const std::int64_t length = (o.max_length + p.cp_size - 1) / p.cp_size;
   p.activation_bytes = activation_bytes(c, o.batch_size, length, o.ttt_steps);
+  if (o.device != "cpu" && !at::hasCUDA())
+    p.notes.push_back("--device " + o.device + ": not checked here (this LibTorch has no CUDA device); train checks it");
   return p;
 }
 
 std::string TrainPlan::to_text() const {
   std::ostringstream os;
   for (const auto& n : notes) os << "note: " << n << "\n";
+  for (const auto& w : warnings) os << "warning: " << w << "\n";
   os << "data:        " << summary << "\n";
   os << "split:       " << train_samples << " train, " << eval_samples << " eval samples; " << tokens_per_epoch
      << " train tokens per epoch\n";
@@ -169,6 +198,7 @@ std::string TrainPlan::to_text() const {
   os << "mesh:        " << world_size << " rank(s): dp " << dp_size << " x cp " << cp_size << "\n";
   os << "steps:       " << total_steps << " optimizer steps (" << steps_per_epoch << " per epoch) of " << rows_per_step
      << " rows\n";
+  os << "lr:          " << schedule << "\n";
   os << "memory/rank: about " << gib(total_bytes()) << " (estimate: draft state " << gib(state_bytes) << ", base "
      << gib(base_bytes) << ", activations of one micro-batch " << gib(activation_bytes) << ")\n";
   os << "config.json of final/:\n" << draft_config_json;
@@ -197,12 +227,16 @@ std::string TrainPlan::to_json() const {
   j["rows_per_step"] = rows_per_step;
   j["steps_per_epoch"] = steps_per_epoch;
   j["total_steps"] = total_steps;
+  j["schedule"] = schedule;
+  j["median_tokens"] = median_tokens;
+  j["padding_share"] = padding_share;
   j["memory_estimate_bytes"] = {{"draft_state", state_bytes},
                                 {"base", base_bytes},
                                 {"activations", activation_bytes},
                                 {"total", total_bytes()}};
   j["draft_config"] = json::parse(draft_config_json);
   j["notes"] = notes;
+  j["warnings"] = warnings;
   return j.dump();
 }
 

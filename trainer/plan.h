@@ -12,6 +12,10 @@
 // included). Expect the real peak within a factor of about two; it is meant to tell 8 GB
 // from 80 GB before a job is queued.
 //
+// The draft is decided by the function train uses (trainer/draft_setup.h decide_draft), so a
+// plan accepts what train accepts. --device is not opened: a plan for a GPU job runs on a
+// login node without one.
+//
 // Errors: the UsageError train would throw for the same options (a missing option, an
 // unknown aux layer id, a draft that does not fit the data), and what reading throws.
 #pragma once
@@ -46,7 +50,13 @@ struct TrainPlan {
   double base_bytes = 0;        // embed_tokens + lm_head
   double activation_bytes = 0;  // one micro-batch's TTT unroll, kept for backward
   double total_bytes() const { return state_bytes + base_bytes + activation_bytes; }
+  std::string schedule;              // the learning-rate schedule with a few of its rates
+  std::int64_t median_tokens = 0;    // of the train records, cut at max_length
+  double padding_share = 0;          // --mode pad: share of row tokens that are padding
   std::vector<std::string> notes;  // defaults applied, as train says them
+  // Things that would waste the run: warmup not shorter than it, padding above half of
+  // every row in pad mode.
+  std::vector<std::string> warnings;
 
   std::string to_text() const;
   std::string to_json() const;

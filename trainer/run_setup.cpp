@@ -9,10 +9,10 @@
 
 namespace eaglekit::trainer {
 
-c10::Device parse_device(const std::string& name) {
+c10::Device parse_device(const std::string& name, bool check_available) {
   if (name == "cpu") return c10::Device(c10::kCPU);
   if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
-    if (!at::hasCUDA()) {
+    if (check_available && !at::hasCUDA()) {
       throw UsageError("--device " + name +
                        ": this LibTorch has no usable CUDA device (build against a CUDA LibTorch, "
                        "or use --device cpu)");

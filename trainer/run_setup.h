@@ -27,9 +27,10 @@ class Mesh;
 
 namespace eaglekit::trainer {
 
-// "cpu", "cuda", "cuda:N". Throws UsageError for anything else, and when CUDA is asked for
-// but this LibTorch has no usable CUDA device.
-c10::Device parse_device(const std::string& name);
+// "cpu", "cuda", "cuda:N". Throws UsageError for anything else, and, when `check_available`,
+// when CUDA is asked for but this LibTorch has no usable CUDA device (a --dry-run plans a GPU
+// job on a machine without one).
+c10::Device parse_device(const std::string& name, bool check_available = true);
 // kFloat32 -> nullopt (no autocast); kBFloat16 -> kBFloat16 (autocast).
 std::optional<c10::ScalarType> autocast_type(ComputeDType dtype);
 

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -131,7 +132,7 @@ void TrainOptions::check() const {
     throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
   if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
   if (!export_dtype.empty()) parse_float_dtype(export_dtype);
-  parse_device(device);
+  parse_device(device, /*check_available=*/false);  // run_training checks the device itself
 }
 
 // --- the loop --------------------------------------------------------------------------
@@ -233,12 +234,42 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     step = st.step;
     tokens_total = st.tokens;
     result.resumed_from = resumed->dir;
-    // Same stopping rule as the saved run: the schedule continues exactly.
+    // Same stopping rule as the saved run: the schedule continues exactly. Another one
+    // re-plans it over the new length, and the learning rate jumps: said, with both values.
     TrainOptions saved;
     saved.apply_json(resumed->checkpoint.options_json, resumed->dir + "/train_options.json");
-    if (saved.max_steps == opts.max_steps && saved.epochs == opts.epochs && saved.grad_accum == opts.grad_accum &&
-        saved.batch_size == opts.batch_size)
-      total_steps = st.schedule_total_steps;
+    std::vector<std::string> changed;
+    auto differs = [&](const char* flag, auto was, auto now) {
+      if (was == now) return;
+      std::ostringstream os;
+      os << flag << " " << was << " -> " << now;
+      changed.push_back(os.str());
+    };
+    differs("--max-steps", saved.max_steps, opts.max_steps);
+    differs("--epochs", saved.epochs, opts.epochs);
+    differs("--grad-accum", saved.grad_accum, opts.grad_accum);
+    differs("--batch-size", saved.batch_size, opts.batch_size);
+    const bool same_length = changed.empty();
+    differs("--lr", saved.lr, opts.lr);
+    differs("--warmup-steps", saved.warmup_steps, opts.warmup_steps);
+    differs("--schedule", schedule_name(saved.schedule), schedule_name(opts.schedule));
+    total_steps = same_length ? st.schedule_total_steps : opts.total_steps(loader.steps_in_epoch());
+    const double lr_saved = learning_rate(saved.lr, saved.schedule, saved.warmup_steps, st.schedule_total_steps, step);
+    const double lr_now = learning_rate(opts.lr, opts.schedule, opts.warmup_steps, total_steps, step);
+    char lrs[96];
+    std::snprintf(lrs, sizeof lrs, "%.3g", lr_now);
+    std::string line = std::string(schedule_name(opts.schedule)) + " schedule over " + std::to_string(total_steps) +
+                       " steps, step " + std::to_string(step + 1) + " at lr " + lrs;
+    if (changed.empty()) {
+      say("learning-rate schedule continues: " + line);
+    } else {
+      std::string what;
+      for (const auto& c : changed) what += (what.empty() ? "" : ", ") + c;
+      std::snprintf(lrs, sizeof lrs, "%.3g", lr_saved);
+      say("learning-rate schedule changed on resume (" + what + "): " + line + (same_length ? "" : ", re-planned from step 0") +
+          "; the saved run's schedule (" + std::to_string(st.schedule_total_steps) + " steps) had " + lrs +
+          " there. Resume with the saved options to continue it unchanged");
+    }
   }
   if (total_steps <= 0) total_steps = opts.total_steps(loader.steps_in_epoch());
   result.start_step = step;
@@ -252,6 +283,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       std::to_string(world) + " rank(s), " + std::to_string(at::get_num_threads()) + " threads, device " +
       device.str() + ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
       (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
+  if (!resumed) say("learning rate: " + schedule_text(opts.lr, opts.schedule, opts.warmup_steps, total_steps));
+  if (const std::string w = schedule_warning(opts.lr, opts.schedule, opts.warmup_steps, total_steps); !w.empty())
+    say("warning: " + w);
 
   // --- output: metrics.jsonl and TensorBoard, rank 0 ---
   std::unique_ptr<MetricsLog> log;
@@ -389,12 +423,33 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       if (show_progress) std::cerr << "\n";
       auto name = [](double x) { return std::string(std::isnan(x) ? "NaN" : x > 0 ? "+inf" : "-inf"); };
       const std::string what = !std::isfinite(loss) ? "the loss is " + name(loss) : "the gradient norm is " + name(grad_norm);
+      // Name the batch, and the size of its values: the loader has already left out records
+      // with NaN or Inf, so a finite but absurd value (a damaged dump of a format without
+      // checksums) shows here as a huge largest |value|, and a normal one points at the
+      // optimization instead.
+      std::string ids;
+      std::size_t n_ids = 0;
+      double largest = 0;
+      for (const Batch& b : micro) {
+        for (const auto& id : b.conversation_ids)
+          if (n_ids++ < 8) ids += (ids.empty() ? "" : ", ") + id;
+        if (b.rows() > 0)
+          largest = std::max({largest, b.hidden_states.abs().max().item<double>(),
+                              b.aux_hidden_states.abs().max().item<double>()});
+      }
+      if (n_ids > 8) ids += ", ... (" + std::to_string(n_ids) + " in all)";
+      char big[32];
+      std::snprintf(big, sizeof big, "%.3g", largest);
       throw TrainingError("training stopped at step " + std::to_string(step + 1) + " (epoch " +
-                          std::to_string(epoch_of_step) + "): " + what +
+                          std::to_string(epoch_of_step) + "): " + what + " on the batch of conversations " +
+                          (ids.empty() ? std::string("(none on this rank)") : ids) +
+                          ", whose hidden states are finite with largest |value| " + big +
+                          (world > 1 ? " on this rank" : "") +
                           "; nothing was saved after it, the last good checkpoint is " +
                           (result.last_checkpoint.empty() ? last_good_hint : result.last_checkpoint) +
-                          ". Try a lower --lr, more --warmup-steps or --grad-clip, or check the data "
-                          "(eaglekit validate)");
+                          ". If that value is far beyond what the base produces, check those records "
+                          "(eaglekit validate --deep, eaglekit inspect --stats) and leave them out with "
+                          "--quarantine; otherwise try a lower --lr, more --warmup-steps or --grad-clip");
     }
     lr = learning_rate(opts.lr, opts.schedule, opts.warmup_steps, total_steps, step);
     optimizer.step(lr);
@@ -455,6 +510,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     ExportOptions eo;
     eo.serving = true;
     eo.allow_unservable = opts.allow_unservable;
+    eo.run_options_json = opts.to_json();  // the bytes each checkpoint's train_options.json holds
     std::vector<std::string> warnings;
     eo.dtype = serving_export_dtype(opts.export_dtype, draft.config(), warnings);
     for (auto& w : serving_warnings(draft.config())) warnings.push_back(std::move(w));

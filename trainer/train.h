@@ -85,6 +85,12 @@ struct TrainHooks {
   std::function<double(std::int64_t step)> normalizer_scale;
 };
 
+// The exit code of a `train` stopped by SIGINT or SIGTERM after saving its checkpoint
+// (--resume continues), so that `train ... && export ...` does not export a half-trained
+// draft; 0 ok, 1 error and 2 bad usage are the other codes of every command. `launch`
+// passes it on without stopping the other ranks, which stop at the same step on their own.
+constexpr int kExitInterrupted = 3;
+
 struct TrainResult {
   std::int64_t steps = 0;          // optimizer steps done, counting those before a resume
   std::int64_t start_step = 0;     // where this run began (the resumed checkpoint's step)

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -204,12 +205,12 @@ TEST_CASE("index: corrupt index files fail with a clear error") {
   bytes[8] = 9;
   test::write_bytes(p, bytes);
   CHECK(error_of<UnsupportedError>([&] { DatasetIndex::load(p); }) ==
-        p + ": version at byte 8: index version 9; this build reads 2: rebuild it with "
+        p + ": version at byte 8: index version 9; this build reads 2 to 3: rebuild it with "
             "`eaglekit index`");
   bytes = good;
   bytes[16] = 81;
   CHECK(load_error(bytes) == p + ": header at byte 12: record sizes 128/81/48 differ from "
-                                 "version 2's 128/80/48");
+                                 "version 3's 128/80/48");
   bytes = good;
   bytes[good.size() - 20] ^= 0x40;  // a string byte
   test::write_bytes(p, bytes);
@@ -239,6 +240,55 @@ TEST_CASE("index: corrupt index files fail with a clear error") {
             .rfind(p + ": entry conversation_id at byte " + std::to_string(entries_off) +
                        ": string reference (offset ", 0) == 0);
   CHECK_THROWS_AS(DatasetIndex::load(dir / "absent.ekidx"), IoError);
+}
+
+TEST_CASE("index: paths below the index's folder are stored relative, so the index moves with its dumps") {
+  test::TempDir dir("idxrel");
+  const std::string a = dir / "a";
+  std::filesystem::create_directories(a + "/dumps/000");
+  auto file = [](const std::string& path) {
+    IndexedFile f;
+    f.path = path;
+    f.format = Format::kPt;
+    IndexedRecord r;
+    r.info.conversation_id = "c";
+    r.info.tokens = 3;
+    r.info.hidden_size = 4;
+    r.info.aux_width = 12;
+    f.records.push_back(r);
+    return f;
+  };
+  // One file below the index's folder, one elsewhere.
+  write_index(a + "/dumps.eki", {a + "/dumps", "/elsewhere"},
+              {file(a + "/dumps/000/x.pt"), file("/elsewhere/y.pt")});
+  const auto bytes = test::read_bytes(a + "/dumps.eki");
+  const std::string text(bytes.begin(), bytes.end());
+  CHECK(text.find("dumps/000/x.pt") != std::string::npos);
+  CHECK(text.find(a + "/dumps/000/x.pt") == std::string::npos);  // stored relative
+  CHECK(text.find("/elsewhere/y.pt") != std::string::npos);
+  {
+    const DatasetIndex idx = DatasetIndex::load(a + "/dumps.eki");
+    CHECK(idx.file(0).path == a + "/dumps/000/x.pt");
+    CHECK(idx.file(1).path == "/elsewhere/y.pt");
+    CHECK(idx.roots() == std::vector<std::string>{a + "/dumps", "/elsewhere"});
+  }
+  // `mv a b`: the index reads its dumps where they now are; the absolute path stays.
+  std::filesystem::rename(a, dir / "b");
+  const DatasetIndex moved = DatasetIndex::load(dir / "b/dumps.eki");
+  CHECK(moved.file(0).path == dir / "b/dumps/000/x.pt");
+  CHECK(moved.file_path(0) == dir / "b/dumps/000/x.pt");
+  CHECK(moved.file(1).path == "/elsewhere/y.pt");
+  CHECK(moved.roots() == std::vector<std::string>{dir / "b/dumps", "/elsewhere"});
+
+  // A version 2 index (every path absolute) still loads, as written.
+  auto v2 = sample_index_bytes(dir / "v2.ekidx");
+  v2[8] = 2;
+  const std::uint64_t h = XXH3_64bits(v2.data(), v2.size() - 8);
+  for (int i = 0; i < 8; ++i) v2[v2.size() - 8 + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  test::write_bytes(dir / "v2.ekidx", v2);
+  const DatasetIndex old = DatasetIndex::load(dir / "v2.ekidx");
+  CHECK(old.file(0).path == "/d/a.pt");
+  CHECK(old.roots() == std::vector<std::string>{"/d"});
 }
 
 TEST_CASE("index: error kinds have stable names") {

@@ -566,6 +566,7 @@ class ProtectableBytes final : public ByteSource {
     REQUIRE(e > b);
     REQUIRE(::mprotect(map_ + b, e - b, PROT_NONE) == 0);
   }
+  void unprotect() const { REQUIRE(::mprotect(map_, len_, PROT_READ | PROT_WRITE) == 0); }
 
  private:
   ProtectableBytes(std::uint8_t* p, std::size_t n, std::size_t len)
@@ -609,7 +610,49 @@ TEST_CASE("pt: read_prefix touches only the rows it returns") {
   CHECK(p.aux_hidden_states.contiguous().equal(rec.aux_hidden_states.rows(n)));
   CHECK(p.input_ids.equal(rec.input_ids.rows(n)));
   CHECK(p.loss_mask->equal(rec.loss_mask->rows(n)));
-  CHECK(reader.read_prefix(0, 100).tokens() == T);  // clamped, still views
+  // A read that covers every row checks the storages' CRC-32, so it touches every byte.
+  mem->unprotect();
+  const Record whole = reader.read_prefix(0, 100);  // clamped, still views
+  CHECK(whole.tokens() == T);
+  CHECK(whole.hidden_states.data >= mem->data());
+  CHECK(whole.hidden_states.data < mem->data() + mem->size());
+}
+
+TEST_CASE("pt: a byte changed inside a storage fails its CRC-32 on a whole read, naming the entry") {
+  // What a damaged copy looks like: the file still opens and its metadata reads (index and
+  // a plain validate pass), but the values are not those torch.save wrote.
+  test::TempDir d("ptcrc");
+  const Record rec = make_record(8, 16, DType::kBFloat16, true);
+  write_pt(d / "good.pt", {{"input_ids", rec.input_ids},
+                           {"hidden_states", rec.hidden_states},
+                           {"aux_hidden_states", rec.aux_hidden_states},
+                           {"conversation_id", std::string("c7")}});
+  auto bytes = test::read_bytes(d / "good.pt");
+  std::uint64_t at = 0;
+  {
+    ZipArchive z(ByteSource::from_bytes(bytes, "good.pt"));
+    const ZipEntry* hid = z.find("archive/data/1");
+    REQUIRE(hid != nullptr);
+    at = hid->data_offset + 6 * 16 * 2;  // row 6 of the hidden states
+    for (std::uint64_t i = 0; i < 64; ++i) bytes[at + i] ^= 0x5a;
+  }
+  test::write_bytes(d / "bad.pt", bytes);
+  PtReader reader(d / "bad.pt");
+  CHECK(reader.info(0).tokens == 8);
+  CHECK(reader.read_prefix(0, 4).tokens() == 4);  // a prefix before the damage reads
+  std::string msg;
+  try {
+    (void)reader.read(0);
+  } catch (const ChecksumError& e) {
+    msg = e.what();
+  }
+  CHECK(has(msg, d / "bad.pt" + ": zip entry 'archive/data/1' at byte "));
+  CHECK(has(msg, "CRC-32 stored "));
+  CHECK(has(msg, "the bytes changed after the archive was written"));
+  // Every whole read checks again (the reader does not remember a failure as success).
+  CHECK_THROWS_AS((void)reader.read_prefix(0, 8), ChecksumError);
+  // The undamaged file reads whole.
+  CHECK(PtReader(d / "good.pt").read(0).tokens() == 8);
 }
 
 TEST_CASE("pt: corruption table") {

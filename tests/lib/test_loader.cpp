@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -18,7 +19,9 @@
 
 #include "formats/codec.h"
 #include "formats/error.h"
+#include "formats/byte_source.h"
 #include "formats/pt_format.h"
+#include "formats/zip.h"
 #include "lib/index.h"
 #include "lib/loader.h"
 #include "tests/support.h"
@@ -566,6 +569,63 @@ TEST_CASE("loader: bad records are skipped with a warning and counted, or end a 
   for (const auto& w : warnings)
     found |= w.find("tokens the index promised") != std::string::npos;
   CHECK(found);
+}
+
+TEST_CASE("loader: a .pt whose zip CRC-32 fails and a record holding NaN are skipped and named, never batched") {
+  auto d = make_data(12, "--dtype bfloat16");
+  const SelectedData sel = d->select("all");
+  const SampleRef crc_victim = sel.samples[3], nan_victim = sel.samples[8];
+  const std::string crc_path = sel.dataset.files[crc_victim.file];
+  const std::string nan_path = sel.dataset.files[nan_victim.file];
+  {
+    // 64 bytes changed in the largest storage (hidden or aux states), every value still
+    // finite: the file opens, the index calls it good, and only the CRC-32 tells.
+    auto bytes = test::read_bytes(crc_path);
+    std::uint64_t at = 0, largest = 0;
+    {
+      const ZipArchive z(ByteSource::open_file(crc_path));
+      for (const ZipEntry& e : z.entries())
+        if (e.size > largest) largest = e.size, at = e.data_offset + e.size / 2 / 4 * 4;
+    }
+    REQUIRE(largest >= 128);
+    for (std::uint64_t i = 0; i < 64; i += 2) bytes[at + i] ^= 0x01;  // low mantissa bits
+    test::write_bytes(crc_path, bytes);
+  }
+  {
+    // A record whose values hold a NaN (a producer's bug; its file is intact).
+    Record r = PtReader(nan_path).read(0);
+    HostTensor h = HostTensor::zeros(r.hidden_states.dtype, r.hidden_states.shape);
+    r.hidden_states.copy_to(h.mutable_data());
+    REQUIRE(h.dtype == DType::kBFloat16);
+    const std::uint16_t nan = 0x7fc0;
+    std::memcpy(h.mutable_data() + 2 * (1 * h.shape[1] + 2), &nan, 2);  // token 1, column 2
+    r.hidden_states = h;
+    write_pt(nan_path, {{"input_ids", r.input_ids},
+                        {"hidden_states", r.hidden_states},
+                        {"aux_hidden_states", r.aux_hidden_states},
+                        {"conversation_id", r.conversation_id}});
+  }
+  LoaderOptions o = options(4, 4096);  // every record read whole
+  std::vector<std::string> warnings;
+  o.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+  Loader l(sel.dataset, sel.samples, o);
+  const auto batches = drain(l);
+  CHECK(l.stats().skipped == 2);
+  CHECK(l.stats().samples == 10);
+  REQUIRE(warnings.size() == 2);
+  const std::string crc_warning = warnings[0].find(crc_path) != std::string::npos ? warnings[0] : warnings[1];
+  const std::string nan_warning = warnings[0].find(nan_path) != std::string::npos ? warnings[0] : warnings[1];
+  CHECK(crc_warning.rfind("skipping conversation " + crc_victim.conversation_id + ": " + crc_path, 0) == 0);
+  CHECK(crc_warning.find("CRC-32 stored ") != std::string::npos);
+  CHECK(nan_warning.rfind("skipping conversation " + nan_victim.conversation_id + ": " + nan_path, 0) == 0);
+  CHECK(nan_warning.find("NaN in hidden_states at token 1, column 2") != std::string::npos);
+  for (const Batch& b : batches) {
+    for (const auto& id : b.conversation_ids) {
+      CHECK(id != crc_victim.conversation_id);
+      CHECK(id != nan_victim.conversation_id);
+    }
+    CHECK(at::isfinite(b.hidden_states.to(at::kFloat)).all().item<bool>());
+  }
 }
 
 TEST_CASE("loader: worker errors reach the consumer; destruction mid-epoch joins the threads") {

@@ -211,15 +211,15 @@ TEST_CASE("validate: problems the loader skips are warnings; exit 0") {
   const std::string text = validate_report_to_text(r);
   CHECK(text.find("result: trainable as is (6 kinds of warnings above") != std::string::npos);
 
-  // The JSON form: exactly the keys (plus "fatal", how samples were matched, and
-  // the SpecForge padding scan).
+  // The JSON form: exactly the keys (plus "fatal", how samples were matched, the
+  // SpecForge padding scan, the unreadable conversations and the quarantine ids read back).
   const auto j = nlohmann::json::parse(validate_report_to_json(r));
   std::set<std::string> keys;
   for (auto it = j.begin(); it != j.end(); ++it) keys.insert(it.key());
   CHECK(keys == std::set<std::string>{"ok", "conversations", "records", "matched", "missing",
                                       "orphans", "duplicate_ids", "unreadable", "shape_mismatch",
                                       "dtype_mismatch", "nonfinite", "too_short", "fatal", "matched_by",
-                                      "padding"});
+                                      "padding", "bad_conversations", "quarantine_read"});
   CHECK(j["matched_by"] == "id");
   CHECK(j["ok"] == true);
   CHECK(j["matched"] == 10);
@@ -298,7 +298,7 @@ TEST_CASE("validate: --deep finds NaN/Inf, checksum damage and stale entries") {
   CHECK(trained == std::vector<std::string>{"c0", "c4", "c5", "c6", "c7", "s0"});
 }
 
-TEST_CASE("validate: a stale index entry is caught by --deep") {
+TEST_CASE("validate: a file rewritten since indexing is named, with 're-run eaglekit index', without --deep") {
   Planted p(false);
   const std::string path = p.root + "/good/c5.pt";
   const auto mtime = fs::last_write_time(path);
@@ -307,16 +307,116 @@ TEST_CASE("validate: a stale index entry is caught by --deep") {
   write_records(path, {make_record("c5", 40)});
   fs::last_write_time(path, mtime);
   CHECK(fs::file_size(path) != size);
-  const ValidateReport r = p.validate(true);
-  bool found = false;
-  for (const auto& s : r.shape_mismatch)
-    if (s.id == "c5") {
-      found = true;
-      CHECK(s.detail.find("the index says 15 tokens") != std::string::npos);
-      CHECK(s.detail.find("run `eaglekit index` again") != std::string::npos);
-    }
-  CHECK(found);
+  for (const bool deep : {false, true}) {
+    CAPTURE(deep);
+    const ValidateReport r = p.validate(deep);
+    bool found = false;
+    for (const auto& u : r.unreadable)
+      if (u.conversation_id == "c5") {
+        found = true;
+        CHECK(u.error.find(path + ": changed since indexing (") != std::string::npos);
+        CHECK(u.error.find("re-run `eaglekit index`") != std::string::npos);
+      }
+    CHECK(found);
+    CHECK_FALSE(r.ok);
+    CHECK(std::find(r.fatal.begin(), r.fatal.end(),
+                    "1 matched records are in files that moved, vanished or changed since the index was built: "
+                    "re-run `eaglekit index` (an index moved together with its dumps still finds them)") !=
+          r.fatal.end());
+  }
+}
+
+TEST_CASE("validate: an index moved with its dumps still finds them; dumps moved alone are named, not 'trainable'") {
+  Planted p(false);
+  const ValidateReport before = p.validate();
+  REQUIRE(before.ok);
+  auto validate_at = [&](const std::string& index) {
+    ValidateOptions o;
+    o.data = p.data;
+    o.index = index;
+    o.jobs = 2;
+    o.progress = 0;
+    return validate_dataset(o);
+  };
+  // `mv records records.ekidx moved/`: the index stores the paths below its folder
+  // relative to it, so nothing changes (before, it kept absolute paths and lost them all).
+  fs::create_directories(p.dir / "moved");
+  fs::rename(p.root, p.dir / "moved/records");
+  fs::rename(p.index, p.dir / "moved/records.ekidx");
+  const ValidateReport together = validate_at(p.dir / "moved/records.ekidx");
+  CHECK(together.ok);
+  CHECK(together.unreadable.size() == before.unreadable.size());
+  CHECK(together.matched == before.matched);
+  CHECK(DatasetIndex::load(p.dir / "moved/records.ekidx").file(0).path.rfind(p.dir / "moved/records/", 0) == 0);
+
+  // The dumps moved again, the index left behind: every matched record is named, with the
+  // fix, and the dataset is not trainable as is (before: "trainable as is", then train
+  // failed with "none of the first 64 samples could be opened").
+  fs::rename(p.dir / "moved/records", p.dir / "moved/records-old");
+  const ValidateReport apart = validate_at(p.dir / "moved/records.ekidx");
+  CHECK_FALSE(apart.ok);
+  CHECK(apart.exit_code() == 1);
+  std::size_t named = 0;
+  for (const auto& u : apart.unreadable)
+    if (u.error.find("No such file or directory (moved or deleted since indexing? re-run `eaglekit index`)") !=
+        std::string::npos)
+      ++named;
+  CHECK(named == apart.matched);
+  CHECK(named > 0);
+}
+
+TEST_CASE("validate: unreadable conversations are all listed and the quarantine still written; a quarantine file read back") {
+  Planted p(false);
+  const auto original = test::read_bytes(p.data);
+  // Two conversations train cannot read: one without an id, one that is not JSON. Before,
+  // validate stopped at the first with an exception: no report, no quarantine, no --json.
+  std::string text(original.begin(), original.end());
+  const std::size_t lines = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n'));
+  text += "{\"conversations\": [{\"from\": \"human\", \"value\": \"no id\"}]}\n";
+  text += "{not json\n";
+  test::write_text(p.data, text);
+  const std::string qpath = p.dir / "bad.txt";
+  const ValidateReport r = p.validate(false, 0, qpath);
   CHECK_FALSE(r.ok);
+  REQUIRE(r.bad_conversations.size() == 2);
+  CHECK(r.bad_conversations[0].source == p.data + ":" + std::to_string(lines + 1));
+  CHECK(r.bad_conversations[0].error.find("no conversation id") != std::string::npos);
+  CHECK(r.bad_conversations[1].source == p.data + ":" + std::to_string(lines + 2));
+  CHECK(r.matched > 0);  // the other checks ran
+  CHECK(fs::exists(qpath));
+  CHECK(r.fatal.front().find("2 conversations of --data cannot be read") == 0);
+  const auto j = nlohmann::json::parse(validate_report_to_json(r));
+  CHECK(j["bad_conversations"].size() == 2);
+  CHECK(validate_report_to_text(r).find("bad_conversations: 2 conversations of --data cannot be read") !=
+        std::string::npos);
+
+  // Fixed conversations, one record with a NaN: --deep is not trainable and quarantines it;
+  // the same command again reads that quarantine, leaves c1 out as train does, and says
+  // trainable (before: NOT trainable forever, whatever the quarantine).
+  test::write_bytes(p.data, original);
+  fs::remove(qpath);
+  {
+    Record rec = make_record("c1", 7);
+    const std::uint16_t nan = 0x7fc0;
+    std::memcpy(rec.hidden_states.mutable_data() + 2 * 3, &nan, 2);
+    write_records(p.root + "/good/c1.pt", {rec});
+    IndexOptions o;
+    o.roots = {p.root};
+    o.out = p.index;
+    o.progress = 0;
+    build_index(o);
+  }
+  const ValidateReport first = p.validate(true, 0, qpath);
+  CHECK_FALSE(first.ok);
+  CHECK(first.quarantine_read == 0);
+  CHECK(load_quarantine(qpath).count("c1") == 1);
+  const ValidateReport second = p.validate(true, 0, qpath);
+  CHECK(second.ok);
+  CHECK(second.quarantine_read == load_quarantine(qpath).size());
+  CHECK(second.nonfinite.empty());
+  CHECK(second.matched == first.matched - 1);
+  CHECK(load_quarantine(qpath).count("c1") == 1);  // written again
+  CHECK(validate_report_to_text(second).find("quarantined before: ") != std::string::npos);
 }
 
 TEST_CASE("validate: nothing matched is fatal and says why") {

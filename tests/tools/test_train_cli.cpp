@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "formats/byte_source.h"
 #include "formats/safetensors_format.h"
+#include "formats/zip.h"
 #include "tests/adamw_bound.h"
 #include "tests/compare.h"
 #include "tests/support.h"
@@ -95,7 +97,7 @@ TEST_CASE("train cli: vocab -> train (config + flags) -> evaluate -> export, end
   r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
                      " --split all --batch-size 3 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  CHECK_MESSAGE(r.err.find("--max-length 24: what the draft was trained with (" + d + "/out/checkpoint-24/train_options.json)") !=
+  CHECK_MESSAGE(r.err.find("--max-length 24: what the draft was trained with (" + d + "/out/final/train_options.json)") !=
                     std::string::npos,
                 r.err);
   CHECK_MESSAGE(r.err.find("--ttt-steps 3: what the draft was trained with") != std::string::npos, r.err);
@@ -104,14 +106,22 @@ TEST_CASE("train cli: vocab -> train (config + flags) -> evaluate -> export, end
   CHECK(ev["acc"].size() == 3);
   CHECK(ev["acc"][0].get<double>() > 10.0 / 32);
   CHECK(ev["est_ar"].get<double>() > 1.3);
-  // Given flags win; a draft away from its run keeps the defaults and says so.
+  // Given flags win; a draft away from its run keeps its final/'s train_options.json, and a
+  // draft with none keeps the defaults and says so.
   fs::copy(d + "/out/final", d + "/alone");
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/alone") +
+                     " --split all --max-length 16 --max-batches 1 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("--ttt-steps 3: what the draft was trained with (" + d + "/alone/train_options.json)") !=
+                    std::string::npos,
+                r.err);
+  CHECK(r.err.find("--max-length") == std::string::npos);
+  fs::remove(d + "/alone/train_options.json");
   r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/alone") +
                      " --split all --max-length 16 --max-batches 1 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK_MESSAGE(r.err.find("--ttt-steps 3: the default (no train_options.json of the draft's run)") != std::string::npos,
                 r.err);
-  CHECK(r.err.find("--max-length") == std::string::npos);
   r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/out/final") +
                      " --split all --max-length 24 --batch-size 8");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -205,7 +215,72 @@ TEST_CASE("train cli: --resume continues exactly, from the newest or a named che
   CHECK(fs::exists(d + "/split/checkpoint-7"));
 }
 
-TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and exits 0; --resume then equals the uninterrupted run") {
+TEST_CASE("train cli: --resume says whether the learning-rate schedule continues or changes, with both rates") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() + " --out " + test::quote(d + "/out") +
+                             " --max-length 24 --batch-size 4 --lr 0.01 --warmup-steps 0 --jobs 2"
+                             " --log-every 1 --eval-every -1";
+  auto r = test::eaglekit("train" + common + " --max-steps 4");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // A longer run re-plans the cosine over 8 steps: step 5 gets 0.005, where the saved
+  // schedule had reached 0. Before, the jump happened without a word.
+  r = test::eaglekit("train" + common + " --max-steps 8 --resume " + test::quote(d + "/out/checkpoint-4"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("train: learning-rate schedule changed on resume (--max-steps 4 -> 8): cosine schedule "
+                           "over 8 steps, step 5 at lr 0.005, re-planned from step 0; the saved run's schedule "
+                           "(4 steps) had 0 there") != std::string::npos,
+                r.err);
+  std::vector<nlohmann::json> lines;
+  {
+    std::ifstream f(d + "/out/metrics.jsonl");
+    std::string line;
+    while (std::getline(f, line))
+      if (!line.empty()) lines.push_back(nlohmann::json::parse(line));
+  }
+  REQUIRE(lines.size() == 8);
+  CHECK(lines[4]["lr"].get<double>() == doctest::Approx(0.005));
+  // (The same options continue the saved schedule and say so: the SIGTERM test checks it.)
+}
+
+TEST_CASE("train cli: a .pt damaged after indexing is skipped and named; the loss stays finite") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  // 64 bytes of the hidden states overwritten with 0x7f: huge but finite float32 values, so
+  // the file opens, index and validate see nothing, and only the zip CRC-32 tells. Before the
+  // check, the loss went NaN and the message blamed the learning rate.
+  const std::string victim = d + "/data/records/000/synth-000007.pt";
+  REQUIRE(fs::exists(victim));
+  auto bytes = test::read_bytes(victim);
+  std::uint64_t at = 0, largest = 0;
+  {
+    const ZipArchive z(ByteSource::open_file(victim));
+    for (const ZipEntry& e : z.entries())
+      if (e.size > largest) largest = e.size, at = e.data_offset + e.size / 2 / 4 * 4;
+  }
+  REQUIRE(largest >= 64);
+  for (std::uint64_t i = 0; i < 64; ++i) bytes[at + i] = 0x7f;
+  test::write_bytes(victim, bytes);
+  // Damaged before indexing, as in the issue: index reads the header and sees nothing wrong,
+  // a plain validate neither; --deep reads the values and names the CRC.
+  auto r = test::eaglekit("index " + test::quote(d + "/data") + " --out " + test::quote(job->index) + " --jobs 2");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string selection = job->data_args().substr(0, job->data_args().find(" --base"));
+  r = test::eaglekit("validate" + selection);
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+  r = test::eaglekit("validate" + selection + " --deep");
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.out.find("CRC-32 stored ") != std::string::npos, r.out);
+  r = test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/out") +
+                     " --max-length 32 --batch-size 8 --lr 0.01 --jobs 2 --eval-every -1 --no-shuffle --epochs 1 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("skipping conversation synth-000007: " + victim) != std::string::npos, r.err);
+  CHECK(r.err.find("CRC-32 stored ") != std::string::npos);
+  const auto out = nlohmann::json::parse(r.out);
+  CHECK(out["train"]["loss"].is_number());  // null when not finite
+}
+
+TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and exits 3; --resume then equals the uninterrupted run") {
   auto job = make_job();
   const std::string d = job->dir.path();
   // Cosine schedule with warmup over 60 steps, so the resumed steps must also get the
@@ -243,7 +318,8 @@ TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and 
                                "kill -STOP $pid; " + send + "kill -CONT $pid; wait $pid; echo rc=$?";
     r = test::run("bash -c " + test::quote(script));
     const std::string printed = read_text(out + ".out") + read_text(out + ".err");
-    REQUIRE_MESSAGE(r.out.find("rc=0") != std::string::npos, (r.out + r.err + printed));
+    // Exit 3 (interrupted), not 0: `train ... && export` must not export a half-trained draft.
+    REQUIRE_MESSAGE(r.out.find("rc=3") != std::string::npos, (r.out + r.err + printed));
     CHECK_MESSAGE(printed.find("interrupted at step") != std::string::npos, printed);
     CHECK(!fs::exists(out + "/final"));
     std::string latest;
@@ -262,6 +338,9 @@ TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and 
     r = test::eaglekit("train" + common + " --out " + test::quote(out) + " --resume");
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
     CHECK(r.err.find("resuming from " + latest) != std::string::npos);
+    CHECK_MESSAGE(r.err.find("train: learning-rate schedule continues: cosine schedule over 60 steps, step " +
+                             std::to_string(at + 1) + " at lr ") != std::string::npos,
+                  r.err);
     // The same computation in the same order: to 1e-6 (docs/testing.md).
     CHECK(max_rel_diff(out + "/final/model.safetensors", d + "/whole/final/model.safetensors") < 1e-6);
     CHECK(max_rel_diff(out + "/checkpoint-60/optimizer.safetensors", d + "/whole/checkpoint-60/optimizer.safetensors") < 1e-6);
@@ -331,6 +410,118 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   r = test::eaglekit("train" + job->data_args() + " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--out is required") != std::string::npos);
+}
+
+TEST_CASE("train cli: --dry-run needs no device, prints the schedule, and warns about warmup and padding") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  // The issue's plan on a CPU login node: --device cuda, warmup 200 in a 10-step run, pad mode
+  // at 2048 on records of 10 to 28 tokens. Before: "--device cuda: this LibTorch has no usable
+  // CUDA device", and nothing about the other two.
+  const std::string opts = job->data_args() + " --out " + test::quote(d + "/out") +
+                           " --max-length 2048 --batch-size 4 --max-steps 10 --warmup-steps 200 --lr 1e-4 --jobs 2";
+  auto r = test::eaglekit("train" + opts + " --device cuda --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto plan = nlohmann::json::parse(r.out);
+  CHECK(plan["schedule"].get<std::string>().rfind("cosine, warmup 200 steps to 0.0001, then to 0 at step 10: step 1 5e-07", 0) == 0);
+  REQUIRE(plan["warnings"].size() == 2);
+  CHECK(plan["warnings"][0].get<std::string>().rfind(
+            "--warmup-steps 200 is not shorter than the run (10 steps): the learning rate never leaves warmup and "
+            "reaches only 5e-06 (--lr 0.0001)", 0) == 0);
+  const std::string pad = plan["warnings"][1];
+  CHECK_MESSAGE(pad.rfind("--mode pad at --max-length 2048 spends 99% of every step on padding (the median train record has ", 0) == 0, pad);
+  CHECK(plan["padding_share"].get<double>() > 0.98);
+  bool device_note = false;
+  for (const auto& n : plan["notes"]) device_note |= n.get<std::string>().find("--device cuda: not checked here") == 0;
+  CHECK(device_note);
+  // The text form says the same; pack mode has no padding to warn about.
+  r = test::eaglekit("train" + opts + " --mode pack --dry-run");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("lr:          cosine, warmup 200 steps") != std::string::npos);
+  CHECK(r.out.find("warning: --warmup-steps 200 is not shorter than the run") != std::string::npos);
+  CHECK(r.out.find("--mode pad at") == std::string::npos);
+  // Train itself warns too (the run the plan describes would end at acc 0).
+  r = test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/run") +
+                     " --max-length 32 --batch-size 4 --max-steps 1 --warmup-steps 5 --jobs 2 --eval-every -1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("train: warning: --warmup-steps 5 is not shorter than the run (1 steps)") != std::string::npos, r.err);
+  CHECK(r.err.find("train: learning rate: cosine, warmup 5 steps to 0.0001") != std::string::npos);
+}
+
+TEST_CASE("train cli: --init-draft naming no aux ids: --dry-run and train decide alike (issue 28)") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() + " --max-length 32 --batch-size 4 --jobs 2 --eval-every -1";
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/first") + " --max-steps 1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // A published config often names no aux layers: take them out of ours.
+  fs::create_directories(d + "/init");
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(d + "/first/final/" + f, d + "/init/" + f);
+  auto cfg = nlohmann::json::parse(read_text(d + "/init/config.json"));
+  cfg.erase("eagle_aux_hidden_state_layer_ids");
+  if (cfg.contains("eagle_config")) cfg["eagle_config"].erase("eagle_aux_hidden_state_layer_ids");
+  test::write_text(d + "/init/config.json", cfg.dump(2));
+
+  const std::string init = common + " --init-draft " + test::quote(d + "/init");
+  r = test::eaglekit("train" + init + " --out " + test::quote(d + "/second") + " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);  // before: "--aux-layer-ids is required"
+  const auto plan = nlohmann::json::parse(r.out);
+  CHECK(plan["aux_layer_ids"] == nlohmann::json::array({2, 16, 29}));  // the synth base has 32 layers
+  CHECK(plan["aux_layer_ids_source"].get<std::string>().rfind("EAGLE-3's default for a 32-layer base", 0) == 0);
+  r = test::eaglekit("train" + init + " --out " + test::quote(d + "/second") + " --max-steps 1 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("--init-draft names no aux layer ids: 2,16,29") != std::string::npos);
+  const auto trained = nlohmann::json::parse(read_text(d + "/second/final/config.json"));
+  CHECK(trained["eagle_aux_hidden_state_layer_ids"] == plan["aux_layer_ids"]);
+  // And what train refuses, the plan refuses with the same words: another --draft-vocab-size.
+  const std::string third = " --out " + test::quote(d + "/third") + " --draft-vocab-size 7";
+  const auto refused_plan = test::eaglekit("train" + init + third + " --dry-run");
+  const auto refused_run = test::eaglekit("train" + init + third + " --max-steps 1");
+  CHECK(refused_plan.exit_code == 2);
+  CHECK(refused_run.exit_code == 2);
+  CHECK(refused_plan.err.find("--draft-vocab-size 7 differs from --init-draft's") != std::string::npos);
+  CHECK(refused_run.err.find("--draft-vocab-size 7 differs from --init-draft's") != std::string::npos);
+}
+
+TEST_CASE("train cli: an export says how its draft was trained, also as a copy; speculators warns on more tokens") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  auto r = test::eaglekit("train" + job->data_args() + " --out " + test::quote(d + "/run") +
+                          " --max-length 24 --batch-size 4 --ttt-steps 2 --max-steps 2 --jobs 2 --eval-every -1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("export " + test::quote(d + "/run") + " --out " + test::quote(d + "/served"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // final/ and the export carry the run's options, the same bytes as the checkpoint's.
+  const std::string options = read_text(d + "/run/checkpoint-2/train_options.json");
+  CHECK(read_text(d + "/served/train_options.json") == options);
+  CHECK(read_text(d + "/run/final/train_options.json") == options);
+  // A copy of the export, away from its run: evaluate still takes its 2 TTT steps (before:
+  // "--ttt-steps 3: the default").
+  fs::create_directories(d + "/elsewhere");
+  fs::copy(d + "/served", d + "/elsewhere/draft");
+  r = test::eaglekit("evaluate" + job->data_args() + " --draft " + test::quote(d + "/elsewhere/draft") +
+                     " --split all --jobs 2 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("--ttt-steps 2: what the draft was trained with (" + d + "/elsewhere/draft/train_options.json)") !=
+                    std::string::npos,
+                r.err);
+  CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+  // More speculative tokens than trained steps, and a verifier that is only a local folder:
+  // both said.
+  r = test::eaglekit("export " + test::quote(d + "/elsewhere/draft") + " --out " + test::quote(d + "/spec") +
+                     " --format speculators --speculative-tokens 4 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto rep = nlohmann::json::parse(r.out);
+  REQUIRE(rep["warnings"].size() >= 2);
+  bool tokens = false, verifier = false;
+  for (const auto& w : rep["warnings"]) {
+    const std::string s = w;
+    tokens |= s.rfind("--speculative-tokens 4 asks the draft for more tokens than the 2 TTT steps it was trained with", 0) == 0;
+    verifier |= s.rfind("verifier " + job->base + " is a local folder", 0) == 0;
+  }
+  CHECK_MESSAGE(tokens, rep.dump());
+  CHECK_MESSAGE(verifier, rep.dump());
+  CHECK(read_text(d + "/spec/train_options.json") == options);
 }
 
 TEST_CASE("train cli: help comes from the option tables and tells the truth") {

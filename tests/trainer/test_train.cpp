@@ -328,7 +328,10 @@ TEST_CASE("train: a non-finite loss stops the run with a clear message; the last
   } catch (const TrainingError& e) {
     const std::string msg = e.what();
     CHECK(msg.find("training stopped at step 4") != std::string::npos);
-    CHECK(msg.find("the loss is NaN") != std::string::npos);
+    CHECK(msg.find("the loss is NaN on the batch of conversations ") != std::string::npos);
+    // The data were fine (the weights were poisoned): the message says how large the batch's
+    // values are rather than blaming one side.
+    CHECK(msg.find("whose hidden states are finite with largest |value| ") != std::string::npos);
     CHECK(msg.find("checkpoint-2") != std::string::npos);
   }
   CHECK(is_complete_checkpoint(dir / "out/checkpoint-2"));

@@ -1,0 +1,87 @@
+#include "formats/finite.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace eaglekit {
+
+namespace {
+
+// Index of the first element whose exponent bits are all ones (NaN or Inf), row-major.
+// Elements of 2 or 4 bytes are tested several to a 64-bit word (SWAR): with v = (w & M) ^ M
+// a lane of v is zero exactly when its element is not finite, and (v - L) & ~v & H is non-zero
+// exactly when some lane is zero (no lane of v has its top bit set, so no borrow crosses
+// lanes). Chunks are scanned without an early exit; only a chunk that holds a hit is
+// scanned again element by element.
+template <typename U>
+std::optional<std::int64_t> first_all_ones(const std::uint8_t* p, std::int64_t n, U mask) {
+  constexpr std::int64_t kChunk = 4096;
+  constexpr int kLanes = sizeof(U) < 8 ? static_cast<int>(8 / sizeof(U)) : 1;
+  std::uint64_t m = 0, lo = 0, hi = 0;
+  for (int i = 0; i < kLanes; ++i) {
+    m |= static_cast<std::uint64_t>(mask) << (8 * sizeof(U) * i);
+    lo |= std::uint64_t{1} << (8 * sizeof(U) * i);
+    hi |= std::uint64_t{1} << (8 * sizeof(U) * i + 8 * sizeof(U) - 1);
+  }
+  for (std::int64_t c = 0; c < n; c += kChunk) {
+    const std::int64_t count = std::min(kChunk, n - c);
+    const std::uint8_t* q = p + sizeof(U) * static_cast<std::size_t>(c);
+    bool bad = false;
+    std::int64_t i = 0;
+    if (kLanes > 1) {
+      std::uint64_t acc = 0;
+      for (; i + kLanes <= count; i += kLanes) {
+        std::uint64_t w;
+        std::memcpy(&w, q + sizeof(U) * static_cast<std::size_t>(i), 8);
+        const std::uint64_t v = (w & m) ^ m;
+        acc |= (v - lo) & ~v & hi;
+      }
+      bad = acc != 0;
+    }
+    for (; i < count; ++i) {
+      U v;
+      std::memcpy(&v, q + sizeof(U) * static_cast<std::size_t>(i), sizeof(U));
+      bad |= (v & mask) == mask;
+    }
+    if (!bad) continue;
+    for (std::int64_t k = 0; k < count; ++k) {
+      U v;
+      std::memcpy(&v, q + sizeof(U) * static_cast<std::size_t>(k), sizeof(U));
+      if ((v & mask) == mask) return c + k;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::int64_t> first_nonfinite(const HostTensor& t) {
+  if (!is_floating(t.dtype) || t.numel() == 0) return std::nullopt;
+  const HostTensor c = t.is_contiguous() ? t : t.contiguous();
+  const std::int64_t n = c.numel();
+  switch (c.dtype) {
+    case DType::kBFloat16: return first_all_ones<std::uint16_t>(c.data, n, 0x7f80);
+    case DType::kFloat16: return first_all_ones<std::uint16_t>(c.data, n, 0x7c00);
+    case DType::kFloat32: return first_all_ones<std::uint32_t>(c.data, n, 0x7f800000u);
+    case DType::kFloat64: return first_all_ones<std::uint64_t>(c.data, n, 0x7ff0000000000000ull);
+    default: return std::nullopt;
+  }
+}
+
+std::optional<std::string> first_nonfinite(const Record& r) {
+  const std::pair<const char*, const HostTensor*> tensors[] = {
+      {"hidden_states", &r.hidden_states}, {"aux_hidden_states", &r.aux_hidden_states}};
+  for (const auto& [name, t] : tensors) {
+    if (const auto i = first_nonfinite(*t)) {
+      const std::int64_t cols = t->dim() == 2 ? t->shape[1] : 1;
+      const double v = t->get(*i);
+      return std::string(std::isnan(v) ? "NaN" : "Inf") + " in " + name + " at token " +
+             std::to_string(*i / cols) + ", column " + std::to_string(*i % cols);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace eaglekit

@@ -1,0 +1,26 @@
+// Finding NaN and Inf in records: what the loader checks in every record it reads and
+// `validate --deep` in every record it lists, so that a damaged value is named where it lies
+// instead of surfacing as a NaN loss steps later.
+//
+// Both functions read every value (vectorized: a few GB/s on one core), throw nothing, and
+// are safe to call from many threads at once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "formats/host_tensor.h"
+#include "formats/record.h"
+
+namespace eaglekit {
+
+// Row-major index of the first NaN or Inf of a floating tensor; nullopt when every value is
+// finite or the dtype is not floating.
+std::optional<std::int64_t> first_nonfinite(const HostTensor& t);
+
+// Where the first NaN or Inf of hidden_states, then aux_hidden_states, lies ("NaN in
+// hidden_states at token 3, column 5"); nullopt when every value is finite.
+std::optional<std::string> first_nonfinite(const Record& r);
+
+}  // namespace eaglekit
