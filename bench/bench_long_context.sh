@@ -93,7 +93,7 @@ done
 [ -z "$PEAK" ] || [[ "$PEAK" =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--peak-tflops takes a number, not '$PEAK'"
 IFS=, read -r -a IMPL_LIST <<<"$IMPLS"
 for m in "${IMPL_LIST[@]}"; do
-  case "$m" in tiled|tiled-recompute|local|eager-sdpa|eager-matmul) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
+  case "$m" in tiled|tiled-recompute|fused|local|eager-sdpa|eager-matmul) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
 done
 
 # A Python with torch: --python, else python3, else /usr/bin/python3.
@@ -242,7 +242,7 @@ for r in rows:
         lines.append(f"| {r['S']} | {r['L']} | {r['impl']} | {r['status'].upper()} {r.get('why', '')} | | | | | | | | |")
         continue
     perf = "%.1f%%" % (100 * r["mfu"]) if peak_tflops else "%.1f" % (r["achieved_tflops"] * 1e3)
-    name = r["impl"] + ("" if r.get("attention_used") in (None, "tiled", "local", "matmul", "sdpa", "auto") else
+    name = r["impl"] + ("" if r.get("attention_used") in (None, "tiled", "local", "fused", "matmul", "sdpa", "auto") else
                         " (" + r["attention_used"] + ")")
     lines.append(f"| {r['S']} | {r['L']} | {name} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {perf} | "
                  f"{fmt(r['peak_mib'], '%.1f')} | {fmt(r['rss_delta_mib'], '%.1f')} | "
