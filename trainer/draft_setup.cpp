@@ -130,6 +130,18 @@ std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::M
   return resumed;
 }
 
+DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init) {
+  DraftSource source;
+  init.emplace(load_draft(dir, &source));
+  DraftOrigin origin;
+  origin.kind = DraftOrigin::Kind::kInit;
+  origin.dir = dir;
+  origin.layout = source.layout;
+  origin.config = &init->config();
+  origin.d2t = [&init] { return init->d2t(); };
+  return origin;
+}
+
 DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const RecordShape& shape,
                            const DraftOrigin& origin) {
   const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
@@ -211,13 +223,7 @@ DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const Recor
     origin.dir = resumed->dir;
     origin.config = &resumed->draft.config();
   } else if (!o.init_draft.empty()) {
-    DraftSource source;
-    init.emplace(load_draft(o.init_draft, &source));
-    origin.kind = DraftOrigin::Kind::kInit;
-    origin.dir = o.init_draft;
-    origin.layout = source.layout;
-    origin.config = &init->config();
-    origin.d2t = [&] { return init->d2t(); };
+    origin = init_draft_origin(o.init_draft, init);
   }
   const DraftDecision d = decide_draft(o, bc, shape, origin);
   for (const auto& line : d.said) say(line);

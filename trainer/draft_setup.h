@@ -69,6 +69,9 @@ struct DraftDecision {
 };
 DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
                            const DraftOrigin& origin);
+// The origin of an --init-draft folder: loads it into `init` (which the origin's config and
+// d2t then point into, so it must outlive the origin). FormatError/IoError from load_draft.
+DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init);
 
 // With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
 // was saved by another world size or cp. Without: nullopt, after checking (on the main

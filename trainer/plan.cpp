@@ -119,13 +119,7 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
     origin_config = load_draft_config(origin.dir);
     origin.config = &*origin_config;
   } else if (!o.init_draft.empty()) {
-    DraftSource source;
-    init.emplace(load_draft(o.init_draft, &source));
-    origin.kind = DraftOrigin::Kind::kInit;
-    origin.dir = o.init_draft;
-    origin.layout = source.layout;
-    origin.config = &init->config();
-    origin.d2t = [&] { return init->d2t(); };
+    origin = init_draft_origin(o.init_draft, init);
   }
   const DraftDecision decision = decide_draft(o, bc, shape, origin);
   const DraftConfig& c = decision.config;
