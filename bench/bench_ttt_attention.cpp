@@ -33,6 +33,7 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -66,12 +67,31 @@ std::vector<std::int64_t> list_of(const std::string& s) {
   return v;
 }
 
+const char kUsage[] =
+    "usage: bench_ttt_attention [--lengths 256,512,1024,2048] [--steps 3,7] [--heads 8]\n"
+    "                           [--kv-heads 2] [--head-dim 64] [--batch 1] [--reps 3]\n"
+    "                           [--threads N] [--query-rows N] [--key-rows N] [--rss]\n"
+    "                           [--variants local,tiled,fused] (default: all this build has)\n"
+    "The TTT attentions side by side in one process on the same data: forward + backward of a\n"
+    "whole S-step unroll's attention per (S, L); median wall ms over --reps rounds in rotating\n"
+    "order, ratios to tiled (wall and CPU time), bytes kept for backward and the allocator peak.\n"
+    "--query-rows / --key-rows: the tiled kernel's tile sizes (default 128 x 256).\n"
+    "Exit status 0, 1 (runtime error), 2 (usage).\n";
+
+struct BadUsage : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
+    if (k == "-h" || k == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
     auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      if (i + 1 >= argc) throw BadUsage("missing value for " + k);
       return argv[++i];
     };
     if (k == "--lengths") a.lengths = list_of(next());
@@ -90,9 +110,9 @@ Args parse(int argc, char** argv) {
       for (std::string x; std::getline(ss, x, ',');) a.variants.push_back(x);
     }
     else if (k == "--child") a.child = next();
-    else throw std::runtime_error("unknown option " + k);
+    else throw BadUsage("unknown option " + k + " (--help lists them)");
   }
-  if (a.lengths.empty() || a.steps.empty() || a.reps < 1) throw std::runtime_error("nothing to measure");
+  if (a.lengths.empty() || a.steps.empty() || a.reps < 1) throw BadUsage("nothing to measure");
   if (a.variants.empty()) {
     a.variants = {"local", "tiled"};
     if (trainer::ttt_fused_available()) a.variants.push_back("fused");
@@ -101,7 +121,7 @@ Args parse(int argc, char** argv) {
     std::string why;
     if (v == "fused" && !trainer::ttt_fused_available(&why)) throw std::runtime_error("--variants fused: " + why);
     if (v != "local" && v != "tiled" && v != "fused")
-      throw std::runtime_error("--variants takes local, tiled and fused, not '" + v + "'");
+      throw BadUsage("--variants takes local, tiled and fused, not '" + v + "'");
   }
   return a;
 }
@@ -265,6 +285,9 @@ int main(int argc, char** argv) {
                 "backward, outputs included; peak: allocator peak over forward + backward, inputs excluded, "
                 "gradients included; both on the calling thread)\n");
     return 0;
+  } catch (const BadUsage& e) {
+    std::fprintf(stderr, "bench_ttt_attention: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_ttt_attention: %s\n", e.what());
     return 1;

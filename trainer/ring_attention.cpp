@@ -66,6 +66,9 @@ at::Tensor safe_max(const at::Tensor& m) {
 struct KeyMeta {
   std::vector<at::Tensor> valid;  // per rank: [B, n_r] bool
   std::vector<at::Tensor> docs;   // per rank: [B, n_r] int64; empty without documents
+  // per rank: both on the host, for the tiled and fused pair kernels' plans (read once per
+  // call, forward and backward, not per pair)
+  std::vector<std::shared_ptr<const tiles::HostKeys>> host;
 };
 
 KeyMeta gather_key_meta(const dist::Group& cp, const std::vector<std::int64_t>& sizes,
@@ -77,11 +80,16 @@ KeyMeta gather_key_meta(const dist::Group& cp, const std::vector<std::int64_t>& 
   // all_gather needs one shape: pad every chunk to the longest.
   local = rows_from(local, 0, n_max, 2).contiguous();
   const at::Tensor all = cp.all_gather(local);  // [C, 1 or 2, B, n_max]
+  const at::Tensor all_host = all.to(at::kCPU);    // the one device-to-host copy of the call
   KeyMeta m;
   for (int r = 0; r < cp.size(); ++r) {
-    const at::Tensor mine = all.select(0, r).narrow(2, 0, sizes[static_cast<std::size_t>(r)]);
+    const std::int64_t n = sizes[static_cast<std::size_t>(r)];
+    const at::Tensor mine = all.select(0, r).narrow(2, 0, n);
     m.valid.push_back(mine.select(0, 0) != 0);
     if (document_ids.defined()) m.docs.push_back(mine.select(0, 1));
+    const at::Tensor mine_host = all_host.select(0, r).narrow(2, 0, n);
+    m.host.push_back(tiles::host_keys_of_host(mine_host.select(0, 0) != 0,
+                                              document_ids.defined() ? mine_host.select(0, 1) : at::Tensor()));
   }
   return m;
 }
@@ -287,7 +295,7 @@ std::optional<tiles::TileKeys> tile_keys_of(const RingGeometry& g, const at::Ten
   if (!tiles::pair_reaches(g.begins[static_cast<std::size_t>(g.rank())], g.rows(g.rank()), g.begins[s], g.step))
     return std::nullopt;
   return tiles::tile_keys(packed.select(0, 0), packed.select(0, g.step + 1), g.meta.valid[s],
-                          g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s], g.begins[s]);
+                          g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s], g.begins[s], g.meta.host[s]);
 }
 
 // RingPairKernel::kFused: src's block 0 against this rank's queries, or nullopt when no query
@@ -298,8 +306,9 @@ std::optional<fused::Pair> fused_pair_of(const RingGeometry& g, const at::Tensor
   const std::int64_t qo = g.begins[static_cast<std::size_t>(g.rank())];
   if (!tiles::pair_reaches(qo, g.rows(g.rank()), g.begins[s], g.step)) return std::nullopt;
   const at::Tensor docs_k = g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s];
-  return fused::Pair{q, packed.select(0, 0), packed.select(0, g.step + 1), g.meta.valid[s], g.docs_q, docs_k, qo,
-                     g.begins[s]};
+  return fused::Pair{q,         packed.select(0, 0), packed.select(0, g.step + 1),
+                     g.meta.valid[s], g.docs_q, docs_k, qo, g.begins[s],
+                     g.meta.host[static_cast<std::size_t>(g.rank())], g.meta.host[s]};
 }
 
 // One pair's partial with the configured kernel (tq: defined for kTiled). Without autograd.

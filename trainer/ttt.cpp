@@ -15,6 +15,7 @@
 #include "trainer/soft_ce.h"
 #include "trainer/ttt_flash.h"
 #include "trainer/ttt_fused.h"
+#include "trainer/ttt_tiles.h"
 
 namespace eaglekit::trainer {
 
@@ -321,12 +322,32 @@ at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<a
   // bench/bench_ttt_attention measures them no slower than the local path; not on a GPU,
   // where their tile loop has not been measured.
   if (kind_ == TttAttention::kFused || (kind_ == TttAttention::kAuto && ttt_fused_available()))
-    return ttt_attention_fused(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
+    return ttt_attention_fused(q, k_blocks, v_blocks, key_valid, step, scale, document_ids,
+                               host_keys(key_valid, document_ids).get());
   const bool tiled = kind_ == TttAttention::kTiled ||
                      (kind_ == TttAttention::kAuto && q.device().is_cpu() && q.size(2) >= kTttFlashMinLength);
   if (tiled)
-    return ttt_attention_flash(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
+    return ttt_attention_flash(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, {},
+                               host_keys(key_valid, document_ids).get());
   return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
+}
+
+std::shared_ptr<const tiles::HostKeys> SingleRankContext::host_keys(const at::Tensor& key_valid,
+                                                                    const at::Tensor& document_ids) {
+  // The same tensors as the last call, unchanged since: every step and layer of one forward
+  // pass the unroll's key_valid and document_ids. Holding them keeps their identity unique.
+  const auto same = [](const at::Tensor& a, const at::Tensor& b, std::uint32_t version) {
+    return a.defined() == b.defined() && (!a.defined() || (a.is_same(b) && a._version() == version));
+  };
+  if (!host_ || !same(key_valid, host_valid_, host_valid_version_) ||
+      !same(document_ids, host_docs_, host_docs_version_)) {
+    host_ = tiles::host_keys(key_valid, document_ids);
+    host_valid_ = key_valid;
+    host_docs_ = document_ids;
+    host_valid_version_ = key_valid._version();
+    host_docs_version_ = document_ids.defined() ? document_ids._version() : 0;
+  }
+  return host_;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -536,7 +557,9 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       const at::Tensor f = batch.hidden_states_prenorm.to(device, at::kLong);
       pre = default_pre ? f != 0 : f == 1;
     }
-    const bool any_pre = pre.defined() ? pre.any().item<bool>() : default_pre;
+    // Whether some token is pre-norm is read from the device only when the answer can fail
+    // the batch (no final norm); otherwise the norm is applied where pre says, without a sync.
+    const bool any_pre = pre.defined() ? (impl_->final_norm.defined() || pre.any().item<bool>()) : default_pre;
     if (any_pre) {
       if (!impl_->final_norm.defined())
         throw UsageError("TTT batch: records state pre-norm hidden states but the base was loaded without its "

@@ -29,6 +29,10 @@
 
 namespace eaglekit::trainer {
 
+namespace tiles {
+struct HostKeys;  // trainer/ttt_tiles.h
+}
+
 // --- the mask --------------------------------------------------------------------------
 
 // docs/ttt.md, the mask: may query q (a position 0..L-1) at step s attend key j (a flattened
@@ -135,8 +139,15 @@ class SingleRankContext final : public SequenceContext {
   const TttMaskCache& masks() const { return masks_; }
 
  private:
+  // key_valid and document_ids on the host for the tiled and fused kernels: read once per
+  // batch (the first call with these tensors), not per step, layer or backward.
+  std::shared_ptr<const tiles::HostKeys> host_keys(const at::Tensor& key_valid, const at::Tensor& document_ids);
+
   TttAttention kind_;
   TttMaskCache masks_;
+  std::shared_ptr<const tiles::HostKeys> host_;
+  at::Tensor host_valid_, host_docs_;
+  std::uint32_t host_valid_version_ = 0, host_docs_version_ = 0;
 };
 
 // --- the unroll, loss and metrics ------------------------------------------------------

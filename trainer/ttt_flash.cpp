@@ -41,10 +41,11 @@ struct Prepared {
 };
 
 Prepared prepare(const Geometry& g, const at::Tensor& q, at::TensorList ks, at::TensorList vs,
-                 const at::Tensor& key_valid, const at::Tensor& document_ids) {
+                 const at::Tensor& key_valid, const at::Tensor& document_ids,
+                 std::shared_ptr<const tiles::HostKeys> host) {
   Prepared p;
   p.queries = tiles::tile_queries(q, g.kv_heads, g.scale, document_ids, 0);
-  p.keys = tiles::tile_keys(ks[0], vs[0], key_valid, document_ids, 0);
+  p.keys = tiles::tile_keys(ks[0], vs[0], key_valid, document_ids, 0, std::move(host));
   const at::Tensor& valid = p.keys.valid;
   const at::Tensor& docs = p.keys.docs;
   const at::Tensor positions = at::arange(g.l, q.options().dtype(at::kLong));
@@ -135,21 +136,31 @@ Geometry geometry_of(const at::Tensor& q, const at::Tensor& k0, std::int64_t ste
   return g;
 }
 
+// The host copies of key_valid and document_ids as saved for backward (CPU tensors; the
+// invalid-key prefix is recomputed from them on the host, which costs no device copy).
+std::shared_ptr<const tiles::HostKeys> host_of(torch::autograd::AutogradContext* ctx) {
+  return tiles::host_keys_of_host(ctx->saved_data["host_valid"].toTensor(), ctx->saved_data["host_docs"].toTensor());
+}
+
 // The autograd node. Inputs: q, the k blocks, the v blocks (differentiable), key_valid and
-// document_ids (not); the rest are settings.
+// document_ids and their host copies (not); the rest are settings.
 class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, at::TensorList ks,
                             at::TensorList vs, const at::Tensor& key_valid,
-                            const c10::optional<at::Tensor>& document_ids, std::int64_t step, double scale,
+                            const c10::optional<at::Tensor>& document_ids, const c10::optional<at::Tensor>& host_valid,
+                            const c10::optional<at::Tensor>& host_docs, std::int64_t step, double scale,
                             std::int64_t query_rows, std::int64_t key_rows) {
     // float32 throughout, also when called under autocast.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor docs = document_ids.value_or(at::Tensor());
     const Geometry g = geometry_of(q, ks[0], step, scale, query_rows, key_rows);
+    const std::shared_ptr<const tiles::HostKeys> host =
+        host_valid ? tiles::host_keys_of_host(*host_valid, host_docs.value_or(at::Tensor()))
+                   : tiles::host_keys(key_valid, docs);
     Result r;
     {
-      const Prepared p = prepare(g, q, ks, vs, key_valid, docs);
+      const Prepared p = prepare(g, q, ks, vs, key_valid, docs, host);
       r = forward_raw(g, p);
     }
     const at::Tensor out = tiles::tiles_to_heads(r.out);
@@ -161,6 +172,8 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     ctx->save_for_backward(saved);
     ctx->saved_data["key_valid"] = key_valid;
     ctx->saved_data["docs"] = docs;
+    ctx->saved_data["host_valid"] = host->valid;
+    ctx->saved_data["host_docs"] = host->docs;
     ctx->saved_data["step"] = step;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["query_rows"] = query_rows;
@@ -180,8 +193,8 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     const at::Tensor& lse = saved[2 + 2 * blocks];
     const Geometry g = geometry_of(q, ks[0], step, ctx->saved_data["scale"].toDouble(),
                                    ctx->saved_data["query_rows"].toInt(), ctx->saved_data["key_rows"].toInt());
-    const Prepared p =
-        prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(), ctx->saved_data["docs"].toTensor());
+    const Prepared p = prepare(g, q, ks, vs, ctx->saved_data["key_valid"].toTensor(),
+                               ctx->saved_data["docs"].toTensor(), host_of(ctx));
     const at::Tensor d_out = grad_out[0].to(at::kFloat);
     const at::Tensor delta = tiles::tiles_from_heads((d_out * out).sum(-1), g.kv_heads);
     const Grads gr = backward_raw(g, p, tiles::tiles_from_heads(d_out, g.kv_heads), delta, lse);
@@ -193,7 +206,7 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
     result.push_back(gr.dv0.to(vs[0].scalar_type()));
     for (std::int64_t i = 1; i <= step; ++i)
       result.push_back(shift_up(gr.dv_chain[static_cast<std::size_t>(i - 1)], step - i, 2).to(vs[i].scalar_type()));
-    result.resize(result.size() + 6);  // key_valid, document_ids and the settings
+    result.resize(result.size() + 8);  // key_valid, document_ids, their host copies and the settings
     return result;
   }
 };
@@ -203,13 +216,13 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
 at::Tensor ttt_attention_flash(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids,
-                               TttFlashTiles tiles) {
+                               TttFlashTiles tiles, const tiles::HostKeys* host) {
   tiles::check_attention_args("TTT flash attention", q, k_blocks, v_blocks, key_valid, document_ids, step);
   const std::int64_t query_rows = tiles.query_rows > 0 ? tiles.query_rows : kTttFlashQueryRows;
   const std::int64_t key_rows = tiles.key_rows > 0 ? tiles.key_rows : kTttFlashKeyRows;
-  const c10::optional<at::Tensor> docs =
-      document_ids.defined() ? c10::optional<at::Tensor>(document_ids) : c10::nullopt;
-  return TttFlashFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, docs, step,
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  return TttFlashFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, opt(document_ids),
+                                 host ? opt(host->valid) : c10::nullopt, host ? opt(host->docs) : c10::nullopt, step,
                                  scale, query_rows, key_rows);
 }
 

@@ -19,6 +19,10 @@
 
 namespace eaglekit::trainer {
 
+namespace tiles {
+struct HostKeys;
+}
+
 // Tile sizes of ttt_attention_flash, in positions (a query tile holds that many positions of
 // every head). 0: the default. The scores alive at once are B x heads x query_rows x key_rows.
 struct TttFlashTiles {
@@ -40,10 +44,12 @@ constexpr std::int64_t kTttFlashMinLength = 512;
 // (packed rows) or undefined. A query with no visible key gets 0 and finite gradients.
 // Computes in float32 whatever the inputs' dtype (also under autocast) and returns q's dtype.
 // Differentiable in q and every k and v block; saves for backward the (detached) inputs, the
-// float32 output and a [B, heads, L] log-sum-exp.
+// float32 output and a [B, heads, L] log-sum-exp. host: key_valid and document_ids already
+// read on the host (tiles::host_keys, trainer/ttt_tiles.h; SingleRankContext reads them once
+// per batch); null: this call reads them, once for its forward and backward.
 at::Tensor ttt_attention_flash(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
                                std::int64_t step, double scale, const at::Tensor& document_ids = {},
-                               TttFlashTiles tiles = {});
+                               TttFlashTiles tiles = {}, const tiles::HostKeys* host = nullptr);
 
 }  // namespace eaglekit::trainer

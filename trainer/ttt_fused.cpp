@@ -201,11 +201,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor&
 }
 
 std::vector<Call> plan_of(const fused::Pair& p, std::int64_t step) {
-  const auto host = [](const at::Tensor& t, at::ScalarType dt) {
-    return t.defined() ? t.to(at::kCPU, dt).contiguous() : at::Tensor();
-  };
-  return plan_calls(host(p.key_valid, at::kBool), host(p.docs_q, at::kLong), host(p.docs_k, at::kLong), p.q.size(2),
-                    p.qo - p.ko - step);
+  const std::shared_ptr<const tiles::HostKeys> k = p.host_k ? p.host_k : tiles::host_keys(p.key_valid, p.docs_k);
+  const std::shared_ptr<const tiles::HostKeys> q =
+      p.host_q ? p.host_q
+               : (p.docs_q.defined() ? tiles::host_keys(at::ones_like(p.docs_q, at::kBool), p.docs_q) : nullptr);
+  return plan_calls(k->valid, q ? q->docs : at::Tensor(), k->docs, p.q.size(2), p.qo - p.ko - step);
 }
 
 }  // namespace
@@ -308,18 +308,23 @@ at::Tensor chain_scores(const Chain& c, const at::Tensor& q32) {
 }
 
 fused::Pair whole_sequence(const at::Tensor& q, const at::Tensor& k0, const at::Tensor& v0,
-                           const at::Tensor& key_valid, const at::Tensor& docs) {
-  return {q, k0, v0, key_valid, docs, docs, 0, 0};
+                           const at::Tensor& key_valid, const at::Tensor& docs,
+                           std::shared_ptr<const tiles::HostKeys> host) {
+  return {q, k0, v0, key_valid, docs, docs, 0, 0, host, host};
 }
 
 class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, at::TensorList ks,
                             at::TensorList vs, const at::Tensor& key_valid,
-                            const c10::optional<at::Tensor>& document_ids, std::int64_t step, double scale) {
+                            const c10::optional<at::Tensor>& document_ids, const c10::optional<at::Tensor>& host_valid,
+                            const c10::optional<at::Tensor>& host_docs, std::int64_t step, double scale) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor docs = document_ids.value_or(at::Tensor());
-    fused::Partial r = fused::block0_forward(whole_sequence(q, ks[0], vs[0], key_valid, docs), step, scale);
+    const std::shared_ptr<const tiles::HostKeys> host =
+        host_valid ? tiles::host_keys_of_host(*host_valid, host_docs.value_or(at::Tensor()))
+                   : tiles::host_keys(key_valid, docs);
+    fused::Partial r = fused::block0_forward(whole_sequence(q, ks[0], vs[0], key_valid, docs, host), step, scale);
     at::Tensor out = r.out, lse = r.lse;
     if (step > 0) {
       // The chain keys, one per query and block, merged with block 0 by log-sum-exp.
@@ -346,6 +351,8 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
     ctx->save_for_backward(saved);
     ctx->saved_data["key_valid"] = key_valid;
     ctx->saved_data["docs"] = docs;
+    ctx->saved_data["host_valid"] = host->valid;
+    ctx->saved_data["host_docs"] = host->docs;
     ctx->saved_data["step"] = step;
     ctx->saved_data["scale"] = scale;
     return out.to(q.scalar_type());
@@ -372,8 +379,10 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor dq = at::zeros(q.sizes(), f32);
     at::Tensor dk0 = at::zeros(ks[0].sizes(), f32), dv0 = at::zeros(vs[0].sizes(), f32);
-    fused::block0_backward(whole_sequence(q, ks[0], vs[0], key_valid, docs), step, scale, d_out, out, lse, dq, dk0,
-                           dv0);
+    const std::shared_ptr<const tiles::HostKeys> host = tiles::host_keys_of_host(
+        ctx->saved_data["host_valid"].toTensor(), ctx->saved_data["host_docs"].toTensor());
+    fused::block0_backward(whole_sequence(q, ks[0], vs[0], key_valid, docs, host), step, scale, d_out, out, lse, dq,
+                           dk0, dv0);
 
     std::vector<at::Tensor> dk_chain, dv_chain;
     if (step > 0) {
@@ -397,7 +406,7 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
     result.push_back(dv0.to(vs[0].scalar_type()));
     for (std::int64_t i = 1; i <= step; ++i)
       result.push_back(shift_up(dv_chain[static_cast<std::size_t>(i - 1)], step - i, 2).to(vs[i].scalar_type()));
-    result.resize(result.size() + 4);  // key_valid, document_ids, step, scale
+    result.resize(result.size() + 6);  // key_valid, document_ids, their host copies, step, scale
     return result;
   }
 };
@@ -406,18 +415,19 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
 
 at::Tensor ttt_attention_fused(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids) {
+                               std::int64_t step, double scale, const at::Tensor& document_ids,
+                               const tiles::HostKeys* host) {
   tiles::check_attention_args("TTT fused attention", q, k_blocks, v_blocks, key_valid, document_ids, step);
-  const c10::optional<at::Tensor> docs =
-      document_ids.defined() ? c10::optional<at::Tensor>(document_ids) : c10::nullopt;
-  return TttFusedFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, docs, step,
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  return TttFusedFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, opt(document_ids),
+                                 host ? opt(host->valid) : c10::nullopt, host ? opt(host->docs) : c10::nullopt, step,
                                  scale);
 }
 
 #else  // LibTorch < 2.5
 
 at::Tensor ttt_attention_fused(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                               const at::Tensor&, std::int64_t, double, const at::Tensor&) {
+                               const at::Tensor&, std::int64_t, double, const at::Tensor&, const tiles::HostKeys*) {
   std::string why;
   ttt_fused_available(&why);
   throw UsageError("TTT fused attention is not available: " + why);

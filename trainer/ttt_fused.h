@@ -17,8 +17,9 @@
 // first visible key, a plain call on the keys they all see), and those past the run one plain
 // call on the whole run; calls that cover the same rows are merged by log-sum-exp. Equal rows
 // share their calls (a batch without padding or documents is one call per kind). The layout
-// of the calls is read on the host once per call (one device-to-host copy of key_valid and
-// document_ids).
+// of the calls is read on the host: once per batch when the caller passes the keys' host copy
+// (SingleRankContext does, and the CP ring once per call), else once per call for its forward
+// and backward (one device-to-host copy of key_valid and document_ids).
 //
 // The same pieces compute block 0 of one (query chunk, key chunk) pair of a longer sequence,
 // as the context-parallel ring needs (fused::block0_forward / block0_backward below).
@@ -31,10 +32,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace eaglekit::trainer {
+
+namespace tiles {
+struct HostKeys;
+}
 
 // Whether this build's LibTorch has the fused kernels (LibTorch >= 2.5); when not, and
 // `why` is given, the reason in one sentence.
@@ -44,20 +50,25 @@ bool ttt_fused_available(std::string* why = nullptr);
 // [B, heads, L, D], k_blocks / v_blocks [B, kv_heads, L, D] for blocks 0..step, key_valid
 // [B, L] bool, document_ids [B, L] or undefined. A query with no visible key gets 0 and
 // finite gradients. The kernels compute in the inputs' dtype (float32 accumulation); the
-// merge is float32; returns q's dtype. Differentiable in q and every k and v block.
+// merge is float32; returns q's dtype. Differentiable in q and every k and v block. host:
+// key_valid and document_ids already read on the host (tiles::host_keys, trainer/ttt_tiles.h);
+// null: this call reads them.
 at::Tensor ttt_attention_fused(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
                                const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids = {});
+                               std::int64_t step, double scale, const at::Tensor& document_ids = {},
+                               const tiles::HostKeys* host = nullptr);
 
 namespace fused {
 
 // Block 0 of one pair: queries q [B, heads, nq, D] at global positions [qo, qo + nq), keys
 // and values k, v [B, kv_heads, nk, D] at [ko, ko + nk), key_valid [B, nk] bool, and for
 // packed rows docs_q [B, nq] and docs_k [B, nk] (both or neither). Query q sees key j iff
-// j <= q - step, key j is valid, and both are of the same document.
+// j <= q - step, key j is valid, and both are of the same document. host_k: key_valid and
+// docs_k on the host, host_q: docs_q there (its valid unused); null: read per call.
 struct Pair {
   at::Tensor q, k, v, key_valid, docs_q, docs_k;
   std::int64_t qo = 0, ko = 0;
+  std::shared_ptr<const tiles::HostKeys> host_q, host_k;
 };
 
 // The pair's block-0 attention: out [B, heads, nq, D] float32 (0 for a row that sees no key)

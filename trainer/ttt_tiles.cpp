@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <string>
 
@@ -16,7 +17,8 @@ const double kNegInf = -std::numeric_limits<double>::infinity();
 const double kLowest = std::numeric_limits<float>::lowest();
 
 std::int64_t invalid_in(const TileKeys& k, std::int64_t k0, std::int64_t n) {
-  return k.invalid_prefix[static_cast<std::size_t>(k0 + n)] - k.invalid_prefix[static_cast<std::size_t>(k0)];
+  const std::vector<std::int64_t>& prefix = k.host->invalid_prefix;
+  return prefix[static_cast<std::size_t>(k0 + n)] - prefix[static_cast<std::size_t>(k0)];
 }
 
 // The additive mask (0 or -inf) of block-0 scores of local query rows [q0, q0 + t) against
@@ -132,18 +134,50 @@ TileQueries tile_queries(const at::Tensor& q, std::int64_t kv_heads, double scal
   return t;
 }
 
+namespace {
+std::atomic<std::int64_t> g_host_keys_reads{0};
+}  // namespace
+
+std::shared_ptr<const HostKeys> host_keys(const at::Tensor& valid, const at::Tensor& docs) {
+  g_host_keys_reads.fetch_add(1, std::memory_order_relaxed);
+  return host_keys_of_host(valid, docs);
+}
+
+std::shared_ptr<const HostKeys> host_keys_of_host(const at::Tensor& valid, const at::Tensor& docs) {
+  auto h = std::make_shared<HostKeys>();
+  if (valid.device().is_cpu()) {
+    h->valid = valid.to(at::kBool).contiguous();
+    if (docs.defined()) h->docs = docs.to(at::kCPU, at::kLong).contiguous();
+  } else {
+    // One copy for both: [1 or 2, B, n] int64.
+    at::Tensor both = valid.to(at::kLong).unsqueeze(0);
+    if (docs.defined()) both = at::cat({both, docs.to(valid.device(), at::kLong).unsqueeze(0)}, 0);
+    both = both.to(at::kCPU).contiguous();
+    h->valid = both.select(0, 0).ne(0).contiguous();
+    if (docs.defined()) h->docs = both.select(0, 1).contiguous();
+  }
+  const std::int64_t b = h->valid.size(0), n = h->valid.size(1);
+  const bool* v = h->valid.data_ptr<bool>();
+  h->invalid_prefix.assign(static_cast<std::size_t>(n + 1), 0);
+  for (std::int64_t j = 0; j < n; ++j) {
+    std::int64_t invalid = 0;
+    for (std::int64_t r = 0; r < b; ++r) invalid += v[r * n + j] ? 0 : 1;
+    h->invalid_prefix[static_cast<std::size_t>(j + 1)] = h->invalid_prefix[static_cast<std::size_t>(j)] + invalid;
+  }
+  return h;
+}
+
+std::int64_t host_keys_reads() { return g_host_keys_reads.load(std::memory_order_relaxed); }
+
 TileKeys tile_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& valid, const at::Tensor& docs,
-                   std::int64_t offset) {
+                   std::int64_t offset, std::shared_ptr<const HostKeys> host) {
   TileKeys t;
   t.k = k.to(at::kFloat).contiguous();
   t.v = v.to(at::kFloat).contiguous();
   t.valid = valid.to(at::kBool);
   if (docs.defined()) t.docs = docs.to(at::kLong);
   t.offset = offset;
-  const std::int64_t n = t.valid.size(1);
-  const at::Tensor counts = t.valid.logical_not().sum(0).cumsum(0).to(at::kCPU, at::kLong).contiguous();
-  t.invalid_prefix.assign(static_cast<std::size_t>(n + 1), 0);
-  std::copy(counts.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>() + n, t.invalid_prefix.begin() + 1);
+  t.host = host ? std::move(host) : host_keys(t.valid, t.docs);
   return t;
 }
 

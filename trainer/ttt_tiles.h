@@ -27,9 +27,32 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace eaglekit::trainer::tiles {
+
+// The key validity and document ids of a chunk of keys, on the host: what decides which
+// tiles (or, on the fused path, which kernel calls) a pair needs. Read once per batch by
+// whoever holds the keys (SingleRankContext for all the TTT steps and layers of a forward
+// and their backward, the CP ring once per call for every rank's chunk), so that no call,
+// tile or step copies from the device again. Immutable once built; share it freely.
+struct HostKeys {
+  at::Tensor valid;  // [B, n] bool, CPU, contiguous
+  at::Tensor docs;   // [B, n] int64, CPU, contiguous, or undefined (one document per row)
+  // invalid_prefix[j]: the number of (row, key < j) pairs that are not valid, so that a key
+  // tile is seen at a glance to be all valid (no mask) or all invalid (skipped).
+  std::vector<std::int64_t> invalid_prefix;
+};
+// valid [B, n] (bool or integer), docs [B, n] or undefined: one device-to-host copy of both
+// (none when they are on the CPU already).
+std::shared_ptr<const HostKeys> host_keys(const at::Tensor& valid, const at::Tensor& docs);
+// The same from a HostKeys' own valid and docs (CPU tensors, e.g. as an autograd node saved
+// them): no copy, not counted below.
+std::shared_ptr<const HostKeys> host_keys_of_host(const at::Tensor& host_valid, const at::Tensor& host_docs);
+// How many times host_keys has read key tensors since the process started (tests check that
+// a forward and backward read them once, not per call or per step).
+std::int64_t host_keys_reads();
 
 // The TTT step and the tile sizes in positions (both > 0).
 struct TileShape {
@@ -55,13 +78,12 @@ struct TileKeys {
   at::Tensor valid;         // key validity [B, nk] bool
   at::Tensor docs;          // document ids [B, nk] int64, or undefined
   std::int64_t offset = 0;  // global position of row 0 (ko)
-  // invalid_prefix[j]: the number of (row, key < j) pairs that are not valid, so that a key
-  // tile is seen at a glance to be all valid (no mask) or all invalid (skipped).
-  std::vector<std::int64_t> invalid_prefix;
+  std::shared_ptr<const HostKeys> host;  // valid and docs on the host
   std::int64_t rows() const { return k.size(2); }
 };
+// host: valid and docs already read (host_keys above); null: read them here.
 TileKeys tile_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& valid, const at::Tensor& docs,
-                   std::int64_t offset);
+                   std::int64_t offset, std::shared_ptr<const HostKeys> host = nullptr);
 
 // Whether some query of [qo, qo + nq) may see some key of [ko, ko + nk) in block 0 (the
 // shifted diagonal alone; validity and documents aside).

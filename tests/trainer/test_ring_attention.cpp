@@ -375,7 +375,7 @@ PieceRun fused_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, 
     const auto kc = trainer::cp_chunk(l, chunks, src);
     return trainer::fused::Pair{cut(in.q, 2, qc), cut(in.ks[0], 2, kc), cut(in.vs[0], 2, kc),
                                 cut(in.key_valid, 1, kc), cut(in.docs, 1, qc), cut(in.docs, 1, kc),
-                                qc.begin, kc.begin + key_shift};
+                                qc.begin, kc.begin + key_shift, nullptr, nullptr};  // read here
   };
   PieceRun r;
   r.dk = at::zeros_like(in.ks[0]);
@@ -494,12 +494,16 @@ TEST_CASE("ring: chunks follow [r*L/C, (r+1)*L/C) and shard_batch slices every t
 TEST_CASE("ring: one-rank ring attention equals the dense reference, output and gradients") {
   const dist::Group solo;
   int i = 0;
+  // The tiled and fused pair kernels plan from the keys' host copy the ring reads once per
+  // call with its key metadata: no pair, forward or backward reads key_valid again.
+  const std::int64_t reads = trainer::tiles::host_keys_reads();
   for (const AttnCase& c : attention_cases(4)) {
     const std::string what = case_text(c);
     CAPTURE(what);
     const auto in = make_inputs(c, 900 + i++);
     check_attention_chunk(ring_attention_run(solo, c, in), reference_attention(c, in), {0, c.length});
   }
+  CHECK(trainer::tiles::host_keys_reads() == reads);
 }
 
 TEST_CASE("ring: rows with no visible key give 0 and finite gradients, never NaN") {

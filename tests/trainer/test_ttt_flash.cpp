@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/version.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "trainer/ttt.h"
 #include "trainer/ttt_flash.h"
 #include "trainer/ttt_fused.h"
+#include "trainer/ttt_tiles.h"
 #include "tests/trainer/ttt_inputs.h"
 
 using namespace eaglekit;
@@ -289,4 +291,39 @@ TEST_CASE("ttt flash: TttOptions::attention picks the kernel at every length, an
   ra.loss.backward();
   rb.loss.backward();
   CHECK(check_same_grads(a, b) >= 8);
+}
+
+TEST_CASE("ttt attention: SingleRankContext reads key_valid and document ids on the host once per batch, not per step, layer or backward") {
+  std::vector<TttAttention> kinds{TttAttention::kTiled};
+  if (ttt_fused_available()) kinds.push_back(TttAttention::kFused);
+  for (const TttAttention kind : kinds) {
+    const std::string name(ttt_attention_name(kind));
+    CAPTURE(name);
+    SingleRankContext cx(kind);
+    const Shape sh;
+    const std::int64_t steps = 3;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(sh.d));
+    const Inputs in = make_inputs(sh, steps - 1, true, true);
+    const std::int64_t reads = tiles::host_keys_reads();
+    // What the unroll does: every step, two layers, the same key_valid and document ids.
+    at::Tensor loss = at::zeros({});
+    for (std::int64_t s = 0; s < steps; ++s) {
+      const std::vector<at::Tensor> ks(in.ks.begin(), in.ks.begin() + s + 1), vs(in.vs.begin(), in.vs.begin() + s + 1);
+      for (int layer = 0; layer < 2; ++layer)
+        loss = loss + cx.attention(in.q, ks, vs, in.key_valid, s, scale, in.docs).pow(2).sum();
+    }
+    loss.backward();
+    CHECK(tiles::host_keys_reads() - reads == 1);
+
+    // Another batch is read once more; so is the same tensor changed in place, and the result
+    // follows the change (a stale host copy would keep the old padding).
+    Inputs next = make_inputs(sh, 1, true, true);
+    const std::vector<at::Tensor> ks(next.ks.begin(), next.ks.begin() + 2), vs(next.vs.begin(), next.vs.begin() + 2);
+    cx.attention(next.q, ks, vs, next.key_valid, 1, scale, next.docs);
+    CHECK(tiles::host_keys_reads() - reads == 2);
+    next.key_valid[0].narrow(0, 1, 3).fill_(false);
+    const at::Tensor got = cx.attention(next.q, ks, vs, next.key_valid, 1, scale, next.docs);
+    CHECK(tiles::host_keys_reads() - reads == 3);
+    CHECK(max_rel(got, ttt_attention_dense(next.q, ks, vs, next.key_valid, 1, scale, next.docs)) < 1e-5);
+  }
 }
