@@ -130,6 +130,15 @@ opt::Group run_options(RunOptions& r) {
               field("eval_every", "N", r.eval_every, "Evaluate every N steps (0: at the end only; -1: never)"),
               note(field("save_every", "N", r.save_every, "Checkpoint every N steps (one is always saved at the end)"),
                    "at the end only"),
+              note(field("keep_checkpoints", "N", r.keep_checkpoints,
+                         "Keep only the newest N checkpoint-STEP folders in --out: an older one is deleted once "
+                         "a new one is completely written; --resume still finds the newest; best/ is never "
+                         "deleted (0: keep all)"),
+                   "0, keep all"),
+              opt::choice("keep_best", r.keep_best, {{KeepBest::kNone, "none"}, {KeepBest::kEstAr, "est_ar"}},
+                          "Keep OUT/best/, a checkpoint of the evaluation with the highest est_ar so far, with "
+                          "best.json naming its step and est_ar (needs evaluation: --eval-every >= 0 and "
+                          "--eval-fraction > 0); export takes it like any checkpoint"),
               field("log_every", "N", r.log_every, "A metrics line every N steps"),
               opt::optional_value("resume", "[DIR]", r.resume, r.resume_from,
                                   "Continue from the newest complete checkpoint in DIR (default: --out)"),
