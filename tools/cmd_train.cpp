@@ -49,7 +49,7 @@ int run_train(int argc, char** argv) {
                             opt::cli_only(opt::field("dry_run", "", dry_run,
                                                      "Resolve every option, read the base config and the index, "
                                                      "print the plan (draft config, aux ids, RoPE, steps, tokens, "
-                                                     "memory per rank) and exit without training")),
+                                                     "memory per rank, estimated time) and exit without training")),
                             opt::cli_only(opt::field("json", "", json, "Print the result as JSON"))}});
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",

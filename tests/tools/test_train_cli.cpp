@@ -486,6 +486,8 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("8 optimizer steps (4 per epoch) of 8 rows") != std::string::npos);
   CHECK(r.out.find("memory/rank: about ") != std::string::npos);
+  CHECK(r.out.find("eta:         at least ") != std::string::npos);
+  CHECK(r.out.find(" available (MemAvailable of this host)") != std::string::npos);
 
   r = test::eaglekit("train" + opts + " --threads 2 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -493,6 +495,31 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   const auto cfg = nlohmann::json::parse(std::ifstream(d + "/out/final/config.json"));
   CHECK(cfg["eagle_aux_hidden_state_layer_ids"] == plan["aux_layer_ids"]);
   CHECK(cfg["draft_vocab_size"] == plan["draft_config"]["draft_vocab_size"]);
+
+  // The time: FLOPs, and on the CPU a lower bound from a matmul timed here, said as such.
+  CHECK(plan["flops"].get<double>() > 0);
+  CHECK(plan["measured_flops_per_s"].get<double>() > 0);
+  CHECK(plan["eta_seconds"].get<double>() > 0);
+  CHECK(plan["eta_basis"].get<std::string>().rfind("a lower bound: ", 0) == 0);
+  CHECK(plan["memory_available_bytes"].get<double>() > 0);
+  // No made-up number for a device a dry run does not open.
+  r = test::eaglekit("train" + opts + " --device cuda --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto gpu = nlohmann::json::parse(r.out);
+  CHECK(gpu["eta_seconds"].is_null());
+  CHECK(gpu["memory_available_bytes"].is_null());
+  CHECK(gpu["eta_basis"].get<std::string>().rfind("not estimated: a dry run does not open --device cuda", 0) == 0);
+  // A batch that cannot fit this host is warned about, with what to change.
+  r = test::eaglekit("train" + opts + " --max-length 300000 --batch-size 64 --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  bool memory_warning = false;
+  const auto huge = nlohmann::json::parse(r.out);  // kept: the loop reads into it
+  for (const auto& w : huge["warnings"])
+    memory_warning |= w.get<std::string>().find("exceeds the") != std::string::npos &&
+                      w.get<std::string>().find("this host has available (MemAvailable of this host): lower "
+                                                "--batch-size or --max-length") != std::string::npos;
+  CHECK_MESSAGE(memory_warning, r.out);
+  for (const auto& w : plan["warnings"]) CHECK(w.get<std::string>().find("exceeds the") == std::string::npos);
 
   // A dry run refuses what train would refuse, with train's message and exit code.
   r = test::eaglekit("train" + job->data_args() + " --dry-run");
