@@ -59,7 +59,6 @@ int run_train(int argc, char** argv) {
       "SIGTERM saves a checkpoint and exits 3 (--resume continues).");
   if (!cl) return 0;
   cl->apply([&](const std::string& path) { o.apply_json(read_file(path), path); });
-  o.progress = o.progress && stderr_is_tty();
   o.check();
   if (dry_run) {
     // Under a launcher the plan is for its world size; a dry run never joins the mesh.

@@ -147,7 +147,11 @@ opt::Group run_options(RunOptions& r) {
                    "the base's torch_dtype"),
               note(field("tensorboard", "DIR", r.tensorboard, "Folder of the TensorBoard event files"), "OUT/tensorboard"),
               field("no_tensorboard", "", r.no_tensorboard, "Write no TensorBoard event files"),
-              field("progress", "", r.progress, "A progress line on stderr when it is a terminal"),
+              field("progress", "", r.progress,
+                    "A progress line on stderr: redrawn on a terminal; in a log (not a terminal) a plain line "
+                    "after the first step and every --progress-every seconds"),
+              field("progress_every", "SECONDS", r.progress_every,
+                    "Seconds between the plain progress lines when stderr is not a terminal (0: none)"),
               note(field("loss_chunk_tokens", "N", r.loss_chunk_tokens,
                          "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
                          "logits are never whole (0: all at once; docs/ttt.md)"),

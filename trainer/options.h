@@ -103,6 +103,9 @@ struct RunOptions {
   std::string tensorboard;      // TensorBoard event files: "" OUT/tensorboard
   bool no_tensorboard = false;  // write none
   bool progress = true;         // a progress line with ETA when stderr is a terminal
+  // When stderr is not a terminal (a log): a plain progress line after the first step and
+  // then every this many seconds; 0: none.
+  double progress_every = 60;
   // Rows of a TTT step's lm_head + loss computed at a time (trainer/soft_ce.h): 0 all at
   // once, -1 auto (chunked only when a step's logits would exceed 256 MiB).
   std::int64_t loss_chunk_tokens = -1;

@@ -124,6 +124,8 @@ void TrainOptions::check() const {
   if (epochs < 0) throw UsageError("--epochs must not be negative");
   if (max_steps < 0) throw UsageError("--max-steps must not be negative");
   if (log_every < 1) throw UsageError("--log-every must be at least 1");
+  if (!(progress_every >= 0) || !std::isfinite(progress_every))
+    throw UsageError("--progress-every takes seconds, 0 or more (0: no plain progress lines)");
   if (draft_vocab_size < 0) throw UsageError("--draft-vocab-size must not be negative");
   if (cp_size < 1) throw UsageError("--cp must be at least 1");
   if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
@@ -387,6 +389,11 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   // --- the loop ---
   SignalGuard signals;
   const bool show_progress = opts.progress && main_rank && ::isatty(2) == 1;
+  // In a log (stderr not a terminal) the progress line is a plain line instead: after the
+  // first step, then every --progress-every seconds; metrics.jsonl has the rest.
+  const bool log_progress = opts.progress && main_rank && !show_progress && opts.progress_every > 0;
+  auto last_logged = Clock::now();
+  bool logged_any = false;
   TttStats run_stats(steps_s);
   StepWindow window(steps_s);
   double run_tokens = 0, run_time = 0, run_wait = 0;
@@ -517,6 +524,19 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       std::cerr << progress_line(step, total_steps, loss, acc.empty() ? 0.0 : acc[0],
                                  run_time > 0 ? run_tokens / run_time : 0, eta)
                 << std::flush;
+    }
+    if (log_progress && (!logged_any || seconds_since(last_logged) >= opts.progress_every)) {
+      last_logged = Clock::now();
+      logged_any = true;
+      const double rate = run_time > 0 ? static_cast<double>(step - result.start_step) / run_time : 0;
+      const double eta = rate > 0 && total_steps > step ? static_cast<double>(total_steps - step) / rate : 0;
+      const auto acc = step_stats.acc();
+      char text[200];
+      std::snprintf(text, sizeof text, "step %lld/%lld, loss %.4g, acc0 %.3g, %s tok/s, ETA %s",
+                    static_cast<long long>(step), static_cast<long long>(total_steps), loss,
+                    acc.empty() ? 0.0 : acc[0], rate_text(run_time > 0 ? run_tokens / run_time : 0).c_str(),
+                    format_duration(eta).c_str());
+      say(text);
     }
     if (stop) {
       if (show_progress) std::cerr << "\n";

@@ -303,6 +303,28 @@ TEST_CASE("train cli: --keep-checkpoints keeps the newest N, resume still works;
   CHECK(!fs::exists(d + "/bad"));
 }
 
+TEST_CASE("train cli: in a log (stderr not a terminal) a plain progress line comes before any metrics line") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() + " --max-length 24 --batch-size 4 --jobs 2 --eval-every -1 --max-steps 2"
+                             " --log-every 100";
+  // The tests' stderr is a pipe, as a batch job's log is. Before: nothing until the end.
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/a"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("train: step 1/2, loss ") != std::string::npos, r.err);
+  CHECK(r.err.find(" tok/s, ETA ") != std::string::npos);
+  // --progress-every 0 or --no-progress: none.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/b") + " --progress-every 0");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("train: step 1/2") == std::string::npos);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/c") + " --no-progress");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("train: step 1/2") == std::string::npos);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/d") + " --progress-every -1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--progress-every takes seconds") != std::string::npos);
+}
+
 TEST_CASE("train cli: --resume says whether the learning-rate schedule continues or changes, with both rates") {
   auto job = make_job();
   const std::string d = job->dir.path();
