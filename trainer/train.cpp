@@ -311,6 +311,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     mo.tensorboard = opts.tensorboard;
     mo.no_tensorboard = opts.no_tensorboard;
     mo.on_line = hooks.on_metrics;
+    mo.say = say;
     log = std::make_unique<MetricsLog>(mo);
   }
   auto emit = [&](const json& j) {
