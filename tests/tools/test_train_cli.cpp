@@ -325,6 +325,17 @@ TEST_CASE("train cli: in a log (stderr not a terminal) a plain progress line com
   CHECK(r.err.find("--progress-every takes seconds") != std::string::npos);
 }
 
+TEST_CASE("train cli: vocab --base names the flag when the folder does not exist") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const auto r = test::eaglekit("vocab --data " + test::quote(job->data) + " --index " + test::quote(job->index) +
+                                " --base " + test::quote(d + "/nosuchdir") + " --draft-vocab-size 8 --out " +
+                                test::quote(d + "/d2t.pt"));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--base " + d + "/nosuchdir: no such folder") != std::string::npos, r.err);
+  CHECK(!fs::exists(d + "/d2t.pt"));
+}
+
 TEST_CASE("train cli: --resume says whether the learning-rate schedule continues or changes, with both rates") {
   auto job = make_job();
   const std::string d = job->dir.path();
