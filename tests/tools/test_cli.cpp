@@ -107,6 +107,23 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
     CHECK(r.out.empty());
   }
   CHECK_FALSE(fs::exists("x"));
+
+  // A mistyped flag: the command's nearest flag, when one is near (a typo, a swap, '_').
+  const std::vector<Case> typos = {
+      {"synth --out x --conversation 3", "eaglekit synth: unknown option '--conversation' (did you mean --conversations?) (see --help)\n"},
+      {"synth --out x --cnoversations 3", "eaglekit synth: unknown option '--cnoversations' (did you mean --conversations?) (see --help)\n"},
+      {"synth --out x --min_tokens 3", "eaglekit synth: unknown option '--min_tokens' (did you mean --min-tokens?) (see --help)\n"},
+      {"inspect --hlep", "eaglekit inspect: unknown option '--hlep' (did you mean --help?) (see --help)\n"},
+      {"synth --out x --frobnicate 3", "eaglekit synth: unknown option '--frobnicate' (see --help)\n"},
+      {"synth --out x --ab", "eaglekit synth: unknown option '--ab' (see --help)\n"},
+  };
+  for (const auto& c : typos) {
+    CAPTURE(c.args);
+    const auto r = test::eaglekit(c.args);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err == c.err);
+  }
+  CHECK_FALSE(fs::exists("x"));
 }
 
 TEST_CASE("cli: every command's --help comes from its option table") {
