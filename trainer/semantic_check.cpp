@@ -116,7 +116,7 @@ std::string semantic_check_notice(std::int64_t records, std::int64_t positions, 
       std::snprintf(r, sizeof r, "%.3g", rate / 1e9);
       os << ", at least " << format_duration(s) << " at the " << r << " GFLOP/s a float32 matmul reached here";
       if (s >= 60)
-        os << ". This will take long: fewer --positions, --quarantine'd or fewer records, or --device cuda are faster";
+        os << ". This will take long: a lower --positions or --device cuda is faster";
     } else {
       os << " (its time not estimated: the matmul timing failed)";
     }
