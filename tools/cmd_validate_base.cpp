@@ -30,7 +30,6 @@ int run_validate_base(int argc, char** argv) {
   o.index = v.data.index;
   o.match_by = v.data.match_by;
   o.quarantine.clear();  // written below, with the semantic suspects
-  o.progress = stderr_is_tty() ? 1 : 0;
   ValidateReport report = validate_dataset(o);
 
   std::string semantic_text;
