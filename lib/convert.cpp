@@ -150,7 +150,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
                             [&](const std::string& name) { return name == file; });
   }
 
-  Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? 1 : 0);
+  Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? -1 : 0);
   tbb::task_arena arena(options.jobs > 0 ? options.jobs : tbb::task_arena::automatic);
   std::atomic<std::int64_t> records{0}, files{0}, bytes{0};
 

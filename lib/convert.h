@@ -29,7 +29,7 @@ struct ConvertOptions {
   std::optional<Format> format;  // nullopt: from DST's extension, else pt
   WriterOptions writer;          // codec / level for eks; format is overridden
   int jobs = 0;                  // 0: all cores
-  bool progress = false;         // a progress line on stderr
+  bool progress = false;         // progress on stderr (lib/progress.h: a terminal, or plain lines in a log)
 };
 
 struct ConvertResult {

@@ -28,7 +28,7 @@ struct IndexOptions {
   std::string out;                 // index file to write
   int jobs = 0;                    // threads; 0: all cores
   bool incremental = true;         // reuse entries of an existing `out` whose file is unchanged
-  int progress = -1;               // -1: a progress line when stderr is a terminal; 0 off; 1 on
+  int progress = -1;               // -1: redrawn on a terminal, plain lines in a log (lib/progress.h); 0 off; 1 on
 };
 
 struct IndexReport {

@@ -252,7 +252,7 @@ PackResult pack_records(const PackOptions& o) {
   }
 
   ReaderCache readers(files, pending);
-  Progress progress("pack", static_cast<std::int64_t>(items.size()), o.progress ? 1 : 0);
+  Progress progress("pack", static_cast<std::int64_t>(items.size()), o.progress ? -1 : 0);
   std::unique_ptr<EksWriter> writer;
   std::vector<std::string> current_sources;
   std::uint64_t current_index_bytes = 0;
@@ -372,7 +372,7 @@ VerifyResult verify_records(const std::vector<std::string>& paths, const VerifyO
   std::mutex mu;
   std::atomic<std::int64_t> records{0};
   std::atomic<std::uint64_t> bytes{0};
-  Progress progress("verify", static_cast<std::int64_t>(files.size()), o.progress ? 1 : 0);
+  Progress progress("verify", static_cast<std::int64_t>(files.size()), o.progress ? -1 : 0);
   auto add_bad = [&](BadRecord b) {
     std::lock_guard<std::mutex> lock(mu);
     result.bad.push_back(std::move(b));

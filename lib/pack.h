@@ -41,7 +41,7 @@ struct PackOptions {
   EksEncodeOptions encode;                   // codec, zstd level, block size
   int jobs = 0;                              // threads; 0 = all cores
   bool skip_bad = false;                     // leave unreadable records out (listed) instead of failing
-  bool progress = false;                     // progress line on stderr
+  bool progress = false;                     // progress on stderr (lib/progress.h)
 };
 
 struct PackResult {

@@ -5,17 +5,35 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "formats/error.h"
 
 namespace eaglekit {
 
+double progress_every_s() {
+  const char* v = std::getenv("EAGLEKIT_PROGRESS_EVERY");
+  if (v == nullptr || *v == '\0') return 60;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(s >= 0) || !std::isfinite(s))
+    throw UsageError(std::string("EAGLEKIT_PROGRESS_EVERY must be a number of seconds, 0 or more (0: no progress "
+                                 "lines in logs), not '") + v + "'");
+  return s;
+}
+
 Progress::Progress(std::string label, std::int64_t total, int enabled)
     : label_(std::move(label)),
       total_(total),
-      enabled_(enabled < 0 ? ::isatty(2) == 1 : enabled != 0),
+      enabled_(enabled != 0),
       start_(std::chrono::steady_clock::now()),
-      last_draw_(start_) {}
+      last_draw_(start_) {
+  if (enabled < 0 && ::isatty(2) != 1) {
+    plain_every_s_ = progress_every_s();
+    plain_ = true;
+    enabled_ = plain_every_s_ > 0;
+  }
+}
 
 Progress::~Progress() { finish(); }
 
@@ -28,7 +46,9 @@ void Progress::add(std::int64_t n, std::int64_t bytes) {
   bytes_ += bytes;
   if (!enabled_) return;
   const auto now = std::chrono::steady_clock::now();
-  if (now - last_draw_ < std::chrono::milliseconds(100)) return;
+  if (plain_ ? std::chrono::duration<double>(now - last_draw_).count() < plain_every_s_
+             : now - last_draw_ < std::chrono::milliseconds(100))
+    return;
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || finished_) return;
   last_draw_ = now;
@@ -40,6 +60,7 @@ void Progress::finish() {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_) return;
   finished_ = true;
+  if (plain_ && !plain_drawn_) return;  // short work: the log stays as it was
   draw(true);
 }
 
@@ -60,7 +81,12 @@ void Progress::draw(bool final) {
     const double eta = static_cast<double>(total_ - c) / rate;
     n += std::snprintf(buf + n, sizeof buf - n, " ETA %.0fs", eta);
   }
-  std::fprintf(stderr, "%s\033[K%s", buf, final ? "\n" : "");
+  if (plain_) {
+    plain_drawn_ = true;
+    std::fprintf(stderr, "%s%s\n", buf + 1, final ? " (done)" : "");  // without the '\r'
+  } else {
+    std::fprintf(stderr, "%s\033[K%s", buf, final ? "\n" : "");
+  }
   std::fflush(stderr);
 }
 

@@ -151,8 +151,9 @@ std::string tick_label(double v, double step) {
   return b;
 }
 
-// A line chart of several series, with a y range from the data and five labelled ticks.
-std::string chart(const std::string& title, const std::vector<Series>& series) {
+// A line chart of several series, with a y range from the data, five labelled ticks and
+// the axes' titles: optimizer steps across, `y_title` up.
+std::string chart(const std::string& title, const std::string& y_title, const std::vector<Series>& series) {
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   for (const auto& s : series)
     for (const auto& [x, y] : s.points) {
@@ -169,7 +170,7 @@ std::string chart(const std::string& title, const std::vector<Series>& series) {
     const double pad = y0 == 0 ? 1 : std::abs(y0) * 0.1;
     y0 -= pad, y1 += pad;
   }
-  const double W = 600, H = 270, L = 76, R = 14, T = 12, B = 34;
+  const double W = 600, H = 290, L = 92, R = 14, T = 12, B = 54;
   auto px = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
   auto py = [&](double y) { return T + (1 - (y - y0) / (y1 - y0)) * (H - T - B); };
   o << "<svg viewBox=\"0 0 " << W << " " << H << "\" role=\"img\" aria-label=\"" << escape(title) << "\">";
@@ -181,9 +182,13 @@ std::string chart(const std::string& title, const std::vector<Series>& series) {
       << "</text>";
   }
   for (double x : xt.values) {
-    o << "<text class=\"tick\" x=\"" << px(x) << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\">"
+    o << "<text class=\"tick\" x=\"" << px(x) << "\" y=\"" << H - 30 << "\" text-anchor=\"middle\">"
       << tick_label(x, std::max(1.0, xstep)) << "</text>";
   }
+  o << "<text class=\"axis\" x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 6
+    << "\" text-anchor=\"middle\">optimizer step</text>";
+  o << "<text class=\"axis\" transform=\"translate(18 " << (T + H - B) / 2
+    << ") rotate(-90)\" text-anchor=\"middle\">" << escape(y_title) << "</text>";
   for (const auto& s : series) {
     if (s.points.empty()) continue;
     if (s.points.size() == 1) {
@@ -274,6 +279,8 @@ figcaption{font-weight:600;margin-bottom:4px}
 svg{display:block;width:100%;height:auto}
 .grid line.grid,svg line.grid{stroke:var(--line);stroke-width:1}
 text.tick{fill:var(--muted);font-size:15px}
+text.axis{fill:var(--fg);font-size:15px}
+.warning{border-left:4px solid #d29922;padding:6px 12px;background:var(--card)}
 .legend{list-style:none;padding:0;margin:6px 0 0;display:flex;flex-wrap:wrap;gap:2px 14px;font-size:13px}
 .legend li{display:flex;align-items:center;gap:6px}.swatch{width:24px;height:8px}
 .table{overflow-x:auto;background:var(--card);border:1px solid var(--line);border-radius:8px}
@@ -283,9 +290,39 @@ th:first-child,td:first-child{text-align:left}
 dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;margin:0}dt{color:var(--muted)}dd{margin:0}
 )CSS";
 
+std::vector<std::string> comparability_warnings(const std::vector<Run>& runs) {
+  // The TTT steps of each run: its train_options.json, else the length of its acc lists.
+  std::vector<std::string> warnings;
+  std::map<std::int64_t, std::vector<std::string>> by_steps;
+  for (const auto& r : runs) {
+    std::int64_t steps = -1;
+    if (r.options.contains("ttt_steps") && r.options["ttt_steps"].is_number_integer()) {
+      steps = r.options["ttt_steps"].get<std::int64_t>();
+    } else {
+      for (const auto& j : r.train)
+        if (j.contains("acc") && j["acc"].is_array()) steps = static_cast<std::int64_t>(j["acc"].size());
+    }
+    if (steps > 0) by_steps[steps].push_back(r.name);
+  }
+  if (by_steps.size() > 1) {
+    std::string which;
+    for (const auto& [steps, names] : by_steps) {
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+      which += (which.empty() ? "" : "; ") + std::string("--ttt-steps ") + std::to_string(steps) + ": " + list;
+    }
+    warnings.push_back("these runs trained with different --ttt-steps (" + which +
+                       "): their loss, accuracy and est_ar curves are not comparable (the loss sums a different "
+                       "number of weighted steps, est_ar counts a different number of drafted tokens); compare "
+                       "the per-step accuracies step by step, or evaluate the drafts alike with eaglekit evaluate "
+                       "--ttt-steps");
+  }
+  return warnings;
+}
+
 }  // namespace
 
-std::string render_report(const ReportOptions& options) {
+std::string render_report(const ReportOptions& options, std::vector<std::string>* warnings_out) {
   if (options.runs.empty()) throw UsageError("report: give at least one training output folder");
   std::vector<Run> runs;
   for (const auto& d : options.runs) runs.push_back(load_run(d));
@@ -302,20 +339,23 @@ std::string render_report(const ReportOptions& options) {
     o << (i ? " &middot; " : "") << "<span style=\"color:" << kColors[i % 8] << "\">&#9632;</span> " << escape(runs[i].name)
       << " (" << runs[i].train.size() << " log lines, " << runs[i].eval.size() << " evaluations)";
   o << "</p>\n";
+  const std::vector<std::string> warnings = comparability_warnings(runs);
+  for (const auto& w : warnings) o << "<p class=\"warning\">warning: " << escape(w) << "</p>\n";
+  if (warnings_out) *warnings_out = warnings;
 
   o << "<h2>Curves <span class=\"muted\">(by optimizer step)</span></h2><div class=\"grid\">\n";
-  o << chart("Loss", collect(runs, {{"train", "loss", "train"}, {"eval", "loss", "eval"}}));
-  o << chart("Accuracy per TTT step (train)", per_step(runs, "train", "acc"));
-  o << chart("Conditional accuracy per TTT step (train)", per_step(runs, "train", "cond_acc"));
-  o << chart("Estimated acceptance length",
+  o << chart("Loss", "loss (TTT steps weighted)", collect(runs, {{"train", "loss", "train"}, {"eval", "loss", "eval"}}));
+  o << chart("Accuracy per TTT step (train)", "accuracy", per_step(runs, "train", "acc"));
+  o << chart("Conditional accuracy per TTT step (train)", "conditional accuracy", per_step(runs, "train", "cond_acc"));
+  o << chart("Estimated acceptance length", "tokens per base pass",
              collect(runs, {{"train", "est_ar", "train"}, {"train", "est_ar_cond", "train, conditional"},
                             {"eval", "est_ar", "eval"}, {"eval", "est_ar_cond", "eval, conditional"}}));
-  o << chart("Accuracy per TTT step (eval)", per_step(runs, "eval", "acc"));
-  o << chart("Learning rate", collect(runs, {{"train", "lr", "lr"}}));
-  o << chart("Tokens per second", collect(runs, {{"train", "tokens_per_s", "tokens/s"}}));
-  o << chart("Data wait (share of step time)", collect(runs, {{"train", "data_wait_share", "data wait"}}));
-  o << chart("Gradient norm", collect(runs, {{"train", "grad_norm", "before clipping"}}));
-  o << chart("Peak host memory (MiB)", collect(runs, {{"train", "peak_rss_mb", "peak RSS"}}));
+  o << chart("Accuracy per TTT step (eval)", "accuracy", per_step(runs, "eval", "acc"));
+  o << chart("Learning rate", "learning rate", collect(runs, {{"train", "lr", "lr"}}));
+  o << chart("Tokens per second", "tokens / s", collect(runs, {{"train", "tokens_per_s", "tokens/s"}}));
+  o << chart("Data wait (share of step time)", "share of step time", collect(runs, {{"train", "data_wait_share", "data wait"}}));
+  o << chart("Gradient norm", "L2 norm", collect(runs, {{"train", "grad_norm", "before clipping"}}));
+  o << chart("Peak host memory (MiB)", "MiB", collect(runs, {{"train", "peak_rss_mb", "peak RSS"}}));
   o << "</div>\n";
 
   // The last evaluation of each run.
@@ -412,8 +452,8 @@ std::string render_report(const ReportOptions& options) {
   return o.str();
 }
 
-void write_report(const ReportOptions& options, const std::string& out) {
-  const std::string html = render_report(options);
+void write_report(const ReportOptions& options, const std::string& out, std::vector<std::string>* warnings) {
+  const std::string html = render_report(options, warnings);
   write_file_atomic(out, html.data(), html.size());
 }
 

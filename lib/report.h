@@ -18,9 +18,10 @@ struct ReportOptions {
   std::string title = "eaglekit training report";
 };
 
-// The page as a string.
-std::string render_report(const ReportOptions& options);
+// The page as a string. `warnings`, when given, receives what the page warns about at its
+// top: runs trained with different --ttt-steps, whose curves are overlaid but not comparable.
+std::string render_report(const ReportOptions& options, std::vector<std::string>* warnings = nullptr);
 // Renders and writes `out` atomically (temp file + rename).
-void write_report(const ReportOptions& options, const std::string& out);
+void write_report(const ReportOptions& options, const std::string& out, std::vector<std::string>* warnings = nullptr);
 
 }  // namespace eaglekit

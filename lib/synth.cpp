@@ -533,7 +533,7 @@ SynthResult synthesize(const SynthOptions& options) {
   }
 
   std::atomic<std::int64_t> tokens{0}, bytes{0};
-  Progress progress("synth", o.conversations, o.progress ? 1 : 0);
+  Progress progress("synth", o.conversations, o.progress ? -1 : 0);
   tbb::task_arena arena(o.jobs > 0 ? o.jobs : tbb::task_arena::automatic);
   arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, o.conversations, 1),

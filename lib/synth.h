@@ -44,7 +44,7 @@ struct SynthOptions {
   // write it): a per-token scale and the norm weight divided out, so that the base's
   // RMSNorm (model.norm.weight in the base folder) gives back the post-norm direction.
   bool prenorm = false;
-  bool progress = false;           // a progress line on stderr (the CLI passes "is a TTY")
+  bool progress = false;           // progress on stderr (lib/progress.h: a terminal, or plain lines in a log)
 };
 
 // Throws UsageError naming the option when a value is out of range.

@@ -70,7 +70,7 @@ struct ValidateOptions {
   std::string quarantine;
   MatchBy match_by = MatchBy::kAuto;  // with data: by id, by row (lib/dataset.h)
   int jobs = 0;             // threads for --deep; 0: all cores
-  int progress = -1;        // -1: a progress line when stderr is a terminal
+  int progress = -1;        // -1: redrawn on a terminal, plain lines in a log (lib/progress.h)
 };
 
 // One problem record. `id` is its conversation id, or "PATH" / "PATH#RECORD" when it has

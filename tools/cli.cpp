@@ -8,6 +8,7 @@
 #include <iostream>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <stdexcept>
 #include <variant>
 
@@ -101,6 +102,46 @@ const opt::Option* find_alias(const opt::Groups& groups, std::string_view flag) 
 
 bool takes_optional_value(const opt::Option& o) { return std::holds_alternative<opt::OptionalValueRef>(o.ref); }
 
+// Optimal string alignment distance: insertions, deletions, substitutions and swaps of two
+// neighbours ("--max-setps") each cost 1.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// " (did you mean --X?)" for the command's flag nearest to a mistyped `name` (a typo, a
+// '_' for '-', a missing or extra letter), "" when none is near: at most 2 edits, and fewer
+// than a third of the name's letters for short names.
+std::string did_you_mean(const opt::Groups& groups, const std::string& name) {
+  std::string spelled = name;
+  std::replace(spelled.begin(), spelled.end(), '_', '-');
+  std::string best;
+  std::size_t best_d = std::string::npos;
+  auto consider = [&](const std::string& flag) {
+    const std::size_t d = edit_distance(spelled, flag);
+    if (d < best_d) {
+      best_d = d;
+      best = flag;
+    }
+  };
+  for (const auto& g : groups)
+    for (const auto& o : g.options) {
+      if (o.flag.empty()) continue;
+      consider(o.flag);
+      if (o.is_bool()) consider("no-" + o.flag);
+    }
+  consider("help");
+  if (best.empty() || best_d > 2 || 3 * best_d >= std::max(spelled.size(), best.size())) return "";
+  return " (did you mean --" + best + "?)";
+}
+
 }  // namespace
 
 CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups, std::size_t max_positionals) {
@@ -155,7 +196,7 @@ CommandLine parse_command_line(int argc, char** argv, const opt::Groups& groups,
     if (!o) {
       if (const opt::Option* renamed = find_alias(groups, name))
         throw UsageError("--" + name + " is now --" + renamed->flag + " (see --help)");
-      throw UsageError("unknown option '--" + name + "' (see --help)");
+      throw UsageError("unknown option '--" + name + "'" + did_you_mean(groups, name) + " (see --help)");
     }
     if (o->is_bool()) {
       cl.values.emplace_back(o, inline_value ? *inline_value : "true");

@@ -50,7 +50,7 @@ int run_convert(int argc, char** argv) {
   cl->apply();
   if (format != Format::kUnknown) o.format = format;
   o.writer.codec = std::string(eks_codec_name(codec));
-  o.progress = stderr_is_tty();
+  o.progress = true;  // redrawn on a terminal, plain lines in a log (lib/progress.h)
   const std::string& dst = cl->positionals[1];
   const ConvertResult r = convert_records(cl->positionals[0], dst, o);
   if (json) {

@@ -34,7 +34,6 @@ int run_evaluate(int argc, char** argv) {
   // What the user left unset follows the draft's training run (EvaluateOptions::from_run).
   for (const char* key : {"ttt_steps", "max_length"})
     if (!cl->given(key)) o.from_run.push_back(key);
-  o.progress = o.progress && stderr_is_tty();
   o.check();
 
   dist::GroupOptions go;

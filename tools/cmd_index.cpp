@@ -46,7 +46,6 @@ int run_index(int argc, char** argv) {
   if (o.roots.empty()) throw UsageError("give at least one folder to index (see --help)");
   if (!cl.given("out")) throw UsageError("--out INDEX is required");
   o.incremental = !full;
-  o.progress = stderr_is_tty() ? 1 : 0;
   const IndexReport report = build_index(o);
   std::cout << (json ? index_report_to_json(report, o.out) : index_report_to_text(report, o.out));
   return 0;

@@ -46,7 +46,7 @@ int run_pack(int argc, char** argv) {
   const std::int64_t block = parse_bytes(block_size);
   if (block <= 0) throw UsageError("--block-size must be positive");
   o.encode.block_bytes = static_cast<std::size_t>(block);
-  o.progress = stderr_is_tty();
+  o.progress = true;  // redrawn on a terminal, plain lines in a log (lib/progress.h)
   const std::string codec(eks_codec_name(o.encode.codec));
 
   const PackResult r = pack_records(o);

@@ -22,7 +22,7 @@ int run_report(int argc, char** argv) {
   const opt::Groups groups{opt::Group{"Report",
                                       {opt::field("out", "FILE", out, "HTML file to write (atomically)"),
                                        opt::field("title", "TEXT", o.title, "Page title"),
-                                       opt::field("json", "", json, "Print {\"out\", \"runs\"}")}},
+                                       opt::field("json", "", json, "Print {\"out\", \"runs\", \"warnings\"}")}},
                            data_options(data).only({"index"})};
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " RUN [RUN...] --out FILE [OPTIONS]",
@@ -36,9 +36,11 @@ int run_report(int argc, char** argv) {
   cl->apply();
   o.runs = cl->positionals;
   o.index = data.index;
-  write_report(o, out);
+  std::vector<std::string> warnings;
+  write_report(o, out, &warnings);
+  for (const auto& w : warnings) std::cerr << "report: warning: " << w << "\n";
   if (json) {
-    std::cout << nlohmann::json({{"out", out}, {"runs", o.runs}}).dump() << "\n";
+    std::cout << nlohmann::json({{"out", out}, {"runs", o.runs}, {"warnings", warnings}}).dump() << "\n";
   } else {
     std::cout << "wrote " << out << " (" << o.runs.size() << " run(s))\n";
   }

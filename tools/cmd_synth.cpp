@@ -61,7 +61,7 @@ int run_synth(int argc, char** argv) {
   if (!cl->given("out")) throw UsageError("--out DIR is required (see --help)");
   cl->check_choice("dtype", [](const std::string& v) { return "--dtype must be bf16, fp16 or fp32, not " + v; });
   cl->apply();
-  o.progress = stderr_is_tty();
+  o.progress = true;  // redrawn on a terminal, plain lines in a log (lib/progress.h)
 
   const SynthResult r = synthesize(o);
   if (json) {

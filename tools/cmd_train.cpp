@@ -49,16 +49,16 @@ int run_train(int argc, char** argv) {
                             opt::cli_only(opt::field("dry_run", "", dry_run,
                                                      "Resolve every option, read the base config and the index, "
                                                      "print the plan (draft config, aux ids, RoPE, steps, tokens, "
-                                                     "memory per rank) and exit without training")),
+                                                     "memory per rank, estimated time) and exit without training")),
                             opt::cli_only(opt::field("json", "", json, "Print the result as JSON"))}});
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",
       "Train an EAGLE-3 draft with training-time test on offline hidden states. Writes "
-      "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/ and OUT/final/. SIGINT or "
+      "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/, OUT/final/ and with --keep-best "
+      "OUT/best/. SIGINT or "
       "SIGTERM saves a checkpoint and exits 3 (--resume continues).");
   if (!cl) return 0;
   cl->apply([&](const std::string& path) { o.apply_json(read_file(path), path); });
-  o.progress = o.progress && stderr_is_tty();
   o.check();
   if (dry_run) {
     // Under a launcher the plan is for its world size; a dry run never joins the mesh.
@@ -83,6 +83,11 @@ int run_train(int argc, char** argv) {
     j["epoch"] = r.epoch;
     j["interrupted"] = r.interrupted;
     j["last_checkpoint"] = r.last_checkpoint;
+    if (r.best_dir.empty()) {
+      j["best"] = nullptr;
+    } else {
+      j["best"] = {{"dir", r.best_dir}, {"step", r.best_step}, {"est_ar", r.best_est_ar}};
+    }
     j["final_dir"] = r.final_dir;
     j["train"] = nlohmann::ordered_json::parse(trainer::stats_json(r.train_stats, o.loss_decay));
     j["eval"] = r.eval_stats ? nlohmann::ordered_json::parse(trainer::stats_json(*r.eval_stats, o.loss_decay))
@@ -101,6 +106,8 @@ int run_train(int argc, char** argv) {
       for (double x : acc) std::cout << " " << x;
       std::cout << ", est_ar " << r.eval_stats->est_ar() << "\n";
     }
+    if (!r.best_dir.empty())
+      std::cout << "best: " << r.best_dir << " (step " << r.best_step << ", est_ar " << r.best_est_ar << ")\n";
     std::cout << "checkpoint: " << r.last_checkpoint << "\n";
     if (!r.final_dir.empty()) std::cout << "final draft: " << r.final_dir << "\n";
   }

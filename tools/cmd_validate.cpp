@@ -52,7 +52,6 @@ int run_validate(int argc, char** argv) {
   o.data = v.data.data;
   o.index = v.data.index;
   o.match_by = v.data.match_by;
-  o.progress = stderr_is_tty() ? 1 : 0;
   const ValidateReport report = validate_dataset(o);
   std::cout << (v.json ? validate_report_to_json(report) : validate_report_to_text(report));
   return report.exit_code();

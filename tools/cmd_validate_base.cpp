@@ -13,6 +13,7 @@
 #include "tools/cli.h"
 #include "tools/commands.h"
 #include "trainer/base_model.h"
+#include "trainer/config.h"
 #include "trainer/semantic_check.h"
 
 namespace eaglekit::tools {
@@ -29,7 +30,6 @@ int run_validate_base(int argc, char** argv) {
   o.index = v.data.index;
   o.match_by = v.data.match_by;
   o.quarantine.clear();  // written below, with the semantic suspects
-  o.progress = stderr_is_tty() ? 1 : 0;
   ValidateReport report = validate_dataset(o);
 
   std::string semantic_text;
@@ -38,6 +38,11 @@ int run_validate_base(int argc, char** argv) {
     DataSelection sel = v.data;
     sel.split = "all";
     const SelectedData data = select_data(sel);
+    // Said before the base is read: on a large base and the CPU this is the long part.
+    const trainer::BaseConfig bc = trainer::load_base_config(v.base);
+    std::cerr << "validate: " << trainer::semantic_check_notice(static_cast<std::int64_t>(data.samples.size()),
+                                                              v.positions, bc.vocab_size, bc.hidden_size, v.device)
+              << "\n";
     trainer::BaseLoadOptions bo;
     bo.final_norm = true;  // both forms are measured
     const trainer::BaseModel base = trainer::load_base_model(v.base, bo);

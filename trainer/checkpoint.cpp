@@ -13,9 +13,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <system_error>
 
 #include "formats/atomic_file.h"
@@ -137,24 +139,26 @@ std::string checkpoint_name(std::int64_t step) { return "checkpoint-" + std::to_
 
 namespace {
 
-// Temp folders of saves whose process is gone (a run killed in save_checkpoint, or in the
-// export of final/): ".checkpoint-STEP.tmp-PID", ".final.tmp-PID", and what
-// replace_folder_atomic moves aside (".old" added). Those of a live process are left alone.
+// Temp folders of saves whose process is gone (a run killed in save_checkpoint, in the
+// export of final/, in the copy into best/ or while pruning): ".checkpoint-STEP.tmp-PID",
+// ".final.tmp-PID", ".best.tmp-PID", and what replace_folder_atomic moves aside (".old"
+// added) or prune_checkpoints renames before deleting (".pruned" added). Those of a live
+// process are left alone.
 void remove_stale_temp_folders(const std::string& out_dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(out_dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind(".checkpoint-", 0) != 0 && name.rfind(".final", 0) != 0) continue;
+    if (name.rfind(".checkpoint-", 0) != 0 && name.rfind(".final", 0) != 0 && name.rfind(".best", 0) != 0) continue;
     const auto tmp = name.find(".tmp-");
     if (tmp == std::string::npos) continue;
     if (process_gone(std::strtol(name.c_str() + tmp + 5, nullptr, 10))) fs::remove_all(e.path(), ec);
   }
 }
 
-}  // namespace
-
-std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt) {
-  const std::string name = checkpoint_name(ckpt.state.step);
+// Writes the folder OUT/NAME atomically: its files in OUT/.NAME.tmp-PID, then one exchange.
+// `fill` writes the files into the temp folder.
+std::string write_folder_atomic(const std::string& out_dir, const std::string& name,
+                                const std::function<void(const fs::path& tmp)>& fill) {
   const fs::path out(out_dir);
   const fs::path final_dir = out / name;
   const fs::path tmp = out / ("." + name + ".tmp-" + std::to_string(::getpid()));
@@ -166,21 +170,121 @@ std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft,
   fs::create_directories(tmp, ec);
   if (ec) throw IoError(tmp.string() + ": cannot create folder: " + ec.message());
   try {
-    export_draft(draft, tmp.string());
-    write_tensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
-    write_tensors((tmp / "rng.safetensors").string(), ckpt.rng);
-    write_file_atomic((tmp / "train_options.json").string(), ckpt.options_json.data(), ckpt.options_json.size());
-    const std::string state = ckpt.state.to_json();
-    write_file_atomic((tmp / "trainer_state.json").string(), state.data(), state.size());
+    fill(tmp);
     fsync_dir(tmp.string());
-    // An older folder of the same name (a run resumed from an earlier step) is exchanged for
-    // the new one, so checkpoint-STEP never goes missing.
+    // An older folder of the same name (a run resumed from an earlier step, an older best/)
+    // is exchanged for the new one, so the folder never goes missing.
     replace_folder_atomic(tmp.string(), final_dir.string());
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
   }
   return final_dir.string();
+}
+
+void write_checkpoint_files(const fs::path& tmp, const DraftModel& draft, const Checkpoint& ckpt) {
+  export_draft(draft, tmp.string());
+  write_tensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+  write_tensors((tmp / "rng.safetensors").string(), ckpt.rng);
+  write_file_atomic((tmp / "train_options.json").string(), ckpt.options_json.data(), ckpt.options_json.size());
+  const std::string state = ckpt.state.to_json();
+  write_file_atomic((tmp / "trainer_state.json").string(), state.data(), state.size());
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt) {
+  return write_folder_atomic(out_dir, checkpoint_name(ckpt.state.step), [&](const fs::path& tmp) {
+    write_checkpoint_files(tmp, draft, ckpt);
+  });
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& out_dir, std::int64_t keep, const std::string& newest) {
+  std::vector<std::string> removed;
+  if (keep <= 0) return removed;
+  std::error_code ec;
+  const fs::path newest_path = fs::weakly_canonical(newest, ec);
+  std::vector<std::pair<std::int64_t, fs::path>> others;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    const auto step = step_of(e.path().filename().string());
+    if (!step || !e.is_directory(ec)) continue;
+    if (!newest.empty() && fs::weakly_canonical(e.path(), ec) == newest_path) continue;
+    others.emplace_back(*step, e.path());
+  }
+  std::sort(others.begin(), others.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  const std::size_t kept_others = static_cast<std::size_t>(newest.empty() ? keep : keep - 1);
+  for (std::size_t i = kept_others; i < others.size(); ++i) {
+    const fs::path& dir = others[i].second;
+    // One rename takes the folder out of sight (resume never sees half of it); the rest of
+    // the deletion may then be interrupted: the next save removes what is left.
+    const fs::path doomed = dir.parent_path() / ("." + dir.filename().string() + ".tmp-" +
+                                                 std::to_string(::getpid()) + ".pruned");
+    fs::rename(dir, doomed, ec);
+    if (ec) throw IoError(dir.string() + ": cannot remove (--keep-checkpoints): " + ec.message());
+    fs::remove_all(doomed, ec);
+    if (ec) throw IoError(doomed.string() + ": cannot remove (--keep-checkpoints): " + ec.message());
+    removed.push_back(dir.string());
+  }
+  if (!removed.empty()) fsync_dir(out_dir);
+  return removed;
+}
+
+std::string BestCheckpoint::to_json() const {
+  json j;
+  j["format"] = "eaglekit-best";
+  j["metric"] = metric;
+  j["step"] = step;
+  j["est_ar"] = est_ar;
+  j["checkpoint"] = checkpoint_name(step);
+  return j.dump(2) + "\n";
+}
+
+std::string save_best_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt,
+                                 const BestCheckpoint& best, const std::string& same_step) {
+  if (best.step != ckpt.state.step) throw std::logic_error("save_best_checkpoint: best.step is not the checkpoint's");
+  return write_folder_atomic(out_dir, kBestFolder, [&](const fs::path& tmp) {
+    bool linked = false;
+    if (!same_step.empty() && is_complete_checkpoint(same_step)) {
+      const std::string state_path = (fs::path(same_step) / "trainer_state.json").string();
+      if (TrainerState::from_json(read_text(state_path), state_path).step == best.step) {
+        // The checkpoint of this step is on disk: its files again, as hard links (no second copy
+        // on disk; a checkpoint's files are never rewritten in place, so the two stay equal
+        // after --keep-checkpoints deletes the step's folder). A file system without hard links
+        // gets copies.
+        linked = true;
+        for (const auto& e : fs::directory_iterator(same_step)) {
+          if (!e.is_regular_file()) continue;
+          const fs::path to = tmp / e.path().filename();
+          std::error_code ec;
+          fs::create_hard_link(e.path(), to, ec);
+          if (ec) fs::copy_file(e.path(), to, fs::copy_options::overwrite_existing, ec);
+          if (ec) throw IoError(to.string() + ": cannot link or copy from " + e.path().string() + ": " + ec.message());
+        }
+      }
+    }
+    if (!linked) write_checkpoint_files(tmp, draft, ckpt);
+    const std::string text = best.to_json();
+    write_file_atomic((tmp / kBestFile).string(), text.data(), text.size());
+  });
+}
+
+std::optional<BestCheckpoint> read_best(const std::string& out_dir) {
+  const fs::path path = fs::path(out_dir) / kBestFolder / kBestFile;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::nullopt;
+  const std::string where = path.string();
+  json j;
+  try {
+    j = json::parse(read_text(where));
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(where, std::nullopt, "json", e.what());
+  }
+  if (!j.is_object()) throw FormatError(where, std::nullopt, "json", "not an object");
+  BestCheckpoint b;
+  b.metric = get<std::string>(j, "metric", where);
+  b.step = get<std::int64_t>(j, "step", where);
+  b.est_ar = get<double>(j, "est_ar", where);
+  return b;
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& dir) {

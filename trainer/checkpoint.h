@@ -62,6 +62,36 @@ std::string checkpoint_name(std::int64_t step);
 // OUT/checkpoint-STEP, written atomically as described above. Returns the folder.
 std::string save_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt);
 
+// --keep-checkpoints N: once `newest` (a checkpoint folder just written below out_dir) is
+// complete, removes every other checkpoint-STEP folder below out_dir but the N-1 with the
+// highest steps, so that N remain. Each folder first goes out of sight in one rename (to a
+// temp name the next save removes if the deletion is interrupted), so find_latest_checkpoint
+// never sees half of one. best/ and final/ are not checkpoint-STEP folders and are never
+// touched. keep <= 0: keeps all. Returns the folders removed. Throws IoError.
+std::vector<std::string> prune_checkpoints(const std::string& out_dir, std::int64_t keep, const std::string& newest);
+
+// --keep-best est_ar: OUT/best/ is a complete checkpoint (the files above) of the evaluation
+// with the highest est_ar so far, plus best.json {"format": "eaglekit-best", "metric":
+// "est_ar", "step", "est_ar", "checkpoint": "checkpoint-STEP"}. It is written like a
+// checkpoint (temp folder, then one exchange), so it is always whole, and it is an export
+// source and an --init-draft folder like any checkpoint. find_latest_checkpoint (resume)
+// does not look at it.
+constexpr const char* kBestFolder = "best";
+constexpr const char* kBestFile = "best.json";
+struct BestCheckpoint {
+  std::string metric = "est_ar";
+  std::int64_t step = 0;
+  double est_ar = 0;
+  std::string to_json() const;
+};
+// Writes OUT/best for `ckpt` (whose step is best.step). When `same_step` names a complete
+// checkpoint of that step, its files are hard-linked (copied where links fail) instead of
+// written again. Returns the folder.
+std::string save_best_checkpoint(const std::string& out_dir, const DraftModel& draft, const Checkpoint& ckpt,
+                                 const BestCheckpoint& best, const std::string& same_step = "");
+// OUT/best/best.json; nullopt when absent. FormatError when it does not parse.
+std::optional<BestCheckpoint> read_best(const std::string& out_dir);
+
 struct LoadedCheckpoint {
   std::string dir;
   DraftModel draft;  // float32 on the CPU (trainer/export.h load_draft)

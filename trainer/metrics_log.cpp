@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <ctime>
 #include <filesystem>
@@ -62,9 +63,25 @@ MetricsLog::MetricsLog(const Options& o) : file_(std::make_unique<File>()), on_l
   if (o.resume_step >= 0) trim_metrics(path_, o.resume_step);
   file_->stream.open(path_, o.resume_step >= 0 ? std::ios::app : std::ios::trunc);
   if (!file_->stream) throw IoError(path_ + ": cannot open for writing");
-  if (!o.no_tensorboard)
-    events_ = std::make_unique<EventFileWriter>(o.tensorboard.empty() ? (fs::path(o.out) / "tensorboard").string()
-                                                                      : o.tensorboard);
+  if (!o.no_tensorboard) {
+    const std::string dir = o.tensorboard.empty() ? (fs::path(o.out) / "tensorboard").string() : o.tensorboard;
+    if (o.resume_step < 0) {
+      // A fresh run replaces metrics.jsonl above; an earlier run's event files would still
+      // be read beside the new one's, as one run with two curves over the same steps.
+      std::vector<fs::path> stale;
+      for (const auto& e : fs::directory_iterator(dir, ec))
+        if (e.is_regular_file(ec) && e.path().filename().string().rfind("events.out.tfevents.", 0) == 0)
+          stale.push_back(e.path());
+      std::sort(stale.begin(), stale.end());
+      for (const auto& p : stale) {
+        if (!fs::remove(p, ec) && ec) throw IoError(p.string() + ": cannot remove a stale event file: " + ec.message());
+        if (o.say)
+          o.say("removed " + p.string() + ", an event file of an earlier run into this folder (a fresh run starts " +
+                "the TensorBoard log over, as metrics.jsonl; --resume continues both)");
+      }
+    }
+    events_ = std::make_unique<EventFileWriter>(dir);
+  }
 }
 
 MetricsLog::~MetricsLog() = default;

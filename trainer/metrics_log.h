@@ -19,7 +19,10 @@ class EventFileWriter;
 
 // metrics.jsonl plus the event files. A resumed run first drops the lines past its
 // checkpoint's step (a run that died after its last checkpoint logged steps that are
-// trained again), then appends; it adds a new event file.
+// trained again), then appends; it adds a new event file. A fresh run starts metrics.jsonl
+// over and, likewise, deletes the event files (events.out.tfevents.*) an earlier run left in
+// the event folder, saying each through `say`: TensorBoard would draw both runs' steps as
+// one curve.
 class MetricsLog {
  public:
   struct Options {
@@ -28,6 +31,8 @@ class MetricsLog {
     std::string tensorboard;            // event file folder; "" OUT/tensorboard
     bool no_tensorboard = false;        // write none
     std::function<void(const std::string& json_line)> on_line;  // optional, every line
+    // Optional: what the log tells the user (a fresh run's removal of stale event files).
+    std::function<void(const std::string& message)> say;
   };
   explicit MetricsLog(const Options& options);
   ~MetricsLog();

@@ -130,6 +130,15 @@ opt::Group run_options(RunOptions& r) {
               field("eval_every", "N", r.eval_every, "Evaluate every N steps (0: at the end only; -1: never)"),
               note(field("save_every", "N", r.save_every, "Checkpoint every N steps (one is always saved at the end)"),
                    "at the end only"),
+              note(field("keep_checkpoints", "N", r.keep_checkpoints,
+                         "Keep only the newest N checkpoint-STEP folders in --out: an older one is deleted once "
+                         "a new one is completely written; --resume still finds the newest; best/ is never "
+                         "deleted (0: keep all)"),
+                   "0, keep all"),
+              opt::choice("keep_best", r.keep_best, {{KeepBest::kNone, "none"}, {KeepBest::kEstAr, "est_ar"}},
+                          "Keep OUT/best/, a checkpoint of the evaluation with the highest est_ar so far, with "
+                          "best.json naming its step and est_ar (needs evaluation: --eval-every >= 0 and "
+                          "--eval-fraction > 0); export takes it like any checkpoint"),
               field("log_every", "N", r.log_every, "A metrics line every N steps"),
               opt::optional_value("resume", "[DIR]", r.resume, r.resume_from,
                                   "Continue from the newest complete checkpoint in DIR (default: --out)"),
@@ -138,7 +147,11 @@ opt::Group run_options(RunOptions& r) {
                    "the base's torch_dtype"),
               note(field("tensorboard", "DIR", r.tensorboard, "Folder of the TensorBoard event files"), "OUT/tensorboard"),
               field("no_tensorboard", "", r.no_tensorboard, "Write no TensorBoard event files"),
-              field("progress", "", r.progress, "A progress line on stderr when it is a terminal"),
+              field("progress", "", r.progress,
+                    "A progress line on stderr: redrawn on a terminal; in a log (not a terminal) a plain line "
+                    "after the first step and every --progress-every seconds"),
+              field("progress_every", "SECONDS", r.progress_every,
+                    "Seconds between the plain progress lines when stderr is not a terminal (0: none)"),
               note(field("loss_chunk_tokens", "N", r.loss_chunk_tokens,
                          "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
                          "logits are never whole (0: all at once; docs/ttt.md)"),

@@ -41,6 +41,10 @@ std::string_view ttt_attention_name(TttAttention a);  // "auto", "local", "tiled
 // UsageError naming `flag` when this build cannot run `a` (fused on LibTorch < 2.5).
 void check_ttt_attention(TttAttention a, std::string_view flag = "--ttt-attention");
 
+// --keep-best: which checkpoint OUT/best/ holds (trainer/checkpoint.h): none, or the one
+// with the highest eval est_ar.
+enum class KeepBest { kNone, kEstAr };
+
 struct ModelOptions {
   std::string base;                          // Hugging Face base model folder
   std::string init_draft;                    // start from an exported draft folder ("" fresh)
@@ -90,6 +94,8 @@ struct RunOptions {
   double timeout = 300;        // seconds a rendezvous or collective may wait
   std::int64_t eval_every = 0;  // > 0: every N steps and at the end; 0: at the end; < 0: never
   std::int64_t save_every = 0;  // > 0: every N steps; a checkpoint is always saved at the end
+  std::int64_t keep_checkpoints = 0;  // > 0: only the newest N checkpoint-STEP folders stay; 0 all
+  KeepBest keep_best = KeepBest::kNone;
   std::int64_t log_every = 10;
   bool resume = false;
   std::string resume_from;      // checkpoint folder or output folder; "" = out
@@ -97,6 +103,9 @@ struct RunOptions {
   std::string tensorboard;      // TensorBoard event files: "" OUT/tensorboard
   bool no_tensorboard = false;  // write none
   bool progress = true;         // a progress line with ETA when stderr is a terminal
+  // When stderr is not a terminal (a log): a plain progress line after the first step and
+  // then every this many seconds; 0: none.
+  double progress_every = 60;
   // Rows of a TTT step's lm_head + loss computed at a time (trainer/soft_ce.h): 0 all at
   // once, -1 auto (chunked only when a step's logits would exceed 256 MiB).
   std::int64_t loss_chunk_tokens = -1;

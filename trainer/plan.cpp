@@ -1,10 +1,14 @@
 #include "trainer/plan.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
 #include <iomanip>
 #include <optional>
 #include <sstream>
@@ -19,6 +23,7 @@
 #include "trainer/export.h"
 #include "trainer/optim.h"
 #include "trainer/train.h"
+#include "trainer/metrics_log.h"
 #include "trainer/vocab.h"
 
 namespace eaglekit::trainer {
@@ -64,7 +69,69 @@ double activation_bytes(const DraftConfig& c, std::int64_t rows, std::int64_t le
   return 4.0 * tokens * (per_token_step * static_cast<double>(steps) + once);
 }
 
+// Floating-point operations of the whole run on one rank. Per row token and TTT step, the
+// draft's matmuls forward and backward (6 per parameter; lm_head over Vd included) and the
+// attention over the block-0 keys before it (QK^T and PV, about L/2 keys on average, 4 flops
+// per key and query channel forward, twice that backward); once per row token the base's
+// lm_head over V for the targets (forward only). Norms, softmax, the loss and the data are
+// left out: they make the real run slower, never faster.
+double run_flops(const DraftConfig& c, std::int64_t parameters, double row_tokens, std::int64_t row_length,
+                 std::int64_t steps) {
+  const double qd = static_cast<double>(c.num_attention_heads * c.head_dim);
+  const double attention = 12.0 * static_cast<double>(c.num_hidden_layers) * qd * (row_length / 2.0);
+  const double per_token = static_cast<double>(steps) * (6.0 * static_cast<double>(parameters) + attention) +
+                           2.0 * static_cast<double>(c.hidden_size) * static_cast<double>(c.vocab_size);
+  return row_tokens * per_token;
+}
+
 }  // namespace
+
+double measure_cpu_matmul_flops_per_s(bool bfloat16) {
+  constexpr std::int64_t n = 512;
+  const c10::ScalarType dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor a = at::rand({n, n}).to(dtype), b = at::rand({n, n}).to(dtype);
+  at::Tensor c = at::mm(a, b);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  int reps = 0;
+  double seconds = 0;
+  do {
+    c = at::mm(a, b);
+    ++reps;
+    seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (seconds < 0.2 && reps < 1000);
+  return seconds > 0 ? 2.0 * n * n * n * reps / seconds : 0;
+}
+
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes; < 0 when it cannot be read.
+double host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    double kib = -1;
+    fields >> kib;  // "MemAvailable:   123456 kB"
+    return kib >= 0 ? kib * 1024.0 : -1;
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::string flops_text(double flops) {
+  const char* units[] = {"", "k", "M", "G", "T", "P", "E"};
+  int u = 0;
+  while (flops >= 1000 && u < 6) {
+    flops /= 1000;
+    ++u;
+  }
+  std::ostringstream os;
+  os << std::setprecision(3) << flops << " " << units[u] << "FLOP";
+  return os.str();
+}
 
 TrainPlan plan_training(const TrainOptions& o, int world_size) {
   o.check();
@@ -171,6 +238,52 @@ TrainPlan plan_training(const TrainOptions& o, int world_size) {
   p.base_bytes = 4.0 * static_cast<double>(bc.vocab_size * bc.hidden_size) * (bc.tie_word_embeddings ? 1 : 2);
   const std::int64_t length = (o.max_length + p.cp_size - 1) / p.cp_size;
   p.activation_bytes = activation_bytes(c, o.batch_size, length, o.ttt_steps);
+
+  // Time: FLOPs per rank, and on the CPU the measured rate of a matmul as the bound.
+  {
+    std::int64_t row_length = o.max_length;
+    if (o.mode == CollateMode::kLongest) row_length = std::max<std::int64_t>(1, p.median_tokens);
+    row_length = (row_length + p.cp_size - 1) / p.cp_size;
+    const double rows = static_cast<double>(p.total_steps) * static_cast<double>(o.batch_size * o.grad_accum);
+    p.flops = run_flops(c, p.parameters, rows * static_cast<double>(row_length), row_length, o.ttt_steps);
+    const bool bf16 = o.compute_dtype == ComputeDType::kBFloat16;
+    const std::string what = flops_text(p.flops) + " per rank (a model of the draft's matmuls forward and backward, "
+                             "attention and the base's lm_head; README, Training)";
+    if (o.device == "cpu") {
+      if (o.threads > 0) at::set_num_threads(o.threads);  // as train would run
+      p.measured_flops_per_s = measure_cpu_matmul_flops_per_s(bf16);
+      if (p.measured_flops_per_s > 0) {
+        p.eta_s = p.flops / p.measured_flops_per_s;
+        std::ostringstream os;
+        os << "a lower bound: " << what << " at the " << std::setprecision(3) << p.measured_flops_per_s / 1e9
+           << " GFLOP/s a " << (bf16 ? "bfloat16" : "float32") << " 512x512 matmul reached on this host with "
+           << at::get_num_threads() << " thread(s); norms, softmax, the loss and the data loader make the run "
+           << "slower";
+        p.eta_basis = os.str();
+      } else {
+        p.eta_basis = "not estimated: the matmul timing failed; " + what;
+      }
+    } else {
+      p.eta_basis = "not estimated: a dry run does not open --device " + o.device + " to time it; the run is " + what +
+                    "; divide by the FLOP/s the device reaches in practice";
+    }
+  }
+
+  // Memory: the estimate against what this host has free, for a CPU run.
+  if (o.device == "cpu") {
+    p.available_bytes = host_available_bytes();
+    p.available_source = "MemAvailable of this host";
+    const double needed = p.total_bytes() * p.world_size;  // every rank on this host
+    if (p.available_bytes >= 0 && needed > p.available_bytes) {
+      std::ostringstream w;
+      w << "the estimated peak memory, " << gib(needed)
+        << (p.world_size > 1 ? " for " + std::to_string(p.world_size) + " ranks on this host" : std::string())
+        << ", exceeds the " << gib(p.available_bytes) << " this host has available (" << p.available_source
+        << "): lower --batch-size or --max-length (--grad-accum keeps the rows per step), or use --recompute or "
+           "--ttt-attention tiled";
+      p.warnings.push_back(w.str());
+    }
+  }
   if (o.device != "cpu" && !at::hasCUDA())
     p.notes.push_back("--device " + o.device + ": not checked here (this LibTorch has no CUDA device); train checks it");
   return p;
@@ -194,7 +307,11 @@ std::string TrainPlan::to_text() const {
      << " rows\n";
   os << "lr:          " << schedule << "\n";
   os << "memory/rank: about " << gib(total_bytes()) << " (estimate: draft state " << gib(state_bytes) << ", base "
-     << gib(base_bytes) << ", activations of one micro-batch " << gib(activation_bytes) << ")\n";
+     << gib(base_bytes) << ", activations of one micro-batch " << gib(activation_bytes) << ")";
+  if (available_bytes >= 0) os << "; " << gib(available_bytes) << " available (" << available_source << ")";
+  os << "\n";
+  os << "eta:         " << (eta_s >= 0 ? "at least " + format_duration(eta_s) + " (" + eta_basis + ")" : eta_basis)
+     << "\n";
   os << "config.json of final/:\n" << draft_config_json;
   return os.str();
 }
@@ -228,6 +345,11 @@ std::string TrainPlan::to_json() const {
                                 {"base", base_bytes},
                                 {"activations", activation_bytes},
                                 {"total", total_bytes()}};
+  j["memory_available_bytes"] = available_bytes >= 0 ? json(available_bytes) : json(nullptr);
+  j["flops"] = flops;
+  j["measured_flops_per_s"] = measured_flops_per_s > 0 ? json(measured_flops_per_s) : json(nullptr);
+  j["eta_seconds"] = eta_s >= 0 ? json(eta_s) : json(nullptr);
+  j["eta_basis"] = eta_basis;
   j["draft_config"] = json::parse(draft_config_json);
   j["notes"] = notes;
   j["warnings"] = warnings;

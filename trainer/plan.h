@@ -10,7 +10,10 @@
 // the base's embed_tokens and lm_head on the device, and the activations the TTT unroll
 // keeps for backward over S steps of one micro-batch (O(L^2) attention scores per head
 // included). Expect the real peak within a factor of about two; it is meant to tell 8 GB
-// from 80 GB before a job is queued.
+// from 80 GB before a job is queued. For --device cpu it is compared with the host's
+// available memory (a warning above it). The time is an estimate too: the run's FLOPs from
+// the shapes, and on the CPU the rate of a short matmul measured here, which only bounds the
+// run's time from below; for a GPU the FLOPs alone (a dry run does not open --device).
 //
 // The draft is decided by the function train uses (trainer/draft_setup.h decide_draft), so a
 // plan accepts what train accepts. --device is not opened: a plan for a GPU job runs on a
@@ -50,6 +53,18 @@ struct TrainPlan {
   double base_bytes = 0;        // embed_tokens + lm_head
   double activation_bytes = 0;  // one micro-batch's TTT unroll, kept for backward
   double total_bytes() const { return state_bytes + base_bytes + activation_bytes; }
+  // What the memory estimate is compared with: the host's MemAvailable for --device cpu; < 0
+  // when not known (a GPU: a dry run does not open --device). Above it: a warning.
+  double available_bytes = -1;
+  std::string available_source;  // "MemAvailable of this host", ...
+  // Time: the run's floating-point work per rank (a model of the draft's matmuls forward and
+  // backward, attention over the row, and the base's lm_head for the targets; plan.cpp), and
+  // for --device cpu the rate of a float matmul measured here in the compute dtype, which
+  // bounds the run's: eta_s is a lower bound. eta_s < 0: not estimated (eta_basis says why).
+  double flops = 0;
+  double measured_flops_per_s = 0;  // 0: not measured
+  double eta_s = -1;
+  std::string eta_basis;
   std::string schedule;              // the learning-rate schedule with a few of its rates
   std::int64_t median_tokens = 0;    // of the train records, cut at max_length
   double padding_share = 0;          // --mode pad: share of row tokens that are padding
@@ -61,6 +76,13 @@ struct TrainPlan {
   std::string to_text() const;
   std::string to_json() const;
 };
+
+// The rate of a float32 (or bfloat16) 512 x 512 matmul on this host's CPU with LibTorch's
+// current threads, timed for about 0.2 s: what bounds a CPU estimate of time. 0 when the
+// timing failed.
+double measure_cpu_matmul_flops_per_s(bool bfloat16 = false);
+// 3.2e12 -> "3.2 TFLOP".
+std::string flops_text(double flops);
 
 // `world_size` and `cp_size` of the job the plan is for (1 and options.cp_size outside a
 // launch: a dry run never joins a mesh).

@@ -9,12 +9,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 #include "formats/error.h"
 #include "formats/format.h"
 #include "lib/dataset.h"
 #include "trainer/base_model.h"
+#include "trainer/metrics_log.h"
+#include "trainer/plan.h"
 #include "trainer/run_setup.h"
 
 namespace eaglekit::trainer {
@@ -95,6 +98,31 @@ double percentile(std::vector<double> v, double q) {
 }
 
 }  // namespace
+
+std::string semantic_check_notice(std::int64_t records, std::int64_t positions, std::int64_t vocab_size,
+                                  std::int64_t hidden_size, const std::string& device) {
+  // Two [rows, H] x [H, V] matmuls per block of sampled rows (post- and pre-norm).
+  const double head = static_cast<double>(vocab_size) * static_cast<double>(hidden_size);
+  const double flops = 2.0 * 2.0 * head * static_cast<double>(records) * static_cast<double>(positions);
+  std::ostringstream os;
+  os << "the semantic check runs " << records << " records x " << positions << " positions through the base's head ("
+     << vocab_size << " x " << hidden_size << " = " << static_cast<std::int64_t>(head) << " parameters, read first) on "
+     << device << ": " << flops_text(flops);
+  if (parse_device(device, /*check_available=*/false).is_cpu()) {
+    const double rate = measure_cpu_matmul_flops_per_s(false);
+    if (rate > 0) {
+      const double s = flops / rate;
+      char r[32];
+      std::snprintf(r, sizeof r, "%.3g", rate / 1e9);
+      os << ", at least " << format_duration(s) << " at the " << r << " GFLOP/s a float32 matmul reached here";
+      if (s >= 60)
+        os << ". This will take long: a lower --positions or --device cuda is faster";
+    } else {
+      os << " (its time not estimated: the matmul timing failed)";
+    }
+  }
+  return os.str();
+}
 
 SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
                               const SemanticOptions& o) {

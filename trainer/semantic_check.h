@@ -49,6 +49,12 @@ struct SemanticOptions {
   int unstated_form = -1;
 };
 
+// What validate --base says before it starts: the work of the check (records x positions
+// through the base's [V, H] head, both forms) and, on the CPU, a lower bound of its time
+// from a matmul timed here; it says "this will take long" above a minute. One line.
+std::string semantic_check_notice(std::int64_t records, std::int64_t positions, std::int64_t vocab_size,
+                                  std::int64_t hidden_size, const std::string& device);
+
 struct SemanticRecord {
   std::string id;
   std::int64_t positions = 0;

@@ -124,12 +124,24 @@ void TrainOptions::check() const {
   if (epochs < 0) throw UsageError("--epochs must not be negative");
   if (max_steps < 0) throw UsageError("--max-steps must not be negative");
   if (log_every < 1) throw UsageError("--log-every must be at least 1");
+  if (!(progress_every >= 0) || !std::isfinite(progress_every))
+    throw UsageError("--progress-every takes seconds, 0 or more (0: no plain progress lines)");
   if (draft_vocab_size < 0) throw UsageError("--draft-vocab-size must not be negative");
   if (cp_size < 1) throw UsageError("--cp must be at least 1");
   if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
   if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
   if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
     throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
+  if (keep_checkpoints < 0)
+    throw UsageError("--keep-checkpoints must not be negative (N > 0 keeps the newest N; 0 keeps all), not " +
+                     std::to_string(keep_checkpoints));
+  if (keep_best != KeepBest::kNone) {
+    if (eval_every < 0)
+      throw UsageError("--keep-best est_ar needs evaluation, which --eval-every " + std::to_string(eval_every) +
+                       " turns off: set --eval-every N (every N steps) or 0 (at the end)");
+    if (!(eval_fraction > 0))
+      throw UsageError("--keep-best est_ar needs an eval split: set --eval-fraction above 0 (it enables evaluation)");
+  }
   if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
   if (!export_dtype.empty()) parse_float_dtype(export_dtype);
   parse_device(device, /*check_available=*/false);  // run_training checks the device itself
@@ -174,6 +186,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     sel.split = "eval";
     eval_data = select_data(sel);
     if (eval_data->samples.empty()) {
+      if (opts.keep_best != KeepBest::kNone)
+        throw UsageError("--keep-best est_ar needs evaluation, but the eval split is empty (" + eval_data->summary +
+                         "): raise --eval-fraction");
       say("the eval split is empty: no evaluation (raise --eval-fraction to get one)");
       eval_data.reset();
     }
@@ -296,29 +311,58 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     mo.tensorboard = opts.tensorboard;
     mo.no_tensorboard = opts.no_tensorboard;
     mo.on_line = hooks.on_metrics;
+    mo.say = say;
     log = std::make_unique<MetricsLog>(mo);
   }
   auto emit = [&](const json& j) {
     if (log) log->write(j.dump());
   };
 
+  auto make_checkpoint = [&]() {
+    Checkpoint ck;
+    ck.state.step = step;
+    ck.state.sampler = loader.state();
+    ck.state.epoch = ck.state.sampler.epoch;
+    ck.state.optimizer_steps = optimizer.steps();
+    ck.state.schedule_total_steps = total_steps;
+    ck.state.tokens = tokens_total;
+    ck.state.world_size = world;
+    ck.state.cp_size = mesh.cp_size();
+    ck.optimizer = optimizer.state();
+    ck.rng = capture_rng_state();
+    ck.options_json = opts.to_json();
+    return ck;
+  };
   auto checkpoint = [&]() {
     if (main_rank) {
-      Checkpoint ck;
-      ck.state.step = step;
-      ck.state.sampler = loader.state();
-      ck.state.epoch = ck.state.sampler.epoch;
-      ck.state.optimizer_steps = optimizer.steps();
-      ck.state.schedule_total_steps = total_steps;
-      ck.state.tokens = tokens_total;
-      ck.state.world_size = world;
-      ck.state.cp_size = mesh.cp_size();
-      ck.optimizer = optimizer.state();
-      ck.rng = capture_rng_state();
-      ck.options_json = opts.to_json();
-      result.last_checkpoint = save_checkpoint(opts.out, draft, ck);
+      result.last_checkpoint = save_checkpoint(opts.out, draft, make_checkpoint());
+      // Only now, with the new one whole on disk, do older ones go.
+      for (const auto& gone : prune_checkpoints(opts.out, opts.keep_checkpoints, result.last_checkpoint))
+        say("removed " + fs::path(gone).filename().string() + " (--keep-checkpoints " +
+            std::to_string(opts.keep_checkpoints) + ")");
     }
     if (world > 1) mesh.world().barrier();
+  };
+
+  // --keep-best: a resumed run continues the saved best; a fresh one starts over.
+  std::optional<BestCheckpoint> best;
+  if (main_rank && opts.keep_best != KeepBest::kNone && resumed) best = read_best(opts.out);
+  auto keep_if_best = [&](const TttStats& stats) {
+    if (!main_rank || opts.keep_best == KeepBest::kNone) return;
+    const double est_ar = stats.est_ar();
+    if (!std::isfinite(est_ar) || (best && !(est_ar > best->est_ar))) return;
+    BestCheckpoint b;
+    b.step = step;
+    b.est_ar = est_ar;
+    const std::string dir = save_best_checkpoint(opts.out, draft, make_checkpoint(), b, result.last_checkpoint);
+    char text[160];
+    if (best)
+      std::snprintf(text, sizeof text, "best est_ar %.4g at step %lld (was %.4g at step %lld): ", est_ar,
+                    static_cast<long long>(step), best->est_ar, static_cast<long long>(best->step));
+    else
+      std::snprintf(text, sizeof text, "best est_ar %.4g at step %lld: ", est_ar, static_cast<long long>(step));
+    say(text + dir);
+    best = b;
   };
 
   std::int64_t last_eval_step = -1;
@@ -340,11 +384,17 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     emit(j);
     result.eval_stats = stats;
     last_eval_step = step;
+    keep_if_best(stats);
   };
 
   // --- the loop ---
   SignalGuard signals;
   const bool show_progress = opts.progress && main_rank && ::isatty(2) == 1;
+  // In a log (stderr not a terminal) the progress line is a plain line instead: after the
+  // first step, then every --progress-every seconds; metrics.jsonl has the rest.
+  const bool log_progress = opts.progress && main_rank && !show_progress && opts.progress_every > 0;
+  auto last_logged = Clock::now();
+  bool logged_any = false;
   TttStats run_stats(steps_s);
   StepWindow window(steps_s);
   double run_tokens = 0, run_time = 0, run_wait = 0;
@@ -476,6 +526,19 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
                                  run_time > 0 ? run_tokens / run_time : 0, eta)
                 << std::flush;
     }
+    if (log_progress && (!logged_any || seconds_since(last_logged) >= opts.progress_every)) {
+      last_logged = Clock::now();
+      logged_any = true;
+      const double rate = run_time > 0 ? static_cast<double>(step - result.start_step) / run_time : 0;
+      const double eta = rate > 0 && total_steps > step ? static_cast<double>(total_steps - step) / rate : 0;
+      const auto acc = step_stats.acc();
+      char text[200];
+      std::snprintf(text, sizeof text, "step %lld/%lld, loss %.4g, acc0 %.3g, %s tok/s, ETA %s",
+                    static_cast<long long>(step), static_cast<long long>(total_steps), loss,
+                    acc.empty() ? 0.0 : acc[0], rate_text(run_time > 0 ? run_tokens / run_time : 0).c_str(),
+                    format_duration(eta).c_str());
+      say(text);
+    }
     if (stop) {
       if (show_progress) std::cerr << "\n";
       checkpoint();
@@ -494,17 +557,27 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   }
   if (show_progress && !result.interrupted) std::cerr << "\n";
 
+  auto report_best = [&] {
+    if (!best) return;
+    result.best_dir = (fs::path(opts.out) / kBestFolder).string();
+    result.best_step = best->step;
+    result.best_est_ar = best->est_ar;
+  };
   result.steps = step;
   result.epoch = loader.state().epoch;
   result.train_stats = run_stats;
   result.seconds = run_time;
   result.tokens_per_s = run_time > 0 ? run_tokens / run_time : 0;
   result.data_wait_share = run_time > 0 ? run_wait / run_time : 0;
-  if (result.interrupted) return result;
+  if (result.interrupted) {
+    report_best();
+    return result;
+  }
 
   log_window();
   if (!saved_at_step) checkpoint();
   if (opts.eval_every >= 0 && last_eval_step != step) run_eval();
+  report_best();
   if (main_rank) {
     result.final_dir = (fs::path(opts.out) / "final").string();
     ExportOptions eo;

@@ -101,6 +101,9 @@ struct TrainResult {
   std::string final_dir;           // OUT/final, "" when interrupted
   TttStats train_stats;            // pooled over this run's steps
   std::optional<TttStats> eval_stats;  // the last evaluation
+  std::string best_dir;            // --keep-best: OUT/best ("" none)
+  std::int64_t best_step = -1;     // its step and eval est_ar
+  double best_est_ar = 0;
   double seconds = 0;              // wall time of the loop
   double tokens_per_s = 0;         // real tokens of all ranks per second of the loop
   double data_wait_share = 0;      // share of the loop's time spent waiting for batches (rank 0)

@@ -181,6 +181,10 @@ VocabReport build_vocab(const VocabOptions& o) {
   std::int64_t v = o.vocab_size;
   if (v <= 0) {
     if (o.base.empty()) throw UsageError("give --base (its config.json has vocab_size) or --vocab-size");
+    std::error_code ec;
+    if (!std::filesystem::exists(o.base, ec))
+      throw UsageError("--base " + o.base + ": no such folder (the base model folder, whose config.json has "
+                       "vocab_size; or give --vocab-size)");
     v = load_base_config(o.base).vocab_size;
   }
   if (o.draft_vocab_size > v) {

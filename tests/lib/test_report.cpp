@@ -155,3 +155,41 @@ TEST_CASE("report: renders in headless Chromium at phone and desktop widths") {
     CHECK(w == static_cast<std::uint32_t>(width));
   }
 }
+
+TEST_CASE("report: runs of different --ttt-steps are flagged as not comparable; every chart titles its axes") {
+  test::TempDir d("report-ttt");
+  write_run(d / "three", 1e-3, false);
+  write_run(d / "five", 1e-3, false);
+  write_run(d / "three-again", 3e-4, false);
+  test::write_text(d / "three/checkpoint-4/train_options.json", json({{"ttt_steps", 3}}).dump());
+  test::write_text(d / "five/checkpoint-4/train_options.json", json({{"ttt_steps", 5}}).dump());
+  test::write_text(d / "three-again/checkpoint-4/train_options.json", json({{"ttt_steps", 3}}).dump());
+  ReportOptions o;
+  o.runs = {d / "three", d / "five"};
+  std::vector<std::string> warnings;
+  const std::string page = render_report(o, &warnings);
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].rfind("these runs trained with different --ttt-steps (--ttt-steps 3: three; --ttt-steps 5: five): "
+                          "their loss, accuracy and est_ar curves are not comparable", 0) == 0);
+  CHECK(page.find("<p class=\"warning\">warning: these runs trained with different --ttt-steps") != std::string::npos);
+  // Every chart: the steps across, its own quantity up.
+  std::size_t charts = 0, x_titles = 0;
+  for (std::size_t at = page.find("<svg viewBox=\"0 0 600 290\""); at != std::string::npos;
+       at = page.find("<svg viewBox=\"0 0 600 290\"", at + 1))
+    ++charts;
+  for (std::size_t at = page.find(">optimizer step</text>"); at != std::string::npos;
+       at = page.find(">optimizer step</text>", at + 1))
+    ++x_titles;
+  CHECK(charts == 10);
+  CHECK(x_titles == charts);
+  CHECK(page.find("rotate(-90)\" text-anchor=\"middle\">tokens per base pass</text>") != std::string::npos);
+  // Runs of one --ttt-steps: no warning. Without train_options.json the acc lists tell.
+  o.runs = {d / "three", d / "three-again"};
+  CHECK(render_report(o, &warnings).find("class=\"warning\"") == std::string::npos);
+  CHECK(warnings.empty());
+  fs::remove(d / "five/checkpoint-4/train_options.json");
+  o.runs = {d / "three", d / "five"};  // both now 2 steps (three's options say 3, five's acc lists 2)
+  render_report(o, &warnings);
+  CHECK(warnings.size() == 1);
+}
+

@@ -107,6 +107,43 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
     CHECK(r.out.empty());
   }
   CHECK_FALSE(fs::exists("x"));
+
+  // A mistyped flag: the command's nearest flag, when one is near (a typo, a swap, '_').
+  const std::vector<Case> typos = {
+      {"synth --out x --conversation 3", "eaglekit synth: unknown option '--conversation' (did you mean --conversations?) (see --help)\n"},
+      {"synth --out x --cnoversations 3", "eaglekit synth: unknown option '--cnoversations' (did you mean --conversations?) (see --help)\n"},
+      {"synth --out x --min_tokens 3", "eaglekit synth: unknown option '--min_tokens' (did you mean --min-tokens?) (see --help)\n"},
+      {"inspect --hlep", "eaglekit inspect: unknown option '--hlep' (did you mean --help?) (see --help)\n"},
+      {"synth --out x --frobnicate 3", "eaglekit synth: unknown option '--frobnicate' (see --help)\n"},
+      {"synth --out x --ab", "eaglekit synth: unknown option '--ab' (see --help)\n"},
+  };
+  for (const auto& c : typos) {
+    CAPTURE(c.args);
+    const auto r = test::eaglekit(c.args);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err == c.err);
+  }
+  CHECK_FALSE(fs::exists("x"));
+}
+
+TEST_CASE("cli: in a log the data commands print plain progress lines every EAGLEKIT_PROGRESS_EVERY seconds") {
+  test::TempDir dir("cli-progress");
+  // The tests' stderr is a pipe, as a batch job's log. Before: nothing until the end.
+  auto r = test::run("EAGLEKIT_PROGRESS_EVERY=0.000000001 " + test::quote(test::eaglekit_path()) + " synth --out " +
+                     test::quote(dir / "d") + " --conversations 6 --hidden 16 --vocab 32 --min-tokens 8 "
+                     "--max-tokens 12 --jobs 1");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("synth: 6/6 (100%)") != std::string::npos, r.err);
+  CHECK(r.err.find('\r') == std::string::npos);
+  // The default interval (60 s) leaves a short run's log empty.
+  r = test::run(test::quote(test::eaglekit_path()) + " index " + test::quote(dir / "d") + " --out " +
+                test::quote(dir / "i.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("indexing files") == std::string::npos);
+  r = test::run("EAGLEKIT_PROGRESS_EVERY=soon " + test::quote(test::eaglekit_path()) + " index " +
+                test::quote(dir / "d") + " --out " + test::quote(dir / "j.eki"));
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("EAGLEKIT_PROGRESS_EVERY must be a number of seconds") != std::string::npos);
 }
 
 TEST_CASE("cli: every command's --help comes from its option table") {

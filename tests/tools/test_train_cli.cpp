@@ -215,6 +215,127 @@ TEST_CASE("train cli: --resume continues exactly, from the newest or a named che
   CHECK(fs::exists(d + "/split/checkpoint-7"));
 }
 
+TEST_CASE("train cli: --keep-checkpoints keeps the newest N, resume still works; --keep-best keeps the best eval's") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() +
+                             " --max-length 24 --batch-size 2 --schedule constant --lr 0.01 --jobs 2 --log-every 1"
+                             " --eval-fraction 0.2 --eval-every 1 --save-every 1";
+  auto checkpoints = [](const std::string& out) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(out)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  // The reference keeps every checkpoint.
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/whole") + " --max-steps 8");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(fs::exists(d + "/whole/checkpoint-1"));
+  CHECK(!fs::exists(d + "/whole/best"));
+
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/kept") +
+                     " --max-steps 6 --keep-checkpoints 2 --keep-best est_ar --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(checkpoints(d + "/kept") == std::vector<std::string>{"best", "checkpoint-5", "checkpoint-6", "final",
+                                                             "metrics.jsonl", "tensorboard"});
+  CHECK(r.err.find("train: removed checkpoint-4 (--keep-checkpoints 2)") != std::string::npos);
+  // best/ is the evaluation with the highest est_ar (the first of equals), and the very
+  // weights of that step's checkpoint.
+  double best_ar = -1;
+  std::int64_t best_step = -1;
+  {
+    std::ifstream f(d + "/kept/metrics.jsonl");
+    std::string line;
+    while (std::getline(f, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("split", "") == "eval" && j["est_ar"].get<double>() > best_ar) {
+        best_ar = j["est_ar"].get<double>();
+        best_step = j["step"].get<std::int64_t>();
+      }
+    }
+  }
+  REQUIRE(best_step > 0);
+  const auto best = nlohmann::json::parse(read_text(d + "/kept/best/best.json"));
+  CHECK(best["metric"] == "est_ar");
+  CHECK(best["step"] == best_step);
+  CHECK(best["est_ar"].get<double>() == doctest::Approx(best_ar).epsilon(1e-12));
+  const auto result = nlohmann::json::parse(r.out);
+  CHECK(result["best"]["step"] == best_step);
+  CHECK(result["best"]["dir"] == d + "/kept/best");
+  CHECK(max_rel_diff(d + "/kept/best/model.safetensors",
+                     d + "/whole/checkpoint-" + std::to_string(best_step) + "/model.safetensors") == 0);
+  // export takes best/ like any checkpoint.
+  r = test::eaglekit("export " + test::quote(d + "/kept/best") + " --out " + test::quote(d + "/best-export"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(fs::exists(d + "/best-export/model.safetensors"));
+
+  // Resume after pruning continues from the newest and equals the unpruned run.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/kept") +
+                     " --max-steps 8 --keep-checkpoints 2 --keep-best est_ar --resume");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("resuming from " + d + "/kept/checkpoint-6") != std::string::npos);
+  CHECK(max_rel_diff(d + "/kept/checkpoint-8/model.safetensors", d + "/whole/checkpoint-8/model.safetensors") < 1e-6);
+  CHECK(!fs::exists(d + "/kept/checkpoint-6"));
+  CHECK(fs::exists(d + "/kept/checkpoint-7"));
+  CHECK(fs::exists(d + "/kept/best/best.json"));  // never pruned
+  // The resumed run went on from the saved best: best/ moved only for a higher est_ar.
+  const auto again = nlohmann::json::parse(read_text(d + "/kept/best/best.json"));
+  CHECK(again["est_ar"].get<double>() >= best_ar);
+
+  // Bad values are usage errors naming the flag; --keep-best without evaluation names the
+  // option that turns it on.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/bad") + " --keep-checkpoints -1");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--keep-checkpoints must not be negative") != std::string::npos, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/bad") + " --keep-checkpoints two");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--keep-checkpoints") != std::string::npos, r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/bad") + " --keep-best est_ar --eval-every -1");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--keep-best est_ar needs evaluation, which --eval-every -1 turns off") != std::string::npos,
+                r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/bad") + " --keep-best est_ar --eval-fraction 0");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--keep-best est_ar needs an eval split: set --eval-fraction above 0") != std::string::npos,
+                r.err);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/bad") + " --keep-best loss");
+  CHECK(r.exit_code == 2);
+  CHECK(!fs::exists(d + "/bad"));
+}
+
+TEST_CASE("train cli: in a log (stderr not a terminal) a plain progress line comes before any metrics line") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const std::string common = job->data_args() + " --max-length 24 --batch-size 4 --jobs 2 --eval-every -1 --max-steps 2"
+                             " --log-every 100";
+  // The tests' stderr is a pipe, as a batch job's log is. Before: nothing until the end.
+  auto r = test::eaglekit("train" + common + " --out " + test::quote(d + "/a"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("train: step 1/2, loss ") != std::string::npos, r.err);
+  CHECK(r.err.find(" tok/s, ETA ") != std::string::npos);
+  // --progress-every 0 or --no-progress: none.
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/b") + " --progress-every 0");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("train: step 1/2") == std::string::npos);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/c") + " --no-progress");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("train: step 1/2") == std::string::npos);
+  r = test::eaglekit("train" + common + " --out " + test::quote(d + "/d") + " --progress-every -1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--progress-every takes seconds") != std::string::npos);
+}
+
+TEST_CASE("train cli: vocab --base names the flag when the folder does not exist") {
+  auto job = make_job();
+  const std::string d = job->dir.path();
+  const auto r = test::eaglekit("vocab --data " + test::quote(job->data) + " --index " + test::quote(job->index) +
+                                " --base " + test::quote(d + "/nosuchdir") + " --draft-vocab-size 8 --out " +
+                                test::quote(d + "/d2t.pt"));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--base " + d + "/nosuchdir: no such folder") != std::string::npos, r.err);
+  CHECK(!fs::exists(d + "/d2t.pt"));
+}
+
 TEST_CASE("train cli: --resume says whether the learning-rate schedule continues or changes, with both rates") {
   auto job = make_job();
   const std::string d = job->dir.path();
@@ -398,6 +519,8 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("8 optimizer steps (4 per epoch) of 8 rows") != std::string::npos);
   CHECK(r.out.find("memory/rank: about ") != std::string::npos);
+  CHECK(r.out.find("eta:         at least ") != std::string::npos);
+  CHECK(r.out.find(" available (MemAvailable of this host)") != std::string::npos);
 
   r = test::eaglekit("train" + opts + " --threads 2 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -405,6 +528,31 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   const auto cfg = nlohmann::json::parse(std::ifstream(d + "/out/final/config.json"));
   CHECK(cfg["eagle_aux_hidden_state_layer_ids"] == plan["aux_layer_ids"]);
   CHECK(cfg["draft_vocab_size"] == plan["draft_config"]["draft_vocab_size"]);
+
+  // The time: FLOPs, and on the CPU a lower bound from a matmul timed here, said as such.
+  CHECK(plan["flops"].get<double>() > 0);
+  CHECK(plan["measured_flops_per_s"].get<double>() > 0);
+  CHECK(plan["eta_seconds"].get<double>() > 0);
+  CHECK(plan["eta_basis"].get<std::string>().rfind("a lower bound: ", 0) == 0);
+  CHECK(plan["memory_available_bytes"].get<double>() > 0);
+  // No made-up number for a device a dry run does not open.
+  r = test::eaglekit("train" + opts + " --device cuda --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto gpu = nlohmann::json::parse(r.out);
+  CHECK(gpu["eta_seconds"].is_null());
+  CHECK(gpu["memory_available_bytes"].is_null());
+  CHECK(gpu["eta_basis"].get<std::string>().rfind("not estimated: a dry run does not open --device cuda", 0) == 0);
+  // A batch that cannot fit this host is warned about, with what to change.
+  r = test::eaglekit("train" + opts + " --max-length 300000 --batch-size 64 --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  bool memory_warning = false;
+  const auto huge = nlohmann::json::parse(r.out);  // kept: the loop reads into it
+  for (const auto& w : huge["warnings"])
+    memory_warning |= w.get<std::string>().find("exceeds the") != std::string::npos &&
+                      w.get<std::string>().find("this host has available (MemAvailable of this host): lower "
+                                                "--batch-size or --max-length") != std::string::npos;
+  CHECK_MESSAGE(memory_warning, r.out);
+  for (const auto& w : plan["warnings"]) CHECK(w.get<std::string>().find("exceeds the") == std::string::npos);
 
   // A dry run refuses what train would refuse, with train's message and exit code.
   r = test::eaglekit("train" + job->data_args() + " --dry-run");

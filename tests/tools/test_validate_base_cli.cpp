@@ -161,3 +161,19 @@ for path in glob.glob(sys.argv[1] + "/records/**/*.pt", recursive=True):
   CHECK(s["suspects"].empty());
   CHECK(s["stated_pre"] == 39);
 }
+
+TEST_CASE("validate --base: says up front how much work the check is, and on the CPU a lower bound of its time") {
+  Dump d;
+  synth(d, "clean", "--base-out " + test::quote(d.dir / "base"));
+  index(d, "clean");
+  const auto r = test::eaglekit("validate --data " + test::quote(d.data("clean")) + " --index " +
+                                test::quote(d.index("clean")) + " --base " + test::quote(d.dir / "base") +
+                                " --positions 8 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // Before: nothing on stderr while a large base's head ran over every record on the CPU.
+  CHECK_MESSAGE(r.err.find("validate: the semantic check runs ") != std::string::npos, r.err);
+  CHECK(r.err.find(" records x 8 positions through the base's head (") != std::string::npos);
+  CHECK(r.err.find(" parameters, read first) on cpu: ") != std::string::npos);
+  CHECK(r.err.find("GFLOP/s a float32 matmul reached here") != std::string::npos);
+}
+

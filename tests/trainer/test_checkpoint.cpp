@@ -237,6 +237,65 @@ TEST_CASE("checkpoint: temp folders of a killed save are removed by the next sav
   CHECK(is_complete_checkpoint(out + "/checkpoint-2"));
 }
 
+TEST_CASE("checkpoint: prune_checkpoints keeps the newest N and the one just written; best/ is a whole checkpoint") {
+  test::TempDir dir("prune");
+  const DraftModel draft = small_draft();
+  Checkpoint ck;
+  ck.rng = capture_rng_state();
+  ck.options_json = "{}";
+  const std::string out = dir / "out";
+  auto names = [&] {
+    std::vector<std::string> v;
+    for (const auto& e : fs::directory_iterator(out)) v.push_back(e.path().filename().string());
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  for (std::int64_t step : {2, 5, 9, 12}) {
+    ck.state.step = step;
+    save_checkpoint(out, draft, ck);
+  }
+  // best/ of step 9: hard links to checkpoint-9's files, plus best.json.
+  ck.state.step = 9;
+  BestCheckpoint b;
+  b.step = 9;
+  b.est_ar = 1.75;
+  CHECK(save_best_checkpoint(out, draft, ck, b, out + "/checkpoint-9") == out + "/best");
+  CHECK(fs::hard_link_count(out + "/best/model.safetensors") == 2);
+  CHECK(is_complete_checkpoint(out + "/best"));
+  // keep <= 0 keeps all.
+  CHECK(prune_checkpoints(out, 0, out + "/checkpoint-12").empty());
+  CHECK(names() == std::vector<std::string>{"best", "checkpoint-12", "checkpoint-2", "checkpoint-5", "checkpoint-9"});
+  CHECK(prune_checkpoints(out, 2, out + "/checkpoint-12") ==
+        std::vector<std::string>{out + "/checkpoint-5", out + "/checkpoint-2"});
+  CHECK(names() == std::vector<std::string>{"best", "checkpoint-12", "checkpoint-9"});
+  CHECK(find_latest_checkpoint(out) == out + "/checkpoint-12");
+  // A run resumed from an earlier step writes checkpoint-10 beside the newer 12: the one just
+  // written always stays.
+  ck.state.step = 10;
+  const std::string ten = save_checkpoint(out, draft, ck);
+  CHECK(prune_checkpoints(out, 1, ten) == std::vector<std::string>{out + "/checkpoint-12", out + "/checkpoint-9"});
+  CHECK(names() == std::vector<std::string>{"best", "checkpoint-10"});
+  // best/ outlived its step's folder, whole.
+  CHECK(is_complete_checkpoint(out + "/best"));
+  CHECK(load_checkpoint(out + "/best").checkpoint.state.step == 9);
+  const auto read = read_best(out);
+  REQUIRE(read);
+  CHECK(read->step == 9);
+  CHECK(read->est_ar == 1.75);
+  CHECK(read->metric == "est_ar");
+  CHECK(!read_best(dir / "nothing"));
+  // Without a checkpoint of its step, best/ is written in full; a newer best replaces it.
+  b.step = 10;
+  b.est_ar = 2.0;
+  save_best_checkpoint(out, draft, ck, b);
+  CHECK(fs::hard_link_count(out + "/best/model.safetensors") == 1);
+  CHECK(read_best(out)->step == 10);
+  CHECK(load_checkpoint(out + "/best").checkpoint.state.step == 10);
+  CHECK(names() == std::vector<std::string>{"best", "checkpoint-10"});
+  test::write_text(out + "/best/best.json", "{\"metric\": \"est_ar\"");
+  CHECK_THROWS_AS(read_best(out), FormatError);
+}
+
 TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype; --init-draft continues from it") {
   auto job = test::make_synth_job(24);
   test::TempDir dir("export");

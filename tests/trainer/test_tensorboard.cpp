@@ -14,6 +14,7 @@
 
 #include "tests/support.h"
 #include "tests/trainer/train_data.h"
+#include "trainer/metrics_log.h"
 #include "trainer/tensorboard.h"
 #include "trainer/train.h"
 
@@ -155,4 +156,43 @@ TEST_CASE("tensorboard: train logs every metrics number at its step; resume adds
   elsewhere.tensorboard = dir / "tb-here";
   run_training(elsewhere);
   CHECK(event_files(dir / "tb-here").size() == 1);
+}
+
+TEST_CASE("tensorboard: a fresh run into a folder without checkpoints deletes the earlier run's event files, saying so") {
+  test::TempDir dir("tbstale");
+  const std::string tb = dir / "out/tensorboard";
+  fs::create_directories(tb);
+  test::write_text(tb + "/events.out.tfevents.1.host.1.0", "an earlier run's");
+  test::write_text(tb + "/notes.txt", "not an event file");
+  std::vector<std::string> said;
+  auto events = [&] {
+    std::vector<std::string> v;
+    for (const auto& f : event_files(tb))
+      if (fs::path(f).filename().string().rfind("events.out.tfevents.", 0) == 0) v.push_back(f);
+    return v;
+  };
+  {
+    MetricsLog::Options mo;
+    mo.out = dir / "out";
+    mo.say = [&](const std::string& m) { said.push_back(m); };
+    MetricsLog log(mo);
+    log.write(R"({"step": 1, "loss": 2.5})");
+  }
+  const auto files = events();
+  REQUIRE(files.size() == 1);
+  CHECK(files[0] != tb + "/events.out.tfevents.1.host.1.0");
+  CHECK(fs::exists(tb + "/notes.txt"));
+  REQUIRE(said.size() == 1);
+  CHECK(said[0].rfind("removed " + tb + "/events.out.tfevents.1.host.1.0, an event file of an earlier run", 0) == 0);
+  // A resumed run keeps them: it continues the same log.
+  said.clear();
+  {
+    MetricsLog::Options mo;
+    mo.out = dir / "out";
+    mo.resume_step = 1;
+    mo.say = [&](const std::string& m) { said.push_back(m); };
+    MetricsLog log(mo);
+  }
+  CHECK(events().size() == 2);
+  CHECK(said.empty());
 }
