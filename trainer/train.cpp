@@ -517,27 +517,27 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     if (hooks.after_step && !hooks.after_step(step, draft)) stop = true;
     const bool last = opts.max_steps > 0 && step >= opts.max_steps;
     if (step % opts.log_every == 0 || stop || last) log_window();
-    if (show_progress && (seconds_since(last_draw) > 0.25 || stop)) {
-      last_draw = Clock::now();
+    // The run's progress: the redrawn line on a terminal, a plain line in a log.
+    auto progress_text = [&](bool tty) {
       const double rate = run_time > 0 ? static_cast<double>(step - result.start_step) / run_time : 0;
       const double eta = rate > 0 && total_steps > step ? static_cast<double>(total_steps - step) / rate : 0;
       const auto acc = step_stats.acc();
-      std::cerr << progress_line(step, total_steps, loss, acc.empty() ? 0.0 : acc[0],
-                                 run_time > 0 ? run_tokens / run_time : 0, eta)
-                << std::flush;
+      const double acc0 = acc.empty() ? 0.0 : acc[0], tokens_per_s = run_time > 0 ? run_tokens / run_time : 0;
+      if (tty) return progress_line(step, total_steps, loss, acc0, tokens_per_s, eta);
+      char text[200];
+      std::snprintf(text, sizeof text, "step %lld/%lld, loss %.4g, acc0 %.3g, %s tok/s, ETA %s",
+                    static_cast<long long>(step), static_cast<long long>(total_steps), loss, acc0,
+                    rate_text(tokens_per_s).c_str(), format_duration(eta).c_str());
+      return std::string(text);
+    };
+    if (show_progress && (seconds_since(last_draw) > 0.25 || stop)) {
+      last_draw = Clock::now();
+      std::cerr << progress_text(true) << std::flush;
     }
     if (log_progress && (!logged_any || seconds_since(last_logged) >= opts.progress_every)) {
       last_logged = Clock::now();
       logged_any = true;
-      const double rate = run_time > 0 ? static_cast<double>(step - result.start_step) / run_time : 0;
-      const double eta = rate > 0 && total_steps > step ? static_cast<double>(total_steps - step) / rate : 0;
-      const auto acc = step_stats.acc();
-      char text[200];
-      std::snprintf(text, sizeof text, "step %lld/%lld, loss %.4g, acc0 %.3g, %s tok/s, ETA %s",
-                    static_cast<long long>(step), static_cast<long long>(total_steps), loss,
-                    acc.empty() ? 0.0 : acc[0], rate_text(run_time > 0 ? run_tokens / run_time : 0).c_str(),
-                    format_duration(eta).c_str());
-      say(text);
+      say(progress_text(false));
     }
     if (stop) {
       if (show_progress) std::cerr << "\n";

@@ -140,22 +140,18 @@ std::atomic<std::int64_t> g_host_keys_reads{0};
 
 std::shared_ptr<const HostKeys> host_keys(const at::Tensor& valid, const at::Tensor& docs) {
   g_host_keys_reads.fetch_add(1, std::memory_order_relaxed);
-  return host_keys_of_host(valid, docs);
+  if (valid.device().is_cpu()) return host_keys_of_host(valid, docs);
+  // One copy for both: [1 or 2, B, n] int64.
+  at::Tensor both = valid.to(at::kLong).unsqueeze(0);
+  if (docs.defined()) both = at::cat({both, docs.to(valid.device(), at::kLong).unsqueeze(0)}, 0);
+  both = both.to(at::kCPU);
+  return host_keys_of_host(both.select(0, 0).ne(0), docs.defined() ? both.select(0, 1) : at::Tensor());
 }
 
 std::shared_ptr<const HostKeys> host_keys_of_host(const at::Tensor& valid, const at::Tensor& docs) {
   auto h = std::make_shared<HostKeys>();
-  if (valid.device().is_cpu()) {
-    h->valid = valid.to(at::kBool).contiguous();
-    if (docs.defined()) h->docs = docs.to(at::kCPU, at::kLong).contiguous();
-  } else {
-    // One copy for both: [1 or 2, B, n] int64.
-    at::Tensor both = valid.to(at::kLong).unsqueeze(0);
-    if (docs.defined()) both = at::cat({both, docs.to(valid.device(), at::kLong).unsqueeze(0)}, 0);
-    both = both.to(at::kCPU).contiguous();
-    h->valid = both.select(0, 0).ne(0).contiguous();
-    if (docs.defined()) h->docs = both.select(0, 1).contiguous();
-  }
+  h->valid = valid.to(at::kCPU, at::kBool).contiguous();
+  if (docs.defined()) h->docs = docs.to(at::kCPU, at::kLong).contiguous();
   const std::int64_t b = h->valid.size(0), n = h->valid.size(1);
   const bool* v = h->valid.data_ptr<bool>();
   h->invalid_prefix.assign(static_cast<std::size_t>(n + 1), 0);

@@ -998,7 +998,7 @@ TEST_CASE("train cli: --ttt-attention local, tiled and fused train and evaluate 
 #else
   const std::vector<const char*> kinds{"local", "tiled"};
   // Without the fused kernels (LibTorch < 2.5) fused is a usage error that says why.
-  for (const std::string where : {" --out " + test::quote(d + "/fused"), " --draft " + test::quote(d + "/none")}) {
+  for (const std::string& where : {" --out " + test::quote(d + "/fused"), " --draft " + test::quote(d + "/none")}) {
     const std::string cmd = where.find("--out") != std::string::npos ? "train" : "evaluate";
     const auto r = test::eaglekit(cmd + job->data_args() + " --ttt-attention fused" + where);
     CHECK(r.exit_code == 2);

@@ -39,6 +39,14 @@ DraftModel small_draft() {
   return DraftModel(draft_config_from_base(b, DraftOptions{}), at::zeros({20}, at::kLong), at::Tensor(), 4);
 }
 
+// A checkpoint with only what save_checkpoint needs: the RNG state and empty options.
+Checkpoint bare_checkpoint() {
+  Checkpoint ck;
+  ck.rng = capture_rng_state();
+  ck.options_json = "{}";
+  return ck;
+}
+
 }  // namespace
 
 TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32, 1e-6)") {
@@ -107,11 +115,9 @@ TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32
 TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; bad state files are named") {
   test::TempDir dir("ckpt");
   const DraftModel draft = small_draft();
-  Checkpoint ck;
+  Checkpoint ck = bare_checkpoint();
   ck.state.sampler.samples = 10;
   ck.optimizer = {{"exp_avg.fc.weight", at::ones({16, 48})}};
-  ck.rng = capture_rng_state();
-  ck.options_json = "{}";
   const std::string out = dir / "out";
   CHECK(!find_latest_checkpoint(out));
   for (std::int64_t step : {2, 5, 9}) {
@@ -218,9 +224,7 @@ TEST_CASE("checkpoint: generator states round-trip through rng.safetensors, one 
 TEST_CASE("checkpoint: temp folders of a killed save are removed by the next save; a live writer's stay") {
   test::TempDir dir("stale");
   const DraftModel draft = small_draft();
-  Checkpoint ck;
-  ck.rng = capture_rng_state();
-  ck.options_json = "{}";
+  Checkpoint ck = bare_checkpoint();
   const std::string out = dir / "out";
   const std::string dead = test::dead_pid();  // as a SIGKILLed run's
   fs::create_directories(out + "/.checkpoint-3.tmp-" + dead);
@@ -240,9 +244,7 @@ TEST_CASE("checkpoint: temp folders of a killed save are removed by the next sav
 TEST_CASE("checkpoint: prune_checkpoints keeps the newest N and the one just written; best/ is a whole checkpoint") {
   test::TempDir dir("prune");
   const DraftModel draft = small_draft();
-  Checkpoint ck;
-  ck.rng = capture_rng_state();
-  ck.options_json = "{}";
+  Checkpoint ck = bare_checkpoint();
   const std::string out = dir / "out";
   auto names = [&] {
     std::vector<std::string> v;
