@@ -13,7 +13,12 @@
 // usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
 //                         [--shapes] [--ttt-attention auto|local|tiled|fused]
+//                         [--cpu-kernels on|off|both]
 // --ttt-attention picks the TTT attention kernel (trainer/options.h TttAttention; default auto).
+// --cpu-kernels: the fused float32 CPU kernels (trainer/cpu_kernels.h; on, as `eaglekit train`
+// runs) or the ATen composites (off); both runs the two side by side, steps alternating, from
+// the same weights, prints the first loss of each, each one's table and the ratio, and profiles
+// one step of each.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -31,6 +36,7 @@
 
 #include "trainer/base_model.h"
 #include "trainer/config.h"
+#include "trainer/cpu_kernels.h"
 #include "trainer/draft_model.h"
 #include "trainer/optim.h"
 #include "trainer/train.h"
@@ -47,6 +53,7 @@ struct Args {
   int threads = 2, warmup = 2, reps = 5, top = 25;
   bool shapes = false;
   TttAttention attention = TttAttention::kAuto;
+  std::string kernels = "on";
 };
 
 // A command-line mistake: exit status 2 (runtime errors are 1).
@@ -58,6 +65,7 @@ constexpr const char* kUsage =
     "usage: bench_train_step --base DIR [--draft-vocab 256] [--batch-size 16] [--length 128]\n"
     "                        [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]\n"
     "                        [--shapes] [--ttt-attention auto|local|tiled|fused]\n"
+    "                        [--cpu-kernels on|off|both]\n"
     "One training step's time by phase and by operator (the header of bench/bench_train_step.cpp).\n";
 
 Args parse(int argc, char** argv) {
@@ -85,6 +93,11 @@ Args parse(int argc, char** argv) {
       else if (v == "tiled") a.attention = TttAttention::kTiled;
       else if (v == "fused") a.attention = TttAttention::kFused;
       else throw Usage("--ttt-attention takes auto, local, tiled or fused, not '" + v + "'");
+    }
+    else if (k == "--cpu-kernels") {
+      a.kernels = next();
+      if (a.kernels != "on" && a.kernels != "off" && a.kernels != "both")
+        throw Usage("--cpu-kernels takes on, off or both, not '" + a.kernels + "'");
     }
     else if (k == "-h" || k == "--help") {
       std::cout << kUsage;
@@ -193,9 +206,10 @@ int main(int argc, char** argv) try {
               static_cast<long long>(l), static_cast<long long>(a.ttt_steps), a.threads);
 
   const char* kPhases[] = {"forward", "backward", "clip", "optimizer", "step"};
-  std::map<std::string, std::vector<double>> wall, cpu;
-  double loss0 = 0;
-  auto run_step = [&](bool record) {
+  // Per variant ("on": fused CPU kernels, "off": ATen composites), per phase.
+  std::map<std::string, std::map<std::string, std::vector<double>>> wall, cpu;
+  auto run_step = [&](const std::string& variant, bool record) {
+    cpu_kernels::set_enabled(variant == "on");
     using Clock = std::chrono::steady_clock;
     auto t = Clock::now();
     double c0 = process_cpu_s();
@@ -205,8 +219,8 @@ int main(int argc, char** argv) try {
       const auto now = Clock::now();
       const double cn = process_cpu_s();
       if (record) {
-        wall[name].push_back(std::chrono::duration<double>(now - t).count());
-        cpu[name].push_back(cn - c0);
+        wall[variant][name].push_back(std::chrono::duration<double>(now - t).count());
+        cpu[variant][name].push_back(cn - c0);
       }
       t = now;
       c0 = cn;
@@ -221,45 +235,68 @@ int main(int argc, char** argv) try {
     optimizer.step(1e-3);
     mark("optimizer");
     if (record) {
-      wall["step"].push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      cpu["step"].push_back(process_cpu_s() - cpu_start);
+      wall[variant]["step"].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      cpu[variant]["step"].push_back(process_cpu_s() - cpu_start);
     }
     return r.loss.item<double>();
   };
-  for (int i = 0; i < a.warmup; ++i) {
-    const double l0 = run_step(false);
-    if (i == 0) loss0 = l0;
+  const std::vector<std::string> variants =
+      a.kernels == "both" ? std::vector<std::string>{"off", "on"} : std::vector<std::string>{a.kernels};
+  // The first loss of each variant from the same initial weights (forward only).
+  std::map<std::string, double> loss0;
+  for (const auto& v : variants) {
+    cpu_kernels::set_enabled(v == "on");
+    at::NoGradGuard no_grad;
+    loss0[v] = unroll.forward(batch).loss.item<double>();
   }
-  for (int i = 0; i < a.reps; ++i) run_step(true);
+  for (int i = 0; i < a.warmup; ++i)
+    for (const auto& v : variants) run_step(v, false);
+  for (int i = 0; i < a.reps; ++i)
+    for (const auto& v : variants) run_step(v, true);
   const double tokens = batch.attention_mask.sum().item<double>();
-  std::printf("first loss %.6f; median over %d steps (process CPU = all threads):\n", loss0, a.reps);
-  std::printf("  %-10s %10s %10s\n", "phase", "wall ms", "CPU ms");
-  for (const char* p : kPhases)
-    std::printf("  %-10s %10.1f %10.1f\n", p, 1e3 * median(wall[p]), 1e3 * median(cpu[p]));
-  std::printf("  tokens/s %.0f (wall), %.0f per CPU-second\n", tokens / median(wall["step"]),
-              tokens / median(cpu["step"]));
-
-  // One more step under the profiler.
-  using namespace torch::autograd::profiler;
-  enableProfilerLegacy(ProfilerConfig(ProfilerState::CPU, /*report_input_shapes=*/a.shapes));
-  run_step(false);
-  const auto ops = aggregate(disableProfilerLegacy(), a.shapes);
-  std::vector<std::pair<std::string, OpTime>> rows(ops.begin(), ops.end());
-  double self_total = 0;
-  for (const auto& [name, t] : rows) self_total += t.self_us;
-  std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.self_us > y.second.self_us; });
-  std::printf("\nprofiled step: %.1f ms of operator self time; top %d by self time:\n", self_total / 1e3, a.top);
-  const int width = a.shapes ? 90 : 44;
-  std::printf("  %-*s %7s %10s %10s %6s\n", width, "op", "calls", "self ms", "total ms", "self%");
-  for (int i = 0; i < a.top && i < static_cast<int>(rows.size()); ++i) {
-    const auto& [name, t] = rows[i];
-    std::printf("  %-*s %7lld %10.2f %10.2f %5.1f%%\n", width, name.substr(0, width).c_str(), static_cast<long long>(t.calls),
-                t.self_us / 1e3, t.total_us / 1e3, 100.0 * t.self_us / self_total);
+  for (const auto& v : variants) {
+    std::printf("cpu kernels %s: first loss %.6f; median over %d steps (process CPU = all threads):\n", v.c_str(),
+                loss0[v], a.reps);
+    std::printf("  %-10s %10s %10s\n", "phase", "wall ms", "CPU ms");
+    for (const char* p : kPhases)
+      std::printf("  %-10s %10.1f %10.1f\n", p, 1e3 * median(wall[v][p]), 1e3 * median(cpu[v][p]));
+    std::printf("  tokens/s %.0f (wall), %.0f per CPU-second\n", tokens / median(wall[v]["step"]),
+                tokens / median(cpu[v]["step"]));
   }
-  std::printf("\nscopes (inclusive):\n");
-  for (const auto& [name, t] : ops)
-    if (name.rfind("ttt.", 0) == 0)
-      std::printf("  %-44s %7lld %10.2f ms\n", name.c_str(), static_cast<long long>(t.calls), t.total_us / 1e3);
+  if (variants.size() == 2)
+    std::printf("ratio fused CPU kernels / ATen composites: %.2fx tokens/s (wall), %.2fx per CPU-second\n",
+                median(wall["off"]["step"]) / median(wall["on"]["step"]),
+                median(cpu["off"]["step"]) / median(cpu["on"]["step"]));
+
+  // One more step of each variant under the profiler.
+  using namespace torch::autograd::profiler;
+  for (const auto& v : variants) {
+    enableProfilerLegacy(ProfilerConfig(ProfilerState::CPU, /*report_input_shapes=*/a.shapes));
+    run_step(v, false);
+    const auto ops = aggregate(disableProfilerLegacy(), a.shapes);
+    std::vector<std::pair<std::string, OpTime>> rows(ops.begin(), ops.end());
+    double self_total = 0;
+    std::int64_t calls = 0;
+    for (const auto& [name, t] : rows) {
+      self_total += t.self_us;
+      if (name.rfind("aten::", 0) == 0) calls += t.calls;
+    }
+    std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.self_us > y.second.self_us; });
+    std::printf("\nprofiled step (cpu kernels %s): %.1f ms of operator self time, %lld aten:: calls; top %d by self "
+                "time:\n",
+                v.c_str(), self_total / 1e3, static_cast<long long>(calls), a.top);
+    const int width = a.shapes ? 90 : 44;
+    std::printf("  %-*s %7s %10s %10s %6s\n", width, "op", "calls", "self ms", "total ms", "self%");
+    for (int i = 0; i < a.top && i < static_cast<int>(rows.size()); ++i) {
+      const auto& [name, t] = rows[i];
+      std::printf("  %-*s %7lld %10.2f %10.2f %5.1f%%\n", width, name.substr(0, width).c_str(),
+                  static_cast<long long>(t.calls), t.self_us / 1e3, t.total_us / 1e3, 100.0 * t.self_us / self_total);
+    }
+    std::printf("\nscopes (inclusive):\n");
+    for (const auto& [name, t] : ops)
+      if (name.rfind("ttt.", 0) == 0)
+        std::printf("  %-44s %7lld %10.2f ms\n", name.c_str(), static_cast<long long>(t.calls), t.total_us / 1e3);
+  }
   return 0;
 } catch (const Usage& e) {
   std::cerr << "bench_train_step: " << e.what() << "\n" << kUsage;

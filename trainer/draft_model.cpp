@@ -7,6 +7,7 @@
 #include <map>
 
 #include "formats/error.h"
+#include "trainer/cpu_kernels.h"
 
 namespace eaglekit::trainer {
 
@@ -20,6 +21,7 @@ struct RmsNormImpl : torch::nn::Module {
     weight = register_parameter("weight", torch::ones({n}));
   }
   at::Tensor forward(const at::Tensor& x) const {
+    if (cpu_kernels::takes(x) && cpu_kernels::takes(weight)) return cpu_kernels::rms_norm(x, weight, eps);
     const auto in_dtype = x.scalar_type();
     at::Tensor xf = x.to(at::kFloat);
     xf = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
@@ -50,6 +52,15 @@ struct MlpImpl : torch::nn::Module {
     down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
   }
   at::Tensor forward(const at::Tensor& x) {
+    if (cpu_kernels::takes(x) && cpu_kernels::takes(gate_proj->weight)) {
+      // Both projections as one matmul, then silu(gate) * up in one pass.
+      const at::Tensor w = torch::cat({gate_proj->weight, up_proj->weight}, 0);
+      const at::Tensor gate_up = at::matmul(x, w.t());
+      if (cpu_kernels::takes(gate_up)) return down_proj(cpu_kernels::swiglu(gate_up));
+      // Under autocast the matmul ran in bf16: the composite on its two halves.
+      const std::int64_t i = gate_proj->weight.size(0);
+      return down_proj(F::silu(gate_up.narrow(-1, 0, i)) * gate_up.narrow(-1, i, i));
+    }
     return down_proj(F::silu(gate_proj(x)) * up_proj(x));
   }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
@@ -138,6 +149,8 @@ RotaryTable rope_table(const DraftConfig& c, const at::Tensor& positions) {
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const RotaryTable& t) {
+  if (x.dim() == 4 && cpu_kernels::takes(x) && cpu_kernels::takes(t.cos) && cpu_kernels::takes(t.sin))
+    return cpu_kernels::rope(x, t.cos, t.sin);
   const std::int64_t half = x.size(-1) / 2;
   const at::Tensor xf = x.to(torch::kFloat);
   const at::Tensor rotated = torch::cat({-xf.narrow(-1, half, half), xf.narrow(-1, 0, half)}, -1);
@@ -259,6 +272,17 @@ Qkv DraftModel::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, cons
     return t.view({b, n, count, c.head_dim}).transpose(1, 2);
   };
   Qkv out;
+  if (cpu_kernels::takes(x) && cpu_kernels::takes(l.self_attn->q_proj->weight)) {
+    // The three projections as one matmul (trainer/cpu_kernels.h), split by views.
+    const at::Tensor w = torch::cat({l.self_attn->q_proj->weight, l.self_attn->k_proj->weight,
+                                     l.self_attn->v_proj->weight}, 0);
+    const at::Tensor y = at::matmul(x, w.t());
+    const std::int64_t nq = c.num_attention_heads * c.head_dim, nkv = c.num_key_value_heads * c.head_dim;
+    out.q = apply_rope(heads(y.narrow(-1, 0, nq), c.num_attention_heads), rope);
+    out.k = apply_rope(heads(y.narrow(-1, nq, nkv), c.num_key_value_heads), rope);
+    out.v = heads(y.narrow(-1, nq + nkv, nkv), c.num_key_value_heads);
+    return out;
+  }
   out.q = apply_rope(heads(l.self_attn->q_proj(x), c.num_attention_heads), rope);
   out.k = apply_rope(heads(l.self_attn->k_proj(x), c.num_key_value_heads), rope);
   out.v = heads(l.self_attn->v_proj(x), c.num_key_value_heads);

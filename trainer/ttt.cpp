@@ -11,6 +11,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "trainer/cpu_kernels.h"
 #include "trainer/recompute.h"
 #include "trainer/soft_ce.h"
 #include "trainer/ttt_flash.h"
@@ -643,6 +644,13 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       const SoftCeResult r = chunked_soft_ce(draft.final_norm(out).reshape({b * n, c.hidden_size}),
                                              draft.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
                                              weight.reshape({b * n}), loss_chunk, compute_dtype);
+      ce.push_back(r.ce_sum);
+      draft_argmax = r.argmax.view({b, n});
+    } else if (compute_dtype == at::kFloat && cpu_kernels::takes(out) && cpu_kernels::takes(draft.lm_head_weight())) {
+      // The same loss in one pass per direction over the logits (trainer/cpu_kernels.h).
+      const SoftCeResult r = cpu_kernels::soft_ce(draft.final_norm(out).reshape({b * n, c.hidden_size}),
+                                                  draft.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
+                                                  weight.reshape({b * n}));
       ce.push_back(r.ce_sum);
       draft_argmax = r.argmax.view({b, n});
     } else {
