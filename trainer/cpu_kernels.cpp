@@ -354,11 +354,20 @@ struct SoftCeFunction : torch::autograd::Function<SoftCeFunction> {
 
 }  // namespace
 
+bool cpu_has_vector_clones() {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 bool enabled() {
   int e = g_enabled.load(std::memory_order_relaxed);
   if (e < 0) {
     const char* env = std::getenv("EAGLEKIT_CPU_KERNELS");
-    e = env != nullptr && std::string(env) == "0" ? 0 : 1;
+    const std::string v = env != nullptr ? env : "";
+    e = v == "0" ? 0 : v == "1" ? 1 : cpu_has_vector_clones() ? 1 : 0;
     g_enabled.store(e, std::memory_order_relaxed);
   }
   return e == 1;

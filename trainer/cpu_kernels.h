@@ -8,11 +8,14 @@
 // (tests/trainer/test_cpu_kernels.cpp).
 //
 // They take float32 CPU tensors only (`takes`); every other device, dtype or autocast
-// dtype keeps the ATen composite. EAGLEKIT_CPU_KERNELS=0 in the environment (read once) or
-// set_enabled(false) turns them off, for A/B benchmarks (bench_train_step --cpu-kernels).
+// dtype keeps the ATen composite.
 //
 // Vectorized for x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512) where GCC builds function
-// clones, picked at load time by the CPU; plain x86-64 otherwise.
+// clones, picked at load time by the CPU. They are on by default only there: the plain
+// x86-64 build of the loops (SSE2) measured 0.95x the composites on an AVX-512 CPU, whose
+// ATen kernels are vectorized for it. EAGLEKIT_CPU_KERNELS=1 / 0 in the environment (read
+// once) forces them on / off; set_enabled does the same in-process (bench_train_step
+// --cpu-kernels, the tests).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,8 +24,11 @@
 
 namespace eaglekit::trainer::cpu_kernels {
 
+// On: EAGLEKIT_CPU_KERNELS, else whether this CPU runs the AVX2 or AVX-512 clones.
 bool enabled();
 void set_enabled(bool on);
+// Whether this CPU runs a vectorized clone (x86-64 with AVX2 and FMA, GCC builds).
+bool cpu_has_vector_clones();
 
 // Enabled, and `x` is a float32 tensor on the CPU.
 bool takes(const at::Tensor& x);
