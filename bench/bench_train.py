@@ -10,7 +10,9 @@ floor((1 - eval_fraction) * n) conversations), pads them to --max-length as the 
 collator does, and times --steps optimizer steps with the batches already in memory (no
 data loading is timed here; bench_train.sh subtracts eaglekit's loader wait likewise).
 Per step it records wall time and process CPU time (time.process_time: every thread).
-Prints one JSON object: {"tokens_per_s_median", "step_s_median", "cpu_s_median",
+Prints one JSON object: {"tokens_per_s_median", "step_s_median", "tokens_per_s_overall" (all
+timed tokens over all timed seconds: on a loaded machine a few stalled steps that the median
+hides), "cpu_s_median",
 "tokens_per_cpu_s_median", "losses": [...], "tokens", "threads"}; medians leave out the
 first --warmup steps.
 
@@ -445,6 +447,7 @@ def main():
     tps = [n / t for n, t in zip(tokens[w:], times[w:])]
     tpc = [n / c for n, c in zip(tokens[w:], cpus[w:])]
     print(json.dumps({"tokens_per_s_median": statistics.median(tps), "step_s_median": statistics.median(times[w:]),
+                      "tokens_per_s_overall": sum(tokens[w:]) / sum(times[w:]),
                       "cpu_s_median": statistics.median(cpus[w:]), "tokens_per_cpu_s_median": statistics.median(tpc),
                       "losses": losses, "tokens": sum(tokens), "threads": torch.get_num_threads()}))
 

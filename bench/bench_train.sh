@@ -6,7 +6,9 @@
 # torch.set_num_threads), --runs runs of each, alternating, side by side.
 #
 # Per run, both sides take the median over the steps after --warmup of: tokens/s (tokens =
-# real, unpadded tokens of the batch) and process CPU time per step (every thread). Data
+# real, unpadded tokens of the batch) and process CPU time per step (every thread); and the
+# overall rate, all timed tokens over all timed seconds, which counts the few steps a loaded
+# machine stalls for seconds (the median hides them). Data
 # loading is EXCLUDED on both sides: Python times batches already in memory, and eaglekit's
 # time is its step time minus the time it waited for the loader (its loader threads' CPU
 # still counts in its CPU time, which favours Python). OMP_WAIT_POLICY=passive on both
@@ -95,6 +97,7 @@ for r in range(1, runs + 1):
     ours.append({
         "tps": st.median(t / ((l["step_ms"] - l["loader_wait_ms"]) / 1e3) for t, l in zip(tok, steps)),
         "tps_e2e": st.median(l["tokens_per_s"] for l in steps),
+        "overall": sum(tok) / sum((l["step_ms"] - l["loader_wait_ms"]) / 1e3 for l in steps),
         "cpu": st.median(l["cpu_ms"] / 1e3 for l in steps),
         "tpc": st.median(t / (l["cpu_ms"] / 1e3) for t, l in zip(tok, steps)),
         "wait": st.median(l["loader_wait_ms"] / l["step_ms"] for l in steps),
@@ -103,6 +106,7 @@ for r in range(1, runs + 1):
         "loss1": lines[0]["loss"]})
     p = json.load(open(f"{d}/python-{r}.json"))
     py.append({"tps": p["tokens_per_s_median"], "cpu": p["cpu_s_median"], "tpc": p["tokens_per_cpu_s_median"],
+               "overall": p["tokens_per_s_overall"],
                "loss1": p["losses"][0]})
 m = lambda xs, k: st.median(x[k] for x in xs)
 print(f"per run (median over steps > {w}):")
@@ -116,6 +120,8 @@ print(f"  PyTorch (Python)  {m(py, 'tps'):9.0f} tokens/s  {m(py, 'cpu'):7.3f} CP
       f"  step-1 loss {py[0]['loss1']:.6f}")
 print(f"  ratio eaglekit / PyTorch: {m(ours, 'tps') / m(py, 'tps'):.2f}x tokens/s (wall), "
       f"{m(ours, 'tpc') / m(py, 'tpc'):.2f}x tokens per CPU-second")
+print(f"  overall (all timed tokens / all timed seconds, median over runs): eaglekit {m(ours, 'overall'):.0f}, "
+      f"PyTorch {m(py, 'overall'):.0f} tokens/s, ratio {m(ours, 'overall') / m(py, 'overall'):.2f}x")
 print(f"eaglekit with data loading: {m(ours, 'tps_e2e'):.0f} tokens/s end to end; waited for data "
       f"{m(ours, 'wait_ms'):.2f} ms of a {m(ours, 'step_ms'):.0f} ms step = {100 * m(ours, 'wait'):.3f}% (median)")
 EOF

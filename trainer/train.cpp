@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <csignal>
 #include <cstdio>
 #include <ctime>
@@ -166,6 +167,23 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   if (device.is_cuda() && world > 1) device = c10::Device(c10::kCUDA, mesh.local_rank());
   const std::optional<c10::ScalarType> autocast = autocast_type(opts.compute_dtype);
   if (opts.threads > 0) at::set_num_threads(opts.threads);
+  // Cores already busy: LibTorch's threads then wait for each other at every operator
+  // (docs/benchmarks.md, "Under load"). Said once; the thread count stays what was asked.
+  if (device.is_cpu() && main_rank) {
+    const int threads = at::get_num_threads();
+    const unsigned cores = std::thread::hardware_concurrency();
+    double load = 0;
+    if (threads > 1 && cores > 0 && getloadavg(&load, 1) == 1 && load + threads > cores + 0.5) {
+      char text[400];
+      std::snprintf(text, sizeof text,
+                    "note: the load average is %.1f on %u cores and this run asks for %d LibTorch threads; "
+                    "threads that share busy cores wait for each other (beside one busy process per core, "
+                    "--threads 2 ran at about a fifth of its idle speed, --threads 1 at about half of it, "
+                    "docs/benchmarks.md); consider --threads %d",
+                    load, cores, threads, std::max(1, static_cast<int>(cores) - static_cast<int>(load + 0.5)));
+      say(text);
+    }
+  }
   const std::int64_t steps_s = opts.ttt_steps;
   const std::int64_t epochs = opts.effective_epochs();
 

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The CPU figures the README quotes, in one run, each against its competitor side by side:
+#   1. the trainer against PyTorch eager on the same draft, data, weights and threads
+#      (bench_train.sh) at the shape of issue #30 (hidden 128, V 2048, Vd 1024, length 256,
+#      batch 4, 3 TTT steps) and at --max-length 1024;
+#   2. the fused CPU kernels against the ATen composites inside one process
+#      (bench_train_step --cpu-kernels both, the same shape);
+#   3. the loader against the Python reference pipeline (bench_loader.sh);
+#   4. the TTT attention kernels, local and fused against tiled (bench_ttt_attention).
+# It first prints the machine: CPU model, cores, vector extensions, load average, LibTorch,
+# OpenBLAS's kernel choice and OMP_WAIT_POLICY; then every benchmark's own output; then one
+# summary table of the ratios, each beside the README's claim.
+#
+# usage: bench/cpu_figures.sh [--quick] [--report-only] [--threads N]
+#   --quick        fewer runs and steps (CI: about 4 minutes on 2 cores)
+#   --report-only  exit 0 whatever the ratios (CI); otherwise exit 1 when a claim does not
+#                  hold on this machine. A benchmark that fails exits 1 in both modes.
+#   --threads N    LibTorch threads on both sides (default: min(cores, 2), as bench_train.sh)
+# The build is $EAGLEKIT_BUILD_DIR (default build/); missing targets are built.
+# The machines are shared: read the medians, and the load average printed with them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+QUICK=0 REPORT_ONLY=0 THREADS=$(nproc)
+[ "$THREADS" -gt 2 ] && THREADS=2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1; shift ;;
+    --report-only) REPORT_ONLY=1; shift ;;
+    --threads) THREADS=$2; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "cpu_figures.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+BUILD=${EAGLEKIT_BUILD_DIR:-build}
+export EAGLEKIT_BUILD_DIR=$BUILD
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+for t in eaglekit bench_train_step bench_ttt_attention; do
+  if [ ! -x "$BUILD/bin/$t" ]; then
+    [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja >/dev/null
+    ninja -C "$BUILD" "$t" >/dev/null
+  fi
+done
+PY=/usr/bin/python3
+if [ "$QUICK" = 1 ]; then
+  RUNS=3 STEPS=8 RUNS_1K=2 STEPS_1K=6 REPS=8 LOADER_N=60 ATT_REPS=3
+else
+  RUNS=5 STEPS=12 RUNS_1K=3 STEPS_1K=8 REPS=20 LOADER_N=200 ATT_REPS=5
+fi
+LOG=$(mktemp -d /tmp/eaglekit-cpu-figures.XXXXXX)
+trap 'rm -rf "$LOG"' EXIT
+
+echo "== machine"
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
+echo "vector extensions: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|avx512f|avx512_bf16|amx_tile|amx_bf16)$' | tr '\n' ' ')"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "LibTorch: $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?') (Python side); eaglekit build $BUILD"
+echo "OpenBLAS kernels: $("$PY" -c 'import ctypes; l = ctypes.CDLL("libopenblas.so.0"); l.openblas_get_corename.restype = ctypes.c_char_p; print(l.openblas_get_corename().decode())' 2>/dev/null || echo '?')${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE)}"
+echo "OMP_WAIT_POLICY=$OMP_WAIT_POLICY, $THREADS LibTorch threads per side"
+
+run() {  # name, command...: the output to the terminal and LOG/name
+  local name=$1
+  shift
+  echo
+  echo "== $name: $*"
+  if ! "$@" 2>&1 | tee "$LOG/$name"; then
+    echo "cpu_figures.sh: $name failed" >&2
+    exit 1
+  fi
+}
+
+run train256 bench/bench_train.sh --threads "$THREADS" --runs "$RUNS" --steps "$STEPS"
+run train1024 bench/bench_train.sh --threads "$THREADS" --runs "$RUNS_1K" --steps "$STEPS_1K" --max-length 1024
+BASE="$LOG/base"
+"$BUILD/bin/eaglekit" synth --out "$LOG/synth" --conversations 2 --hidden 128 --vocab 2048 --base-out "$BASE" >/dev/null
+run kernels "$BUILD/bin/bench_train_step" --base "$BASE" --draft-vocab 1024 --batch-size 4 --length 256 \
+  --threads "$THREADS" --reps "$REPS" --top 0 --cpu-kernels both
+run loader bench/bench_loader.sh --conversations "$LOADER_N" --hidden 512 --runs "$RUNS"
+run attention "$BUILD/bin/bench_ttt_attention" --lengths 512,2048 --steps 3 --reps "$ATT_REPS" --threads "$THREADS"
+
+# The summary: each ratio beside the claim the README makes for it.
+"$PY" - "$LOG" "$REPORT_ONLY" <<'EOF'
+import re, sys
+log, report_only = sys.argv[1], sys.argv[2] == "1"
+def grab(name, pattern):
+    m = re.search(pattern, open(f"{log}/{name}").read())
+    return float(m.group(1)) if m else None
+rows = [
+    ("trainer / PyTorch eager, tokens/s, L 256", grab("train256", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
+    ("trainer / PyTorch eager, tokens/s, L 1024", grab("train1024", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
+    ("fused CPU kernels / ATen composites, step", grab("kernels", r"ratio fused CPU kernels / ATen composites: ([0-9.]+)x"), 1.2),
+    ("loader / Python reference, samples/s", grab("loader", r"loader / Python, samples/s: +([0-9.]+)x"), 5.0),
+]
+att = open(f"{log}/attention").read()
+print("\n== summary (medians; claims from README.md)")
+print(f"{'figure':48} {'measured':>9} {'claim':>8}  holds")
+bad = []
+for name, got, claim in rows:
+    ok = got is not None and got >= claim
+    print(f"{name:48} {('%.2fx' % got) if got is not None else 'missing':>9} {'>= %.1fx' % claim:>8}  {'yes' if ok else 'NO'}")
+    if not ok:
+        bad.append(name)
+print("attention kernels: see the table above (time and memory of local and fused relative to tiled)")
+if bad and not report_only:
+    sys.exit(1)
+EOF
