@@ -21,6 +21,7 @@
 // one step of each.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <time.h>
 
