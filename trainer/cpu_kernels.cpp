@@ -132,7 +132,8 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
     const float* dyp = dy.data_ptr<float>();
     float* dxp = dx.data_ptr<float>();
     float* pp = parts.data_ptr<float>();
-    const std::int64_t grain = std::max<std::int64_t>(1, grain_rows(h) * blocks / std::max<std::int64_t>(rows, 1));
+    // Threads only when there is enough work (grain_rows), as in the forward.
+    const std::int64_t grain = rows < grain_rows(h) ? blocks : 1;
     at::parallel_for(0, blocks, grain, [&](std::int64_t b0, std::int64_t b1) {
       for (std::int64_t b = b0; b < b1; ++b)
         rms_backward_rows(xp, wp, rp, dyp, dxp, pp + b * h, rows * b / blocks, rows * (b + 1) / blocks, h);
@@ -405,13 +406,9 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 }
 
 SoftCeResult soft_ce(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& p, const at::Tensor& w) {
-  if (!takes(x) || !takes(weight) || !takes(p) || !takes(w) || x.dim() != 2 || weight.dim() != 2 ||
-      x.size(1) != weight.size(1) || p.dim() != 2 || p.size(0) != x.size(0) || p.size(1) != weight.size(0) ||
-      w.dim() != 1 || w.size(0) != x.size(0)) {
-    throw UsageError("cpu_kernels::soft_ce: x " + c10::str(x.sizes()) + ", lm_head " + c10::str(weight.sizes()) +
-                     ", targets " + c10::str(p.sizes()) + ", weights " + c10::str(w.sizes()) +
-                     " (expected float32 CPU tensors [N, H], [Vd, H], [N, Vd], [N])");
-  }
+  if (!takes(x) || !takes(weight) || !takes(p) || !takes(w))
+    throw UsageError("cpu_kernels::soft_ce: x, lm_head, targets and weights must be float32 CPU tensors");
+  check_soft_ce_shapes("cpu_kernels::soft_ce", x, weight, p, w);
   const variable_list out = SoftCeFunction::apply(x, weight, p.contiguous(), w.contiguous());
   return {out[0], out[1]};
 }

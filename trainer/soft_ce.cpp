@@ -77,15 +77,20 @@ struct SoftCeFunction : torch::autograd::Function<SoftCeFunction> {
 SoftCeResult chunked_soft_ce(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& p, const at::Tensor& w,
                              std::int64_t chunk, c10::ScalarType compute) {
   if (chunk < 1) throw UsageError("the loss chunk must be at least 1 row, got " + std::to_string(chunk));
-  if (x.dim() != 2 || weight.dim() != 2 || x.size(1) != weight.size(1) || p.dim() != 2 || p.size(0) != x.size(0) ||
-      p.size(1) != weight.size(0) || w.dim() != 1 || w.size(0) != x.size(0)) {
-    throw UsageError("chunked soft cross-entropy: x " + c10::str(x.sizes()) + ", lm_head " + c10::str(weight.sizes()) +
-                     ", targets " + c10::str(p.sizes()) + ", weights " + c10::str(w.sizes()) +
-                     " (expected [N, H], [Vd, H], [N, Vd], [N])");
-  }
+  check_soft_ce_shapes("chunked soft cross-entropy", x, weight, p, w);
   const variable_list out = SoftCeFunction::apply(x, weight, p.to(at::kFloat).contiguous(), w.to(at::kFloat).contiguous(),
                                                   chunk, static_cast<std::int64_t>(compute));
   return {out[0], out[1]};
+}
+
+void check_soft_ce_shapes(const char* what, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& p,
+                          const at::Tensor& w) {
+  if (x.dim() != 2 || weight.dim() != 2 || x.size(1) != weight.size(1) || p.dim() != 2 || p.size(0) != x.size(0) ||
+      p.size(1) != weight.size(0) || w.dim() != 1 || w.size(0) != x.size(0)) {
+    throw UsageError(std::string(what) + ": x " + c10::str(x.sizes()) + ", lm_head " + c10::str(weight.sizes()) +
+                     ", targets " + c10::str(p.sizes()) + ", weights " + c10::str(w.sizes()) +
+                     " (expected [N, H], [Vd, H], [N, Vd], [N])");
+  }
 }
 
 std::int64_t auto_loss_chunk_rows(std::int64_t rows, std::int64_t vocab) {

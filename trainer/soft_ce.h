@@ -27,6 +27,11 @@ struct SoftCeResult {
 SoftCeResult chunked_soft_ce(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& p, const at::Tensor& w,
                              std::int64_t chunk, c10::ScalarType compute);
 
+// Throws UsageError, naming `what`, unless x [N, H], weight [Vd, H], p [N, Vd] and w [N]
+// (the shapes both soft cross-entropy implementations take: this one and cpu_kernels.h's).
+void check_soft_ce_shapes(const char* what, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& p,
+                          const at::Tensor& w);
+
 // The chunk the unroll uses when --loss-chunk-tokens is auto: 0 (no chunking) while one
 // step's logits stay under 2^26 float32 values (256 MiB), else the rows that fill that many.
 std::int64_t auto_loss_chunk_rows(std::int64_t rows, std::int64_t vocab);

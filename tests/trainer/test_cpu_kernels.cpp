@@ -5,6 +5,7 @@
 #include "tests/torch_doctest.h"
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ double rel_err(const at::Tensor& a, const at::Tensor& b) {
   const double diff = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
   return std::isnan(diff) ? INFINITY : diff / scale;
 }
+
+// The float32 error bound of a result built from n roundings in sequence (a sum of n terms
+// in any order: worst case about n * eps relative to the sum of magnitudes, Higham 2002), with
+// a factor of 4 for the roundings around it. Another CPU (another vector width, FMA or not,
+// another BLAS kernel) sums in another order; this bounds them all.
+double f32_bound(std::int64_t n) { return 4.0 * static_cast<double>(n) * FLT_EPSILON; }
 
 // Turns the kernels on for the scope and back to what they were.
 struct KernelsOn {
@@ -60,9 +67,9 @@ TEST_CASE("cpu kernels: RMSNorm equals the float64 formula, forward and both gra
     const at::Tensor xd = leaf(x0.to(at::kDouble)), wd = leaf(w0.to(at::kDouble));
     const at::Tensor yd = wd * (xd * at::rsqrt(xd.pow(2).mean(-1, true) + 1e-5));
     const auto gd = grads(yd, dy.to(at::kDouble), {xd, wd});
-    CHECK(rel_err(y, yd) < 1e-6);
-    CHECK(rel_err(g[0], gd[0]) < 1e-5);
-    CHECK(rel_err(g[1], gd[1]) < 1e-5);
+    CHECK(rel_err(y, yd) < f32_bound(h));  // a sum over the h features
+    CHECK(rel_err(g[0], gd[0]) < f32_bound(2 * h));  // two such sums
+    CHECK(rel_err(g[1], gd[1]) < f32_bound(h + 15));  // and a sum over the 15 rows
   }
   // A transposed (non-contiguous) input is read by its values, not its memory order.
   const at::Tensor xt = at::randn({16, 4}).t();
@@ -91,8 +98,8 @@ TEST_CASE("cpu kernels: RoPE equals x cos + rotate_half(x) sin for [L, D] and pe
     const at::Tensor yd = xd * c + rotate_half(xd) * s;
     const auto gd = grads(yd, dy.to(at::kDouble), {xd});
     CHECK(y.sizes() == x0.sizes());
-    CHECK(rel_err(y, yd) < 1e-6);
-    CHECK(rel_err(g[0], gd[0]) < 1e-6);
+    CHECK(rel_err(y, yd) < f32_bound(3));  // two products and a sum per value
+    CHECK(rel_err(g[0], gd[0]) < f32_bound(3));
   }
   CHECK_THROWS_AS(cpu_kernels::rope(at::zeros({1, 2, 3, 5}), at::zeros({3, 5}), at::zeros({3, 5})), UsageError);
 }
@@ -113,8 +120,10 @@ TEST_CASE("cpu kernels: SwiGLU equals silu(gate) * up, forward and gradients, ov
   const at::Tensor yd = gate * at::sigmoid(gate) * up;
   const auto gd = grads(yd, dy.to(at::kDouble), {gud});
   CHECK(y.sizes() == yd.sizes());
-  CHECK(rel_err(y, yd) < 1e-6);
-  CHECK(rel_err(g[0], gd[0]) < 1e-5);
+  CHECK(rel_err(y, yd) < f32_bound(8));  // exp (a few ulps), a division, two products
+  // The gate's gradient has g (1 - sigmoid(g)), which loses |g| ulps where sigmoid(g) is
+  // near 1; |g| up to about 17 matters (beyond, sigmoid rounds to 1 and the term is 0).
+  CHECK(rel_err(g[0], gd[0]) < f32_bound(8 + 17));
   CHECK_FALSE(at::isnan(g[0]).any().item<bool>());
   CHECK_THROWS_AS(cpu_kernels::swiglu(at::zeros({2, 5})), UsageError);
 }
@@ -136,10 +145,20 @@ TEST_CASE("cpu kernels: lm_head + soft cross-entropy equals the float64 loss, ar
     const at::Tensor logits = at::matmul(xd, wd.t());
     const at::Tensor ced = -(wt.to(at::kDouble) * (p.to(at::kDouble) * at::log_softmax(logits, -1)).sum(-1)).sum();
     const auto gd = grads(ced, dy.to(at::kDouble), {xd, wd});
-    CHECK(std::abs(r.ce_sum.item<double>() - ced.item<double>()) <= 1e-5 * std::abs(ced.item<double>()));
-    CHECK(r.argmax.equal(logits.argmax(-1)));
-    CHECK(rel_err(g[0], gd[0]) < 1e-5);
-    CHECK(rel_err(g[1], gd[1]) < 1e-5);
+    // Logits: sums over h; the loss: sums over v per row and over the rows.
+    const double tol = f32_bound(h + v + rows);
+    CHECK(std::abs(r.ce_sum.item<double>() - ced.item<double>()) <= tol * std::abs(ced.item<double>()));
+    // The argmax wherever the float64 logits' best beats the second by more than float32
+    // rounding of the logits can move them (a near-tie may go either way on another CPU);
+    // almost every row qualifies, so the check is not empty.
+    const auto top2 = at::topk(logits, 2, -1);
+    const at::Tensor margin = (std::get<0>(top2).select(-1, 0) - std::get<0>(top2).select(-1, 1)) /
+                              logits.abs().amax(-1).clamp_min(1e-30);
+    const at::Tensor clear = margin > f32_bound(2 * h);
+    CHECK(clear.sum().item<std::int64_t>() >= rows - 2);
+    CHECK(r.argmax.masked_select(clear).equal(std::get<1>(top2).select(-1, 0).masked_select(clear)));
+    CHECK(rel_err(g[0], gd[0]) < tol);
+    CHECK(rel_err(g[1], gd[1]) < tol);
     CHECK(g[0].narrow(0, 0, 5).abs().max().item<double>() == 0.0);
   }
   CHECK_THROWS_AS(cpu_kernels::soft_ce(at::zeros({2, 4}), at::zeros({3, 5}), at::zeros({2, 3}), at::zeros({2})),
@@ -167,12 +186,7 @@ TEST_CASE("cpu kernels: the TTT unroll with the kernels equals the ATen composit
       c.num_hidden_layers = layers;
       const BaseModel base = fixtures::random_base(c, 51);
       TttBatch batch = fixtures::random_batch(c, 3, 12, {12, 9, 7}, 52);
-      if (packed) {
-        batch.document_ids = at::zeros({3, 12}, at::kLong);
-        batch.document_ids[0].narrow(0, 5, 7).fill_(1);
-        batch.position_ids = at::arange(12, at::kLong).repeat({3, 1});
-        batch.position_ids[0].narrow(0, 5, 7).copy_(at::arange(7, at::kLong));
-      }
+      if (packed) fixtures::pack_first_row(batch, 5);
       auto run = [&](bool kernels) {
         KernelsOn k(kernels);
         TttUnroll unroll(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 53), TttOptions{3, 0.8, std::nullopt});

@@ -235,13 +235,8 @@ TEST_CASE("ttt fused: auto picks it where built; the unroll trains the same as l
       c.num_hidden_layers = layers;
       const BaseModel base = fixtures::random_base(c, 141);
       TttBatch batch = fixtures::random_batch(c, 2, 40, {40, 23}, 142);
-      if (packed) {
-        // Row 0 holds two documents (positions 0..16 and 17..39); row 1 one, then padding.
-        batch.document_ids = at::zeros({2, 40}, at::kLong);
-        batch.document_ids[0].narrow(0, 17, 23).fill_(1);
-        batch.position_ids = at::arange(40, at::kLong).repeat({2, 1});
-        batch.position_ids[0].narrow(0, 17, 23).copy_(at::arange(23, at::kLong));
-      }
+      // Row 0 holds two documents (positions 0..16 and 17..39); row 1 one, then padding.
+      if (packed) fixtures::pack_first_row(batch, 17);
       TttOptions to{3, 0.9, std::nullopt};
       to.attention = TttAttention::kFused;
       TttUnroll a(base, DraftModel(c, fixtures::spread_d2t(c), base.lm_head, 143), to);

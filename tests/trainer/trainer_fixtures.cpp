@@ -110,6 +110,14 @@ at::Tensor spread_d2t(const DraftConfig& c) {
   return d2t;
 }
 
+void pack_first_row(TttBatch& b, std::int64_t split) {
+  const std::int64_t rows = b.input_ids.size(0), length = b.input_ids.size(1);
+  b.document_ids = at::zeros({rows, length}, at::kLong);
+  b.document_ids[0].narrow(0, split, length - split).fill_(1);
+  b.position_ids = at::arange(length, at::kLong).repeat({rows, 1});
+  b.position_ids[0].narrow(0, split, length - split).copy_(at::arange(length - split, at::kLong));
+}
+
 TttBatch random_batch(const DraftConfig& c, std::int64_t rows, std::int64_t length,
                       const std::vector<std::int64_t>& lengths, std::uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);

@@ -35,6 +35,10 @@ at::Tensor spread_d2t(const DraftConfig& c);
 TttBatch random_batch(const DraftConfig& c, std::int64_t rows, std::int64_t length,
                       const std::vector<std::int64_t>& lengths, std::uint64_t seed);
 
+// Packs row 0 of `b` as two documents, positions [0, split) and [split, L), with position
+// ids restarting at split; every other row stays one document (document id 0).
+void pack_first_row(TttBatch& b, std::int64_t split);
+
 // A learnable batch: tokens follow next = (cur + 7) mod V from a seed-dependent start per
 // row; hidden_states[t] makes the base predict (sharply) the draft-vocabulary token
 // draft_to_target[ids[t + 1] mod Vd], a function of token t + 1; the first aux layer is
