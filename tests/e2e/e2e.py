@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""The end-to-end check: a real base model made here, its data dumped as ModelOpt's HF dumper
+does, eaglekit end to end on it (index, validate --base, vocab, train, evaluate, export in both
+layouts), and vLLM (its CPU build) serving the base with the draft. Run by scripts/e2e, which
+makes the virtual environment; see docs/e2e.md for what it checks and why.
+
+Usage: e2e.py [--work DIR] [--eaglekit PATH] [--quick] [--sensitivity] [--fresh] [--json]
+
+Stages whose output is already in --work are reused (make_base and make_data take minutes);
+--fresh starts over. Exit 0 when every check passes, 1 when one fails, 2 on usage errors.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.work = os.path.abspath(args.work)
+        self.stages = {}
+        self.checks = []
+
+    def path(self, *p):
+        return os.path.join(self.work, *p)
+
+    def sh(self, cmd, out=None, ok=(0,)):
+        """Runs cmd (a list), stderr through, stdout to `out` (or returned); fails on other rc."""
+        print("e2e: $ " + " ".join(cmd), file=sys.stderr)
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if out:
+            with open(out, "w") as f:
+                f.write(r.stdout)
+        if r.returncode not in ok:
+            raise SystemExit(f"e2e: command failed with exit {r.returncode}: {' '.join(cmd)}\n{r.stdout[-2000:]}")
+        return r
+
+    def stage(self, name, done_file, fn):
+        t0 = time.time()
+        if os.path.exists(self.path(done_file)):
+            print(f"e2e: {name}: reusing {self.path(done_file)}", file=sys.stderr)
+            self.stages[name] = {"seconds": 0, "reused": True}
+            return
+        fn()
+        self.stages[name] = {"seconds": round(time.time() - t0, 1), "reused": False}
+        print(f"e2e: stage {name}: {self.stages[name]['seconds']} s", file=sys.stderr)
+
+    def check(self, name, ok, detail):
+        self.checks.append({"check": name, "ok": bool(ok), "detail": detail})
+        print(f"e2e: {'PASS' if ok else 'FAIL'} {name}: {detail}", file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default=os.path.join(ROOT, "e2e-out"))
+    ap.add_argument("--eaglekit", default=os.path.join(ROOT, "build", "bin", "eaglekit"))
+    ap.add_argument("--quick", action="store_true",
+                    help="CI's reduced form: fewer held-out prompts, no speculators-layout engine run")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="also serve three broken exports (aux ids permuted, aux ids one layer later, "
+                         "RoPE theta x100) and report their acceptance (no check)")
+    ap.add_argument("--fresh", action="store_true", help="start over: delete --work first")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    args = ap.parse_args()
+    if not os.access(args.eaglekit, os.X_OK):
+        ap.error(f"--eaglekit {args.eaglekit}: not an executable (build it: scripts/setup)")
+    r = Run(args)
+    if args.fresh and os.path.isdir(r.work):
+        shutil.rmtree(r.work)
+    os.makedirs(r.work, exist_ok=True)
+    py, ek = sys.executable, args.eaglekit
+    base, data = r.path("base"), r.path("data")
+
+    # 1. The base model.
+    r.stage("make_base", "base/train_log.json",
+            lambda: r.sh([py, os.path.join(HERE, "make_base.py"), base, "--steps", "300"]))
+    # 2. Its own greedy answers, dumped as ModelOpt's HF dumper does.
+    heldout = 24 if args.quick else 48
+    r.stage("make_data", "data/data.json",
+            lambda: r.sh([py, os.path.join(HERE, "make_data.py"), base, data, "--train", "1500",
+                          "--heldout", str(heldout)]))
+    d = json.load(open(r.path("data", "data.json")))
+    n = d["train"] + d["heldout"]
+    r.check("base greedy answers are neither constant nor noise",
+            d["distinct_answers"] >= 0.5 * n and d["answers_ending_in_eos"] >= 0.9 * n
+            and d["answer_words_a_successor"] >= 0.8,
+            f"{d['distinct_answers']} distinct answers of {n}, {d['answers_ending_in_eos']} end their turn, "
+            f"{d['answer_tokens_mean']:.1f} tokens on average; {100 * d['answer_words_a_successor']:.1f}% of the "
+            f"answers' words follow the language's word graph (by chance 1%), "
+            f"{100 * d['answer_words_most_likely_successor']:.1f}% its most likely successor")
+
+    # 3. eaglekit end to end.
+    def eaglekit():
+        r.sh([ek, "index", r.path("data", "dumps"), "--out", r.path("train.idx")])
+        r.sh([ek, "index", r.path("data", "heldout-dumps"), "--out", r.path("heldout.idx")])
+        r.sh([ek, "validate", "--data", r.path("data", "train.jsonl"), "--index", r.path("train.idx"),
+              "--base", base, "--json"], out=r.path("validate.json"), ok=(0, 1))
+        r.sh([ek, "vocab", "--data", r.path("data", "train.jsonl"), "--index", r.path("train.idx"),
+              "--base", base, "--draft-vocab-size", "256", "--out", r.path("d2t.pt")])
+        r.sh([ek, "train", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
+              r.path("train.idx"), "--d2t", r.path("d2t.pt"), "--max-length", "160", "--batch-size", "16",
+              "--epochs", "6", "--lr", "2e-3", "--warmup-steps", "20", "--ttt-steps", "3",
+              "--eval-fraction", "0.02", "--seed", "7", "--out", r.path("run"), "--no-progress"])
+        r.sh([ek, "evaluate", "--base", base, "--draft", r.path("run", "final"), "--data",
+              r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
+              "--json"], out=r.path("evaluate.json"))
+        r.sh([ek, "export", r.path("run", "final"), "--format", "speculators", "--verifier", base,
+              "--out", r.path("speculators")])
+    r.stage("eaglekit", "speculators/config.json", eaglekit)
+    v = json.load(open(r.path("validate.json")))
+    sem = v.get("semantic", {})
+    r.check("validate --base calls the dump post-norm and flags nothing",
+            v.get("ok") and sem.get("norm_form") == "post" and not sem.get("suspects"),
+            f"ok {v.get('ok')}, norm form {sem.get('norm_form')}, agreement post {sem.get('agreement_post', 0):.3f} "
+            f"pre {sem.get('agreement_pre', 0):.3f}, suspects {len(sem.get('suspects') or [])}, fatal {v.get('fatal')}")
+    ev = json.load(open(r.path("evaluate.json")))
+
+    # 4. The engine.
+    # Must-fails: two mistakes users make with real exports. Each is a copy of our export with one
+    # thing wrong; the engine loads both without a word, so only its acceptance can tell.
+    def broken(name):
+        dst = r.path(f"broken-{name}")
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        shutil.copytree(r.path("run", "final"), dst)
+        cfg_path = os.path.join(dst, "config.json")
+        cfg = json.load(open(cfg_path))
+        if name == "no-d2t":
+            # d2t dropped (NeMo PR 2447): the engine maps draft token i to target token i.
+            from safetensors.torch import load_file, save_file
+            w = load_file(os.path.join(dst, "model.safetensors"))
+            del w["d2t"]
+            save_file(w, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+        elif name in ("aux-shifted", "aux-permuted"):
+            # The aux ids of another dump (each layer one later), or the same ids in another order.
+            f = (lambda ids: [i + 1 for i in ids]) if name == "aux-shifted" else (lambda ids: ids[::-1])
+            cfg["eagle_aux_hidden_state_layer_ids"] = f(cfg["eagle_aux_hidden_state_layer_ids"])
+            cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = f(
+                cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        elif name == "rope-theta":
+            cfg["rope_theta"] = cfg["rope_theta"] * 100  # a base with another RoPE
+        json.dump(cfg, open(cfg_path, "w"), indent=2)
+    prompts = r.path("data", "prompts.json")
+    serve = os.path.join(HERE, "serve.py")
+    runs = {"base": ["--base", base],
+            "draft": ["--base", base, "--draft", r.path("run", "final"), "--spec-tokens", "3"],
+            "broken_no_d2t": ["--base", base, "--draft", r.path("broken-no-d2t"), "--spec-tokens", "3"]}
+    if not args.quick:
+        runs["speculators"] = ["--speculators", r.path("speculators")]
+    # Report-only: how far other mistakes move the acceptance (docs/e2e.md, "Which mistakes
+    # acceptance shows").
+    sensitivity = ("aux_permuted", "aux_shifted", "rope_theta") if args.sensitivity else ()
+    for name in sensitivity:
+        runs[f"broken_{name}"] = ["--base", base, "--draft", r.path("broken-" + name.replace("_", "-")),
+                                  "--spec-tokens", "3"]
+    results = {}
+    for name, a in runs.items():
+        if name.startswith("broken_") and not os.path.exists(r.path(f"serve-{name}.json")):
+            broken(name[len("broken_"):].replace("_", "-"))
+        r.stage(f"vllm_{name}", f"serve-{name}.json",
+                lambda a=a, name=name: r.sh([py, serve, *a, "--prompts", prompts, "--out", r.path(f"serve-{name}.json")]))
+        results[name] = json.load(open(r.path(f"serve-{name}.json")))
+
+    p = json.load(open(prompts))
+    ref = results["base"]["outputs"]
+    same_hf = sum(a == b for a, b in zip(ref, p["answers"]))
+    r.check("vLLM's base alone reproduces the dumped greedy answers", same_hf >= 0.9 * len(ref),
+            f"{same_hf} of {len(ref)} prompts token for token (float32 on both sides)")
+    for name in [n for n in ("draft", "speculators") if n in results]:
+        out = results[name]["outputs"]
+        same = sum(a == b for a, b in zip(out, ref))
+        r.check(f"{name}: greedy speculative decoding is exact", same == len(ref),
+                f"{same} of {len(ref)} outputs identical to the base's alone")
+    est, est_cond = ev["est_ar"], ev.get("est_ar_cond", ev["est_ar"])
+    acc_len = results["draft"]["spec"]["mean_acceptance_length"]
+    tol = 0.10  # docs/e2e.md: why 10%
+    r.check("engine acceptance is well above 1", acc_len >= 1.5, f"mean acceptance length {acc_len:.3f}")
+    r.check("engine acceptance matches eaglekit's est_ar_cond", abs(acc_len - est_cond) <= tol * est_cond,
+            f"engine {acc_len:.3f}, est_ar_cond {est_cond:.3f} (est_ar {est:.3f}), "
+            f"difference {100 * (acc_len - est_cond) / est_cond:+.1f}% (tolerance {100 * tol:.0f}%)")
+    if "speculators" in results:
+        s = results["speculators"]["spec"]["mean_acceptance_length"]
+        r.check("speculators layout served by its folder alone accepts as our layout", abs(s - acc_len) < 1e-9,
+                f"{s:.3f} vs {acc_len:.3f}")
+    b = results["broken_no_d2t"]["spec"]["mean_acceptance_length"]
+    r.check("must-fail: an export without d2t collapses acceptance", b - 1 <= 0.5 * (acc_len - 1),
+            f"broken export {b:.3f} vs {acc_len:.3f} (must accept at most half as many draft tokens)")
+    for name in sensitivity:
+        b = results[f"broken_{name}"]["spec"]["mean_acceptance_length"]
+        print(f"e2e: report {name.replace('_', ' ')}: mean acceptance length {b:.3f} vs {acc_len:.3f}", file=sys.stderr)
+
+    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "data": d,
+               "engine": {k: {"spec": v["spec"], "load_seconds": v["load_seconds"],
+                              "generate_seconds": v["generate_seconds"]} for k, v in results.items()},
+               "vllm": results["base"]["engine"]["vllm"]}
+    with open(r.path("e2e.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    failed = [c for c in r.checks if not c["ok"]]
+    print(f"e2e: {len(r.checks) - len(failed)} of {len(r.checks)} checks passed; {r.path('e2e.json')}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
