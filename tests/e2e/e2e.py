@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "e2e-out"))
     ap.add_argument("--eaglekit", default=os.path.join(ROOT, "build", "bin", "eaglekit"))
     ap.add_argument("--quick", action="store_true",
-                    help="CI's reduced form: fewer held-out prompts, no speculators-layout engine run")
+                    help="a shorter form: 24 held-out prompts, no speculators-layout engine run")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also serve three broken exports (aux ids permuted, aux ids one layer later, "
                          "RoPE theta x100) and report their acceptance (no check)")
@@ -121,6 +121,20 @@ def main():
             f"ok {v.get('ok')}, norm form {sem.get('norm_form')}, agreement post {sem.get('agreement_post', 0):.3f} "
             f"pre {sem.get('agreement_pre', 0):.3f}, suspects {len(sem.get('suspects') or [])}, fatal {v.get('fatal')}")
     ev = json.load(open(r.path("evaluate.json")))
+
+    # 5. The reference data path as oracle: ModelOpt's dataset and collator on the same dumps.
+    r.stage("oracle", "oracle/result.json", lambda: r.sh(
+        [py, os.path.join(HERE, "oracle.py"), "--eaglekit", ek, "--data", r.path("data", "train.jsonl"),
+         "--dumps", r.path("data", "dumps"), "--index", r.path("train.idx"), "--out", r.path("oracle"),
+         "--batch-size", "16", "--max-length", "160"], ok=(0, 1)))
+    o = json.load(open(r.path("oracle", "result.json")))
+    for name, res in o["oracles"].items():
+        r.check(f"{name}'s offline dataset and collator give eaglekit collate's batches", not res["unexplained"],
+                f"{res['batches']} batches; equal: {', '.join(sorted(res['equal']))}"
+                + (f"; known differences: {', '.join(sorted(res.get('known', {})))}" if res.get("known") else "")
+                + (f"; UNEXPLAINED: {'; '.join(res['unexplained'])}" if res["unexplained"] else ""))
+    if "reference_skipped" in o:
+        print(f"e2e: note: the reference file: {o['reference_skipped']}", file=sys.stderr)
 
     # 4. The engine.
     # Must-fails: two mistakes users make with real exports. Each is a copy of our export with one
@@ -196,7 +210,7 @@ def main():
         b = results[f"broken_{name}"]["spec"]["mean_acceptance_length"]
         print(f"e2e: report {name.replace('_', ' ')}: mean acceptance length {b:.3f} vs {acc_len:.3f}", file=sys.stderr)
 
-    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "data": d,
+    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "data": d, "oracle": o,
                "engine": {k: {"spec": v["spec"], "load_seconds": v["load_seconds"],
                               "generate_seconds": v["generate_seconds"]} for k, v in results.items()},
                "vllm": results["base"]["engine"]["vllm"]}

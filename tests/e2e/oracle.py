@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""The reference data path as an oracle: NVIDIA ModelOpt's own offline dataset and collator
+(the nvidia-modelopt package's modelopt.torch.speculative.eagle.utils, and, when it is there,
+the reference file ../shared/reference/eagle_utils.py with its make_eagle_supervised_data_module)
+on the same dumps as `eaglekit collate`, compared batch for batch, tensor for tensor.
+
+Usage: oracle.py --eaglekit PATH --data CONVERSATIONS.jsonl --dumps DIR --index FILE --out DIR
+                 [--batch-size N] [--max-length N] [--reference FILE]
+
+Prints one JSON object, and writes it to OUT/result.json (the reference file prints on stdout
+too): per oracle, the batches and tensors compared, the tensors that are
+equal, and each difference named. Exit 1 when a tensor differs that the table of known
+differences (KNOWN below) does not name.
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import types
+
+import torch
+
+# Differences that are settings, not errors: (oracle, key) -> why.
+KNOWN = {
+    ("modelopt", "labels"): "ModelOpt 0.47 fills labels with the shifted input_ids; eaglekit, like the "
+                            "reference file, writes -100. ModelOpt reads labels only for the base "
+                            "model's own loss when the base is trained too (hf_eagle.py); the "
+                            "draft's loss uses the base's hidden states",
+}
+
+
+def eaglekit_batches(args):
+    out = os.path.join(args.out, "eaglekit-collate")
+    subprocess.run([args.eaglekit, "collate", "--data", args.data, "--index", args.index, "--out", out,
+                    "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+                    "--mode", "pad", "--split", "train"], check=True, stdout=subprocess.DEVNULL)
+    files = sorted(glob.glob(os.path.join(out, "batch_*.pt")))
+    ids = [json.loads(l)["conversation_ids"] for l in open(os.path.join(out, "batches.jsonl"))]
+    return [torch.load(f) for f in files], ids
+
+
+def conversations(path):
+    return [json.loads(l) for l in open(path) if l.strip()]
+
+
+def modelopt_batches(args, conv):
+    """modelopt.torch.speculative.eagle.utils: the dataset over the dumps in conversation order
+    (ModelOpt's training script matches by conversation_id and keeps the first 95%)."""
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+    files = [os.path.join(args.dumps, c["conversation_id"] + ".pt") for c in conv]
+    files = [f for f in files if os.path.exists(f)]
+    files = files[:int(len(files) * 0.95)]
+    ds = OfflineSupervisedDataset(files)
+    coll = EagleOfflineDataCollator(train_len=args.max_length)
+    for i in range(0, len(ds), args.batch_size):
+        b = coll([ds[j] for j in range(i, min(i + args.batch_size, len(ds)))])
+        yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
+               "labels": b["labels"], "hidden_states": b["base_model_outputs"]["base_model_hidden_states"],
+               "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
+
+
+def reference_batches(args, ref):
+    """The reference file's make_eagle_supervised_data_module (ModelOpt's example trainer's data
+    path). It imports modules of ModelOpt's examples folder and a private torch class that torch
+    2.13 no longer has, none of which the offline data path calls: those get stand-ins."""
+    import torch.distributed.tensor.experimental._attention as A
+    if not hasattr(A, "_SDPAMerger"):
+        A._SDPAMerger = object
+    scripts = types.ModuleType("scripts")
+    ar = types.ModuleType("scripts.ar_validate")
+    ar.validate_ar = None
+    sys.modules.setdefault("scripts", scripts)
+    sys.modules.setdefault("scripts.ar_validate", ar)
+    sys.path.insert(0, os.path.dirname(ref))
+    import eagle_utils
+    tok = types.SimpleNamespace(model_max_length=args.max_length)
+    data_args = types.SimpleNamespace(data_path=args.data, offline_data_path=args.dumps, vlm_processor=None,
+                                      vlm_img_dir=None, lazy_preprocess=True)
+    m = eagle_utils.make_eagle_supervised_data_module(tok, data_args, max_length=args.max_length)
+    ds, coll = m["train_dataset"], m["data_collator"]
+    for i in range(0, len(ds), args.batch_size):
+        b = coll([ds[j] for j in range(i, min(i + args.batch_size, len(ds)))])
+        yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
+               "labels": b["labels"], "hidden_states": b["base_model_outputs"]["base_model_hidden_states"],
+               "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
+
+
+def compare(name, theirs, ours):
+    res = {"batches": 0, "equal": {}, "differ": {}, "unexplained": []}
+    n_theirs = 0
+    for i, t in enumerate(theirs):
+        n_theirs += 1
+        if i >= len(ours):
+            continue
+        o = ours[i]
+        res["batches"] += 1
+        for k, v in t.items():
+            same = k in o and o[k].shape == v.shape and o[k].dtype == v.dtype and torch.equal(o[k], v)
+            d = res["equal"] if same else res["differ"]
+            d[k] = d.get(k, 0) + 1
+    if n_theirs != len(ours):
+        res["unexplained"].append(f"{n_theirs} batches from {name}, {len(ours)} from eaglekit collate")
+    for k in res["differ"]:
+        if (name, k) in KNOWN:
+            res.setdefault("known", {})[k] = KNOWN[(name, k)]
+        else:
+            res["unexplained"].append(f"{k} differs in {res['differ'][k]} of {res['batches']} batches")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eaglekit", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--dumps", required=True)
+    ap.add_argument("--index", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=160)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--reference", default=os.environ.get(
+        "EAGLEKIT_REFERENCE", os.path.join(os.path.dirname(root), "shared", "reference", "eagle_utils.py")))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ours, ids = eaglekit_batches(args)
+    conv = conversations(args.data)
+    result = {"eaglekit_batches": len(ours), "oracles": {}}
+    import modelopt
+    result["oracles"]["modelopt"] = compare("modelopt", modelopt_batches(args, conv), ours)
+    result["oracles"]["modelopt"]["version"] = modelopt.__version__
+    if os.path.exists(args.reference):
+        result["oracles"]["reference"] = compare("reference", reference_batches(args, args.reference), ours)
+        result["oracles"]["reference"]["file"] = args.reference
+    else:
+        result["reference_skipped"] = f"{args.reference} not found (set EAGLEKIT_REFERENCE)"
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return 1 if any(o["unexplained"] for o in result["oracles"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
