@@ -98,6 +98,8 @@ def main():
 
     # 3. eaglekit end to end.
     def eaglekit():
+        for stale in ("run", "run-modelopt", "speculators"):  # of a run that stopped part way
+            shutil.rmtree(r.path(stale), ignore_errors=True)
         r.sh([ek, "index", r.path("data", "dumps"), "--out", r.path("train.idx")])
         r.sh([ek, "index", r.path("data", "heldout-dumps"), "--out", r.path("heldout.idx")])
         r.sh([ek, "validate", "--data", r.path("data", "train.jsonl"), "--index", r.path("train.idx"),
@@ -111,6 +113,13 @@ def main():
         r.sh([ek, "evaluate", "--base", base, "--draft", r.path("run", "final"), "--data",
               r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
               "--json"], out=r.path("evaluate.json"))
+        # ModelOpt's own form (--modelopt-norm), for the model oracle: 60 steps are enough for
+        # accuracies away from 0 and 1.
+        r.sh([ek, "train", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
+              r.path("train.idx"), "--d2t", r.path("d2t.pt"), "--max-length", "160", "--batch-size", "16",
+              "--max-steps", "60", "--lr", "2e-3", "--warmup-steps", "10", "--ttt-steps", "3",
+              "--eval-fraction", "0.02", "--seed", "7", "--modelopt-norm", "--allow-unservable",
+              "--out", r.path("run-modelopt"), "--no-progress"])
         r.sh([ek, "export", r.path("run", "final"), "--format", "speculators", "--verifier", base,
               "--out", r.path("speculators")])
     r.stage("eaglekit", "speculators/config.json", eaglekit)
@@ -126,13 +135,24 @@ def main():
     r.stage("oracle", "oracle/result.json", lambda: r.sh(
         [py, os.path.join(HERE, "oracle.py"), "--eaglekit", ek, "--data", r.path("data", "train.jsonl"),
          "--dumps", r.path("data", "dumps"), "--index", r.path("train.idx"), "--out", r.path("oracle"),
-         "--batch-size", "16", "--max-length", "160"], ok=(0, 1)))
+         "--batch-size", "16", "--max-length", "160", "--base", base,
+         "--draft", r.path("run-modelopt", "final"), "--draft", r.path("run", "final")], ok=(0, 1)))
     o = json.load(open(r.path("oracle", "result.json")))
     for name, res in o["oracles"].items():
         r.check(f"{name}'s offline dataset and collator give eaglekit collate's batches", not res["unexplained"],
                 f"{res['batches']} batches; equal: {', '.join(sorted(res['equal']))}"
                 + (f"; known differences: {', '.join(sorted(res.get('known', {})))}" if res.get("known") else "")
                 + (f"; UNEXPLAINED: {'; '.join(res['unexplained'])}" if res["unexplained"] else ""))
+    for m in o["model"]:
+        line = (f"loss {m['modelopt']['loss']:.9g} vs {m['eaglekit']['loss']:.9g} (relative {m['loss_rel_diff']:.1e}), "
+                f"acc per step {', '.join(f'{a:.4f}' for a in m['modelopt']['acc'])} vs "
+                f"{', '.join(f'{a:.4f}' for a in m['eaglekit']['acc'])}")
+        if m["modelopt_norm"]:
+            r.check("ModelOpt's EAGLE-3 model with our draft's weights gives evaluate's loss and accuracy", m["same"],
+                    f"a --modelopt-norm draft, one batch: {line}")
+        else:
+            print(f"e2e: report: ModelOpt's model with our servable draft (named difference: ModelOpt's first "
+                  f"layer also applies input_layernorm to the fc output): {line}", file=sys.stderr)
     if "reference_skipped" in o:
         print(f"e2e: note: the reference file: {o['reference_skipped']}", file=sys.stderr)
 

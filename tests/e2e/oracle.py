@@ -1,10 +1,18 @@
 #!/usr/bin/env python3
-"""The reference data path as an oracle: NVIDIA ModelOpt's own offline dataset and collator
-(the nvidia-modelopt package's modelopt.torch.speculative.eagle.utils, and, when it is there,
-the reference file ../shared/reference/eagle_utils.py with its make_eagle_supervised_data_module)
-on the same dumps as `eaglekit collate`, compared batch for batch, tensor for tensor.
+"""The reference trainer's own code as an oracle.
+
+Data: NVIDIA ModelOpt's offline dataset and collator (the nvidia-modelopt package's
+modelopt.torch.speculative.eagle.utils, and, when it is there, the reference file
+../shared/reference/eagle_utils.py with its make_eagle_supervised_data_module) on the same dumps
+as `eaglekit collate`, compared batch for batch, tensor for tensor.
+
+Model (--base and --draft, repeatable): ModelOpt's EAGLE-3 model (mtsp.convert on the HF base,
+offline) with the draft's weights loaded, in training mode (all TTT steps) without gradients, on
+the first batch; against `eaglekit evaluate --max-batches 1` on the same batch: the loss
+(sum_s 0.9^s ce_s) and the accuracy per TTT step.
 
 Usage: oracle.py --eaglekit PATH --data CONVERSATIONS.jsonl --dumps DIR --index FILE --out DIR
+                 [--base DIR --draft DIR [--draft DIR...]]
                  [--batch-size N] [--max-length N] [--reference FILE]
 
 Prints one JSON object, and writes it to OUT/result.json (the reference file prints on stdout
@@ -87,6 +95,65 @@ def reference_batches(args, ref):
                "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
 
 
+def modelopt_model(base_dir, draft_dir, batch):
+    """ModelOpt's EAGLE-3 model over the HF base with our draft's weights: (loss, acc per step)."""
+    import copy
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.config import eagle3_default_config
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    base = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    dc = json.load(open(os.path.join(draft_dir, "config.json")))
+    arch = copy.deepcopy(eagle3_default_config)
+    arch.update({"torch_dtype": "float32", "intermediate_size": dc["intermediate_size"],
+                 "num_attention_heads": dc["num_attention_heads"], "num_key_value_heads": dc["num_key_value_heads"],
+                 "head_dim": dc["head_dim"], "rms_norm_eps": dc["rms_norm_eps"], "rope_theta": dc["rope_theta"],
+                 "rope_scaling": {"rope_type": "default", "rope_theta": dc["rope_theta"]},
+                 "draft_vocab_size": dc["draft_vocab_size"], "num_hidden_layers": dc["num_hidden_layers"],
+                 "eagle_aux_hidden_state_layer_ids": dc["eagle_config"]["eagle_aux_hidden_state_layer_ids"]})
+    steps = json.load(open(os.path.join(draft_dir, "train_options.json"))).get("ttt_steps", 3)
+    mtsp.convert(base, [("eagle", {"eagle_offline": True, "eagle_use_torch_compile": False, "eagle_ttt_steps": steps,
+                                   "eagle_loss_decay_factor": 0.9, "eagle_mix_hidden_states": False,
+                                   "eagle_architecture_config": arch})])
+    em = base.eagle_module
+    weights = {k.replace("midlayer.", "layers.0."): v
+               for k, v in load_file(os.path.join(draft_dir, "model.safetensors")).items() if k != "t2d"}
+    missing, unexpected = em.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"oracle: the draft's weights do not fit ModelOpt's module: missing {missing}, "
+                         f"unexpected {unexpected}")
+    # ModelOpt 0.47 builds its rotary embedding with a device= argument that transformers 5.19's
+    # LlamaRotaryEmbedding no longer takes; built here, the same module, without it.
+    em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    base.train()  # all TTT steps (ModelOpt runs one step in eval mode); no dropout in the draft
+    with torch.no_grad():
+        out = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"],
+                   labels=batch["labels"], base_model_outputs={"base_model_hidden_states": batch["hidden_states"],
+                                                               "aux_hidden_states": batch["aux_hidden_states"]})
+    return out.eagle_loss.item(), [float(a) for a in out.train_acc[0]], bool(dc.get("eaglekit_modelopt_norm"))
+
+
+def compare_model(args, draft_dir, batch):
+    loss, acc, modelopt_norm = modelopt_model(args.base, draft_dir, batch)
+    r = subprocess.run([args.eaglekit, "evaluate", "--base", args.base, "--draft", draft_dir, "--data", args.data,
+                        "--index", args.index, "--split", "train", "--batch-size", str(args.batch_size),
+                        "--max-length", str(args.max_length), "--max-batches", "1", "--json"],
+                       check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ev = json.loads(r.stdout)
+    tokens = ev["tokens"]
+    res = {"draft": draft_dir, "modelopt_norm": modelopt_norm, "modelopt": {"loss": loss, "acc": acc},
+           "eaglekit": {"loss": ev["loss"], "acc": ev["acc"], "tokens": tokens},
+           "loss_rel_diff": abs(loss - ev["loss"]) / abs(ev["loss"]),
+           # about how many positions' argmax differ (step 0's count of positions for every step)
+           "acc_positions_diff": [round(abs(a - b) * tokens, 3) for a, b in zip(acc, ev["acc"])]}
+    # float32 sums over the batch's positions and the draft vocabulary: 1e-6 relative is 100x their
+    # rounding (measured 7e-9) and below the smallest real difference seen (the norm form with
+    # input_layernorm weights within 3% of 1: 2e-6).
+    res["same"] = res["loss_rel_diff"] <= 1e-6 and all(d < 0.5 for d in res["acc_positions_diff"])
+    return res
+
+
 def compare(name, theirs, ours):
     res = {"batches": 0, "equal": {}, "differ": {}, "unexplained": []}
     n_theirs = 0
@@ -119,6 +186,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-length", type=int, default=160)
+    ap.add_argument("--base", help="HF base folder (for the model oracle)")
+    ap.add_argument("--draft", action="append", default=[], help="draft folder for the model oracle (repeatable)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--reference", default=os.environ.get(
         "EAGLEKIT_REFERENCE", os.path.join(os.path.dirname(root), "shared", "reference", "eagle_utils.py")))
@@ -135,6 +204,9 @@ def main():
         result["oracles"]["reference"]["file"] = args.reference
     else:
         result["reference_skipped"] = f"{args.reference} not found (set EAGLEKIT_REFERENCE)"
+    if args.draft and not args.base:
+        ap.error("--draft needs --base")
+    result["model"] = [compare_model(args, d, ours[0]) for d in args.draft]
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
