@@ -31,20 +31,18 @@
 #include "formats/format.h"
 #include "lib/dataset.h"
 #include "lib/loader.h"
-#include "trainer/base_model.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/data_parallel.h"
-#include "trainer/draft_setup.h"
 #include "trainer/distributed.h"
 #include "trainer/draft_model.h"
 #include "trainer/evaluate.h"
 #include "trainer/metrics_log.h"
 #include "trainer/export.h"
+#include "trainer/open_run.h"
 #include "trainer/optim.h"
+#include "trainer/plan.h"
 #include "trainer/run_setup.h"
-#include "trainer/tensorboard.h"
-#include "trainer/vocab.h"
 
 namespace eaglekit::trainer {
 
@@ -163,9 +161,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   if (opts.cp_size != mesh.cp_size())
     throw UsageError("--cp " + std::to_string(opts.cp_size) + " does not match the mesh (cp " +
                      std::to_string(mesh.cp_size()) + ")");
-  c10::Device device = parse_device(opts.device);
-  if (device.is_cuda() && world > 1) device = c10::Device(c10::kCUDA, mesh.local_rank());
-  const std::optional<c10::ScalarType> autocast = autocast_type(opts.compute_dtype);
+  const c10::Device device = parse_device(opts.device);  // before the data: a missing GPU is said first
   if (opts.threads > 0) at::set_num_threads(opts.threads);
   // Cores already busy: LibTorch's threads then wait for each other at every operator
   // (docs/benchmarks.md, "Under load"). Said once; the thread count stays what was asked.
@@ -185,138 +181,38 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     }
   }
   const std::int64_t steps_s = opts.ttt_steps;
-  const std::int64_t epochs = opts.effective_epochs();
 
-  // --- resume? ---
-  const std::optional<LoadedCheckpoint> resumed = open_resume(opts, mesh);
-  if (resumed)
-    say("resuming from " + resumed->dir + " (step " + std::to_string(resumed->checkpoint.state.step) + ")");
-  at::manual_seed(opts.seed);
-
-  // --- data ---
-  DataSelection sel = opts;  // every data option (match_by included), then each split
-  sel.split = "train";
-  SelectedData train_data = select_data(sel);
-  if (train_data.samples.empty()) throw UsageError("the train split is empty (" + train_data.summary + ")");
-  say(train_data.summary);
-  std::optional<SelectedData> eval_data;
-  if (opts.eval_every >= 0) {
-    sel.split = "eval";
-    eval_data = select_data(sel);
-    if (eval_data->samples.empty()) {
-      if (opts.keep_best != KeepBest::kNone)
-        throw UsageError("--keep-best est_ar needs evaluation, but the eval split is empty (" + eval_data->summary +
-                         "): raise --eval-fraction");
-      say("the eval split is empty: no evaluation (raise --eval-fraction to get one)");
-      eval_data.reset();
-    }
-  }
-  std::vector<SampleRef> run_samples = train_data.samples;
-  if (eval_data) run_samples.insert(run_samples.end(), eval_data->samples.begin(), eval_data->samples.end());
-  const NormPlan norm = plan_hidden_states_norm(opts.hidden_states_norm, run_samples);
-  for (const auto& w : norm.warnings) say("warning: " + w);
-  say(norm.said);
-
-  LoaderOptions lo = loader_options(opts, mesh.dp_rank(), mesh.dp_size(), mesh.cp_rank(), mesh.cp_size());
-  lo.sampler.epochs = epochs;
-  Loader loader(train_data.dataset, train_data.samples, lo);
-  const RecordShape shape = loader.shape();
-
-  // --- base and draft ---
-  BaseLoadOptions bo;
-  bo.device = device;
-  bo.final_norm = norm.any_pre;
-  const BaseModel base = load_base_model(opts.base, bo);
-  const BaseConfig& bc = base.config;
-  for (const auto& d : bc.defaults_applied) say(opts.base + "/config.json: " + d);
-  DraftModel draft = setup_draft(opts, base, shape, train_data, resumed ? &*resumed : nullptr, say);
-  draft.to(device, at::kFloat);
-  draft.train(true);
-  TttOptions to;
-  to.steps = steps_s;
-  to.loss_decay = opts.loss_decay;
-  to.autocast = autocast;
-  to.prenorm_hidden_states = norm.default_pre;
-  to.loss_chunk_rows = opts.loss_chunk_tokens;
-  to.recompute = opts.recompute;
-  to.attention = opts.ttt_attention;
-  TttUnroll unroll(base, draft, to);
-  const auto named = draft.named_parameters();
-  std::vector<at::Tensor> params;
-  for (const auto& np : named) params.push_back(np.second);
-  std::int64_t param_count = 0;
-  for (const auto& p : params) param_count += p.numel();
-
-  if (world > 1 && !resumed) broadcast_parameters(mesh.world(), params, 0);
-  AdamW::Options ao;
-  ao.beta1 = opts.adam_beta1;
-  ao.beta2 = opts.adam_beta2;
-  ao.eps = opts.adam_eps;
-  ao.weight_decay = opts.weight_decay;
-  AdamW optimizer(named, ao);
+  // --- decide once, then open ---
+  const RunPlan plan = resolve(opts, world);
+  if (plan.resume_step >= 0)
+    say("resuming from " + plan.draft_dir + " (step " + std::to_string(plan.resume_step) + ")");
+  say(plan.summary);
+  for (const auto& line : plan.notes) say(line);
+  const std::unique_ptr<OpenRun> run = open_run(plan, mesh, say);
+  DraftModel& draft = *run->draft;
+  TttUnroll& unroll = *run->unroll;
+  Loader& loader = *run->loader;
+  AdamW& optimizer = *run->optimizer;
+  const std::vector<at::Tensor>& params = run->parameters;
+  GradientSync* const sync = run->sync.get();
+  SequenceContext* const context = run->context.get();
+  const std::shared_ptr<const SelectedData>& eval_data = plan.eval_data;
+  const std::int64_t total_steps = plan.total_steps;
   TrainResult result;
-  result.summary = train_data.summary;
-  std::int64_t step = 0;
-  double tokens_total = 0;
-  std::int64_t total_steps = 0;
-  if (resumed) {
-    const TrainerState& st = resumed->checkpoint.state;
-    optimizer.load_state(resumed->checkpoint.optimizer, st.optimizer_steps, resumed->dir + "/optimizer.safetensors");
-    restore_rng_state(resumed->checkpoint.rng);
-    loader.restore(st.sampler);
-    step = st.step;
-    tokens_total = st.tokens;
-    result.resumed_from = resumed->dir;
-    // Same stopping rule as the saved run: the schedule continues exactly. Another one
-    // re-plans it over the new length, and the learning rate jumps: said, with both values.
-    TrainOptions saved;
-    saved.apply_json(resumed->checkpoint.options_json, resumed->dir + "/train_options.json");
-    std::vector<std::string> changed;
-    auto differs = [&](const char* flag, auto was, auto now) {
-      if (was == now) return;
-      std::ostringstream os;
-      os << flag << " " << was << " -> " << now;
-      changed.push_back(os.str());
-    };
-    differs("--max-steps", saved.max_steps, opts.max_steps);
-    differs("--epochs", saved.epochs, opts.epochs);
-    differs("--grad-accum", saved.grad_accum, opts.grad_accum);
-    differs("--batch-size", saved.batch_size, opts.batch_size);
-    const bool same_length = changed.empty();
-    differs("--lr", saved.lr, opts.lr);
-    differs("--warmup-steps", saved.warmup_steps, opts.warmup_steps);
-    differs("--schedule", schedule_name(saved.schedule), schedule_name(opts.schedule));
-    total_steps = same_length ? st.schedule_total_steps : opts.total_steps(loader.steps_in_epoch());
-    const double lr_saved = learning_rate(saved.lr, saved.schedule, saved.warmup_steps, st.schedule_total_steps, step);
-    const double lr_now = learning_rate(opts.lr, opts.schedule, opts.warmup_steps, total_steps, step);
-    char lrs[96];
-    std::snprintf(lrs, sizeof lrs, "%.3g", lr_now);
-    std::string line = std::string(schedule_name(opts.schedule)) + " schedule over " + std::to_string(total_steps) +
-                       " steps, step " + std::to_string(step + 1) + " at lr " + lrs;
-    if (changed.empty()) {
-      say("learning-rate schedule continues: " + line);
-    } else {
-      std::string what;
-      for (const auto& c : changed) what += (what.empty() ? "" : ", ") + c;
-      std::snprintf(lrs, sizeof lrs, "%.3g", lr_saved);
-      say("learning-rate schedule changed on resume (" + what + "): " + line + (same_length ? "" : ", re-planned from step 0") +
-          "; the saved run's schedule (" + std::to_string(st.schedule_total_steps) + " steps) had " + lrs +
-          " there. Resume with the saved options to continue it unchanged");
-    }
-  }
-  if (total_steps <= 0) total_steps = opts.total_steps(loader.steps_in_epoch());
+  result.summary = plan.summary;
+  std::int64_t step = run->step;
+  double tokens_total = run->tokens;
+  if (plan.resume_step >= 0) result.resumed_from = plan.draft_dir;
+  for (const auto& line : plan.schedule_said) say(line);
   result.start_step = step;
-  std::optional<GradientSync> sync;
-  if (world > 1) sync.emplace(mesh.world(), params);
-  const std::unique_ptr<SequenceContext> context = make_sequence_context(mesh, opts.ttt_attention);
 
-  say("draft: " + std::to_string(param_count) + " parameters, hidden " + std::to_string(draft.config().hidden_size) +
-      ", draft vocab " + std::to_string(draft.config().draft_vocab_size) + "; " + std::to_string(total_steps) +
-      " optimizer steps of " + std::to_string(opts.batch_size * opts.grad_accum * mesh.dp_size()) + " rows on " +
-      std::to_string(world) + " rank(s), " + std::to_string(at::get_num_threads()) + " threads, device " +
-      device.str() + ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
+  say("draft: " + std::to_string(run->parameter_count) + " parameters, hidden " +
+      std::to_string(draft.config().hidden_size) + ", draft vocab " + std::to_string(draft.config().draft_vocab_size) +
+      "; " + std::to_string(total_steps) + " optimizer steps of " + std::to_string(plan.rows_per_step) +
+      " rows on " + std::to_string(world) + " rank(s), " + std::to_string(at::get_num_threads()) + " threads, device " +
+      run->device.str() + ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
       (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
-  if (!resumed) say("learning rate: " + schedule_text(opts.lr, opts.schedule, opts.warmup_steps, total_steps));
+  if (plan.resume_step < 0) say("learning rate: " + plan.schedule);
   if (const std::string w = schedule_warning(opts.lr, opts.schedule, opts.warmup_steps, total_steps); !w.empty())
     say("warning: " + w);
 
@@ -325,7 +221,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   if (main_rank) {
     MetricsLog::Options mo;
     mo.out = opts.out;
-    mo.resume_step = resumed ? step : -1;
+    mo.resume_step = plan.resume_step >= 0 ? step : -1;
     mo.tensorboard = opts.tensorboard;
     mo.no_tensorboard = opts.no_tensorboard;
     mo.on_line = hooks.on_metrics;
@@ -364,7 +260,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
 
   // --keep-best: a resumed run continues the saved best; a fresh one starts over.
   std::optional<BestCheckpoint> best;
-  if (main_rank && opts.keep_best != KeepBest::kNone && resumed) best = read_best(opts.out);
+  if (main_rank && opts.keep_best != KeepBest::kNone && plan.resume_step >= 0) best = read_best(opts.out);
   auto keep_if_best = [&](const TttStats& stats) {
     if (!main_rank || opts.keep_best == KeepBest::kNone) return;
     const double est_ar = stats.est_ar();
@@ -386,7 +282,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   std::int64_t last_eval_step = -1;
   auto run_eval = [&]() {
     if (!eval_data) return;
-    LoaderOptions elo = lo;
+    LoaderOptions elo = run->loader_options;
     elo.sampler.shuffle = false;
     elo.sampler.epochs = 1;
     Loader eval_loader(eval_data->dataset, eval_data->samples, elo);
@@ -440,7 +336,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     while (static_cast<std::int64_t>(micro.size()) < opts.grad_accum) {
       std::optional<Batch> b = loader.next();
       if (!b) {
-        finished = epochs > 0 && loader.state().epoch >= static_cast<std::uint64_t>(epochs);
+        finished = plan.epochs > 0 && loader.state().epoch >= static_cast<std::uint64_t>(plan.epochs);
         break;
       }
       micro.push_back(std::move(*b));
@@ -458,8 +354,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       sums.narrow(0, 0, steps_s).add_(loss_mask_sums(b, steps_s));
       sums[steps_s] += static_cast<double>(b.tokens);
     }
-    sums = reduce_sum(mesh.world(), sums, device);
-    at::Tensor normalizer = sums.narrow(0, 0, steps_s).to(device, at::kFloat);
+    sums = reduce_sum(mesh.world(), sums, run->device);
+    at::Tensor normalizer = sums.narrow(0, 0, steps_s).to(run->device, at::kFloat);
     if (hooks.normalizer_scale) normalizer = normalizer * hooks.normalizer_scale(step);
     const double step_tokens = sums[steps_s].item<double>();
 
@@ -471,9 +367,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     for (std::size_t i = 0; i < micro.size(); ++i) {
       const Batch& b = micro[i];
       if (b.rows() == 0) continue;
-      prepare_context(context.get(), b);
+      prepare_context(context, b);
       if (sync && static_cast<std::int64_t>(i) == last_real) sync->prepare();
-      TttResult r = unroll.forward(to_ttt_batch(b), context.get());
+      TttResult r = unroll.forward(to_ttt_batch(b), context);
       ttt_loss(r.ce_sum, normalizer, opts.loss_decay).backward();
       local += r.stats;
     }
@@ -481,7 +377,7 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
 
     // Metrics of the global batch, and whether any rank was asked to stop.
     at::Tensor flat = at::cat({local.to_tensor().reshape({-1}), at::full({1}, g_stop_signal != 0 ? 1.0 : 0.0, at::kDouble)});
-    flat = reduce_sum(mesh.world(), flat, device);
+    flat = reduce_sum(mesh.world(), flat, run->device);
     const TttStats step_stats = TttStats::from_tensor(flat.narrow(0, 0, 5 * steps_s).reshape({5, steps_s}));
     bool stop = flat[5 * steps_s].item<double>() > 0;
 
