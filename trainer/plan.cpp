@@ -209,7 +209,8 @@ void describe_draft(RunPlan& p, const std::string& draft_why) {
                          draft_vocab_why(p)});
   p.decisions.push_back({"rope", p.rope,
                          p.draft_kind == DraftOrigin::Kind::kFresh
-                             ? "the base's config.json (" + p.options.base + "), as the draft's config carries it"
+                             ? "rope_theta and rope_scaling of " + p.options.base +
+                                   "/config.json, carried into the draft's config"
                              : "the draft's config.json"});
 }
 
