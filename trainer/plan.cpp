@@ -583,6 +583,7 @@ void estimate_time(RunPlan& p) {
 std::string RunPlan::to_text() const {
   std::ostringstream os;
   for (const auto& n : notes) os << "note: " << n << "\n";
+  for (const auto& n : schedule_said) os << "note: " << n << "\n";
   for (const auto& w : warnings) os << "warning: " << w << "\n";
   os << "data:        " << summary << "\n";
   os << "split:       " << train_samples << " train, " << eval_samples << " eval samples; " << tokens_per_epoch
@@ -645,7 +646,9 @@ std::string RunPlan::to_json() const {
   j["eta_seconds"] = eta_s >= 0 ? json(eta_s) : json(nullptr);
   j["eta_basis"] = eta_basis;
   j["draft_config"] = json::parse(draft_config_json);
-  j["notes"] = notes;
+  std::vector<std::string> all_notes = notes;
+  all_notes.insert(all_notes.end(), schedule_said.begin(), schedule_said.end());
+  j["notes"] = all_notes;
   j["warnings"] = warnings;
   json ds = json::array();
   for (const auto& d : decisions) ds.push_back({{"name", d.name}, {"value", d.value}, {"why", d.why}});

@@ -83,7 +83,9 @@ struct RunPlan {
   // split when the run opens (a read of every train record's tokens, not a decision).
   bool count_d2t = false;
   std::int64_t resume_step = -1;  // the resumed checkpoint's step; -1 fresh
-  std::vector<std::string> schedule_said;  // resume: whether the schedule continues
+  // Resume: whether the schedule continues (the run says it once the checkpoint is open; a
+  // plan prints it among its notes).
+  std::vector<std::string> schedule_said;
   TttOptions ttt;                 // the unroll's (steps, decay, autocast, norm form, kernel)
   std::int64_t epochs = 1;        // the loader's; 0: until --max-steps
   std::int64_t micro_batches_per_epoch = 0;  // of a dp rank, in the epoch the run starts in

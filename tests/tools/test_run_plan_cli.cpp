@@ -35,6 +35,17 @@ std::string last_line(const std::string& text) {
   return text.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1);
 }
 
+// A synthetic dump of `conversations` (hidden 32, vocabulary 48) with its base and index.
+void make_dump(const std::string& d, int conversations) {
+  auto r = test::eaglekit("synth --out " + test::quote(d + "/data") + " --conversations " +
+                          std::to_string(conversations) +
+                          " --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28 --dtype fp32 --jobs 2 --seed 4"
+                          " --base-out " + test::quote(d + "/base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(d + "/data") + " --out " + test::quote(d + "/index.eki") + " --jobs 2");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+}
+
 struct Case {
   const char* name;
   std::string args;  // after the data options; each case names its own --max-steps
@@ -46,16 +57,11 @@ struct Case {
 TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the edge cases and examples/") {
   test::TempDir dir("run-plan");
   const std::string d = dir.path();
-  auto r = test::eaglekit("synth --out " + test::quote(d + "/data") +
-                          " --conversations 40 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28"
-                          " --dtype fp32 --jobs 2 --seed 4 --base-out " + test::quote(d + "/base"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  r = test::eaglekit("index " + test::quote(d + "/data") + " --out " + test::quote(d + "/index.eki") + " --jobs 2");
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  make_dump(d, 40);
   const std::string data = " --data " + test::quote(d + "/data/conversations.jsonl") + " --index " +
                            test::quote(d + "/index.eki") + " --base " + test::quote(d + "/base");
   const std::string common = data + " --max-length 32 --batch-size 4 --jobs 2 --threads 1";
-  r = test::eaglekit("vocab" + data + " --draft-vocab-size 32 --out " + test::quote(d + "/d2t.pt"));
+  auto r = test::eaglekit("vocab" + data + " --draft-vocab-size 32 --out " + test::quote(d + "/d2t.pt"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   // Drafts to start from: one as exported, one whose config names no aux layer ids (as
   // published configs often do), and a run with two checkpoints to resume.
@@ -161,16 +167,11 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
 TEST_CASE("run plan cli: --dry-run says why it decided each thing, as text and as JSON") {
   test::TempDir dir("run-plan-why");
   const std::string d = dir.path();
-  auto r = test::eaglekit("synth --out " + test::quote(d + "/data") +
-                          " --conversations 12 --hidden 32 --vocab 48 --min-tokens 10 --max-tokens 28"
-                          " --dtype fp32 --seed 4 --base-out " + test::quote(d + "/base"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  r = test::eaglekit("index " + test::quote(d + "/data") + " --out " + test::quote(d + "/index.eki"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  make_dump(d, 12);
   const std::string args = "train --data " + test::quote(d + "/data/conversations.jsonl") + " --index " +
                            test::quote(d + "/index.eki") + " --base " + test::quote(d + "/base") + " --out " +
                            test::quote(d + "/out") + " --max-length 32 --draft-vocab-size 32 --max-steps 5 --dry-run";
-  r = test::eaglekit(args + " --json");
+  auto r = test::eaglekit(args + " --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const auto plan = nlohmann::json::parse(r.out);
   std::vector<std::string> names;
