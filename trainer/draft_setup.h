@@ -63,7 +63,9 @@ struct DraftDecision {
   std::string aux_layer_ids_source;  // "--aux-layer-ids", "the draft", "EAGLE-3's default ..."
   std::vector<std::string> said;     // what train prints about it
   bool config_changed = false;       // kInit: differs from the folder's (aux ids, norm form)
-  bool count_d2t = false;            // kFresh: a smaller vocabulary and no --d2t (counted over the train split)
+  // kFresh with a smaller vocabulary and no --d2t: the d2t is counted over the train split
+  // when the run opens (trainer/open_run.h).
+  bool count_d2t = false;
 };
 DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
                            const DraftOrigin& origin);

@@ -25,7 +25,7 @@ at::Tensor fresh_d2t(const RunPlan& plan, const Say& say) {
   const BaseConfig& base = plan.base;
   const std::int64_t vd = plan.draft.config.draft_vocab_size;
   if (!o.d2t.empty()) return load_d2t(o.d2t);
-  if (!plan.count_d2t) return identity_d2t(base.vocab_size);
+  if (!plan.draft.count_d2t) return identity_d2t(base.vocab_size);
   const auto t0 = Clock::now();
   const auto counts = count_tokens(plan.train_data->dataset, plan.train_data->samples, base.vocab_size, o.jobs);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -440,7 +440,6 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
     p.loaded_layout = origin.layout;
     if (p.draft.config_changed) why += "; its config changed here (aux layer ids or --modelopt-norm)";
   }
-  p.count_d2t = p.draft.count_d2t;
   describe_draft(p, why);
 
   p.ttt.steps = o.ttt_steps;

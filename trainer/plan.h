@@ -79,9 +79,6 @@ struct RunPlan {
   // seeds that first (--seed), so the random state its checkpoints save stays what it was.
   std::shared_ptr<const DraftModel> loaded_draft;
   std::string loaded_layout;  // what load_draft recognised in the --init-draft / --draft folder
-  // A fresh draft with a smaller vocabulary and no --d2t: its d2t is counted over the train
-  // split when the run opens (a read of every train record's tokens, not a decision).
-  bool count_d2t = false;
   std::int64_t resume_step = -1;  // the resumed checkpoint's step; -1 fresh
   // Resume: whether the schedule continues (the run says it once the checkpoint is open; a
   // plan prints it among its notes).
