@@ -49,7 +49,8 @@ int run_train(int argc, char** argv) {
                             opt::cli_only(opt::field("dry_run", "", dry_run,
                                                      "Resolve every option, read the base config and the index, "
                                                      "print the plan (draft config, aux ids, RoPE, steps, tokens, "
-                                                     "memory per rank, estimated time) and exit without training")),
+                                                     "memory per rank, estimated time, and why each was decided) "
+                                                     "and exit without training")),
                             opt::cli_only(opt::field("json", "", json, "Print the result as JSON"))}});
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",
@@ -63,7 +64,8 @@ int run_train(int argc, char** argv) {
   if (dry_run) {
     // Under a launcher the plan is for its world size; a dry run never joins the mesh.
     const auto env = dist::launch_env_from_environment();
-    const trainer::TrainPlan plan = trainer::plan_training(o, env ? env->world_size : 1);
+    trainer::RunPlan plan = trainer::resolve(o, env ? env->world_size : 1);
+    trainer::estimate_time(plan);
     if (env && env->rank != 0) return 0;
     std::cout << (json ? plan.to_json() + "\n" : plan.to_text());
     return 0;

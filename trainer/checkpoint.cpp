@@ -287,17 +287,36 @@ std::optional<BestCheckpoint> read_best(const std::string& out_dir) {
   return b;
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& dir) {
+namespace {
+
+void check_complete(const std::string& dir) {
   for (const char* f : kFiles) {
     if (!fs::exists(fs::path(dir) / f))
       throw IoError(dir + ": not a complete checkpoint (" + f + " is missing)");
   }
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& dir) {
+  check_complete(dir);
   const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
   LoadedCheckpoint out{dir, load_draft(dir), {}};
   out.checkpoint.state = TrainerState::from_json(read_text(state_path), state_path);
   out.checkpoint.optimizer = read_tensors((fs::path(dir) / "optimizer.safetensors").string());
   out.checkpoint.rng = read_tensors((fs::path(dir) / "rng.safetensors").string());
   out.checkpoint.options_json = read_text((fs::path(dir) / "train_options.json").string());
+  return out;
+}
+
+CheckpointInfo read_checkpoint_info(const std::string& dir) {
+  check_complete(dir);
+  const std::string state_path = (fs::path(dir) / "trainer_state.json").string();
+  CheckpointInfo out;
+  out.dir = dir;
+  out.config = load_draft_config(dir);
+  out.state = TrainerState::from_json(read_text(state_path), state_path);
+  out.options_json = read_text((fs::path(dir) / "train_options.json").string());
   return out;
 }
 

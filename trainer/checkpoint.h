@@ -99,6 +99,16 @@ struct LoadedCheckpoint {
 };
 // Reads a folder written by save_checkpoint. Throws IoError / FormatError naming the file.
 LoadedCheckpoint load_checkpoint(const std::string& dir);
+// What a run decides from a checkpoint before it loads it (trainer/plan.h): its draft's
+// config, its trainer state and the options it was saved with; no tensors. Throws as
+// load_checkpoint.
+struct CheckpointInfo {
+  std::string dir;
+  DraftConfig config;
+  TrainerState state;
+  std::string options_json;  // TrainOptions::to_json()
+};
+CheckpointInfo read_checkpoint_info(const std::string& dir);
 
 // True when DIR holds every file of a checkpoint and its trainer_state.json parses.
 bool is_complete_checkpoint(const std::string& dir);

@@ -2,14 +2,9 @@
 
 #include <ATen/ATen.h>
 
-#include <chrono>
-#include <filesystem>
-
 #include "formats/error.h"
-#include "lib/loader.h"
-#include "trainer/base_model.h"
+#include "lib/collate.h"
 #include "trainer/config.h"
-#include "trainer/distributed.h"
 #include "trainer/draft_model.h"
 #include "trainer/export.h"
 #include "trainer/train.h"
@@ -17,15 +12,7 @@
 
 namespace eaglekit::trainer {
 
-namespace fs = std::filesystem;
-
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // The draft vocabulary of a fresh run: --d2t's size (which --draft-vocab-size, when given,
 // must equal), else --draft-vocab-size, else the base's whole vocabulary.
@@ -46,30 +33,10 @@ std::int64_t fresh_draft_vocab_size(const TrainOptions& o, const BaseConfig& bas
   return vd;
 }
 
-// The d2t of a fresh run with `vd` draft tokens: --d2t, else counted over the train split
-// when the draft vocabulary is smaller, else the identity.
-at::Tensor fresh_d2t(const TrainOptions& o, const BaseConfig& base, std::int64_t vd, const SelectedData& data,
-                     const std::function<void(const std::string&)>& say) {
-  if (!o.d2t.empty()) return load_d2t(o.d2t);
-  if (vd == base.vocab_size) return identity_d2t(base.vocab_size);
-  const auto t0 = Clock::now();
-  const auto counts = count_tokens(data.dataset, data.samples, base.vocab_size, o.jobs);
-  say("draft vocabulary: the " + std::to_string(vd) + " most frequent of " + std::to_string(base.vocab_size) +
-      " tokens, counted over the train split in " + std::to_string(seconds_since(t0)).substr(0, 4) + " s");
-  return d2t_from_counts(counts, vd);
-}
-
 std::string ids_text(const std::vector<std::int64_t>& ids) {
   std::string s;
   for (auto id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
   return s;
-}
-
-// A copy of `draft` whose config differs only in `config` (aux ids, norm form).
-DraftModel with_config(const DraftModel& draft, const DraftConfig& config) {
-  DraftModel out(config, draft.d2t().to(at::kCPU), at::Tensor());
-  for (const auto& [name, value] : draft.named_parameters()) out.load_parameter(name, value);
-  return out;
 }
 
 }  // namespace
@@ -110,26 +77,6 @@ void check_draft_layers(const TrainOptions& o, const DraftConfig& c, const std::
   }
 }
 
-std::optional<LoadedCheckpoint> open_resume(const TrainOptions& o, const dist::Mesh& mesh) {
-  std::optional<LoadedCheckpoint> resumed;
-  const int world = mesh.world_size();
-  if (o.resume) {
-    resumed.emplace(load_checkpoint(resolve_resume(o.resume_from.empty() ? o.out : o.resume_from)));
-    const TrainerState& st = resumed->checkpoint.state;
-    if (st.world_size != world || st.cp_size != mesh.cp_size()) {
-      throw UsageError("--resume: " + resumed->dir + " was saved by " + std::to_string(st.world_size) +
-                       " ranks with cp " + std::to_string(st.cp_size) + "; resume with the same world size and cp (now " +
-                       std::to_string(world) + " ranks, cp " + std::to_string(mesh.cp_size()) + ")");
-    }
-  } else if (mesh.is_main()) {
-    if (auto existing = find_latest_checkpoint(o.out)) {
-      throw UsageError("--out " + o.out + " already holds " + fs::path(*existing).filename().string() +
-                       "; pass --resume to continue that run, or choose another --out");
-    }
-  }
-  return resumed;
-}
-
 DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init) {
   DraftSource source;
   init.emplace(load_draft(dir, &source));
@@ -150,10 +97,10 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     d.config = *origin.config;
     check_draft_layers(o, d.config, origin.dir);
     d.source = "resume " + origin.dir;
-    d.aux_layer_ids_source = "the draft";
+    d.aux_layer_ids_source = "the resumed checkpoint's draft";
   } else if (origin.kind == DraftOrigin::Kind::kInit) {
     DraftConfig c = *origin.config;
-    d.aux_layer_ids_source = "the draft";
+    d.aux_layer_ids_source = "the --init-draft's config";
     if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
       c.aux_layer_ids = o.aux_layer_ids;
       d.config_changed = true;
@@ -163,7 +110,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
       c.aux_layer_ids = default_aux_layer_ids(bc.num_hidden_layers);
       d.config_changed = true;
       d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
-                               "-layer base (2, N/2, N-3); the draft names none";
+                               "-layer base (2, N/2, N-3); the --init-draft's config names none";
       d.said.push_back("--init-draft names no aux layer ids: " + ids_text(c.aux_layer_ids) +
                        ", EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
                        "-layer base; pass --aux-layer-ids if the dump used others");
@@ -192,11 +139,12 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     dopts.modelopt_norm = o.modelopt_norm;
     dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
     d.config = draft_config_from_base(bc, dopts);
+    d.count_d2t = o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
     d.source = "fresh from the base";
     d.aux_layer_ids_source = "--aux-layer-ids";
     if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {
       d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
-                               "-layer base (2, N/2, N-3)";
+                               "-layer base (2, N/2, N-3); no --aux-layer-ids given";
       d.said.push_back("aux layer ids " + ids_text(d.config.aux_layer_ids) + ": EAGLE-3's default for a " +
                        std::to_string(bc.num_hidden_layers) +
                        "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used "
@@ -211,29 +159,6 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
   }
   check_draft_fits_data(c, shape, o.allow_unservable);
   return d;
-}
-
-DraftModel setup_draft(const TrainOptions& o, const BaseModel& base, const RecordShape& shape,
-                       const SelectedData& train_data, const LoadedCheckpoint* resumed, const Say& say) {
-  const BaseConfig& bc = base.config;
-  DraftOrigin origin;
-  std::optional<DraftModel> init;
-  if (resumed) {
-    origin.kind = DraftOrigin::Kind::kResume;
-    origin.dir = resumed->dir;
-    origin.config = &resumed->draft.config();
-  } else if (!o.init_draft.empty()) {
-    origin = init_draft_origin(o.init_draft, init);
-  }
-  const DraftDecision d = decide_draft(o, bc, shape, origin);
-  for (const auto& line : d.said) say(line);
-  if (resumed) return resumed->draft;
-  if (init) {
-    say("starting from the draft in " + o.init_draft + " (" + origin.layout + ")");
-    return d.config_changed ? with_config(*init, d.config) : *init;
-  }
-  const at::Tensor d2t = fresh_d2t(o, bc, d.config.draft_vocab_size, train_data, say);
-  return DraftModel(d.config, d2t, base.lm_head.to(at::kCPU), o.seed);
 }
 
 }  // namespace eaglekit::trainer

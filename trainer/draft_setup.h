@@ -1,33 +1,30 @@
-// Which draft a training run trains, decided before its first step: the one of the
-// checkpoint it resumes, an exported draft it starts from (--init-draft), or a fresh one
-// built from the base's config (docs/draft.md) with the dump's aux layers and a draft
-// vocabulary (--d2t, counted over the train split, or the base's whole vocabulary). Each is
-// checked against the base and the data before anything is trained.
+// Which draft a training run trains, decided before its first step (trainer/plan.h resolve):
+// the one of the checkpoint it resumes, an exported draft it starts from (--init-draft), or a
+// fresh one built from the base's config (docs/draft.md) with the dump's aux layers and a
+// draft vocabulary (--d2t, counted over the train split, or the base's whole vocabulary).
+// Each is checked against the base and the data before anything is trained; trainer/
+// open_run.h builds the draft decided.
 //
 // Thread safety: free functions. Errors: UsageError naming the option that does not fit
 // (and what would), FormatError/IoError from reading checkpoints and drafts.
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "trainer/checkpoint.h"
 #include "trainer/config.h"
 
 namespace eaglekit {
 struct RecordShape;
-struct SelectedData;
-namespace dist {
-class Mesh;
-}  // namespace dist
 }  // namespace eaglekit
 
 namespace eaglekit::trainer {
 
 struct BaseConfig;
-struct BaseModel;
 struct DraftConfig;
 class DraftModel;
 struct TrainOptions;
@@ -56,33 +53,24 @@ struct DraftOrigin {
   std::function<at::Tensor()> d2t;       // kInit: its d2t, asked for only to compare --d2t
 };
 
-// What a run decides about its draft before it loads or builds any weights, in one place
-// for `train` (setup_draft) and `train --dry-run` (plan_training): the config, where it
-// comes from, the lines train says about defaults it applied, and every check against the
-// options, the base and the data. UsageError naming what to pass.
+// What a run decides about its draft before it builds any weights (called by resolve, for
+// `train` and `train --dry-run` alike): the config, where it comes from, the lines train says
+// about defaults it applied, and every check against the options, the base and the data.
+// UsageError naming what to pass.
 struct DraftDecision {
   DraftConfig config;
   std::string source;                // "fresh from the base", "--init-draft DIR (layout)", "resume DIR"
   std::string aux_layer_ids_source;  // "--aux-layer-ids", "the draft", "EAGLE-3's default ..."
   std::vector<std::string> said;     // what train prints about it
   bool config_changed = false;       // kInit: differs from the folder's (aux ids, norm form)
+  // kFresh with a smaller vocabulary and no --d2t: the d2t is counted over the train split
+  // when the run opens (trainer/open_run.h).
+  bool count_d2t = false;
 };
 DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
                            const DraftOrigin& origin);
 // The origin of an --init-draft folder: loads it into `init` (which the origin's config and
 // d2t then point into, so it must outlive the origin). FormatError/IoError from load_draft.
 DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init);
-
-// With --resume: the newest complete checkpoint of --resume DIR (or --out), refused when it
-// was saved by another world size or cp. Without: nullopt, after checking (on the main
-// rank) that --out holds no checkpoint a fresh run would silently mix with.
-std::optional<LoadedCheckpoint> open_resume(const TrainOptions& options, const dist::Mesh& mesh);
-
-// The draft to train, on the CPU in float32: from `resumed` when given, else --init-draft
-// (--aux-layer-ids and --modelopt-norm applied; a different --draft-vocab-size or --d2t
-// refused), else fresh. Checked against the base (hidden, vocab), the data (aux width),
-// servability (check_servable) and that its aux layer ids are known.
-DraftModel setup_draft(const TrainOptions& options, const BaseModel& base, const RecordShape& shape,
-                       const SelectedData& train, const LoadedCheckpoint* resumed, const Say& say);
 
 }  // namespace eaglekit::trainer

@@ -21,8 +21,8 @@
 #include "trainer/checkpoint.h"
 #include "trainer/data_parallel.h"
 #include "trainer/distributed.h"
-#include "trainer/export.h"
-#include "trainer/ring_attention.h"
+#include "trainer/open_run.h"
+#include "trainer/plan.h"
 #include "trainer/run_setup.h"
 
 namespace eaglekit::trainer {
@@ -141,97 +141,29 @@ void EvaluateOptions::check() const {
     throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
 }
 
-namespace {
-
-// EvaluateOptions::from_run: the TTT steps and length the draft was trained with, unless set.
-std::vector<std::string> inherit_run_options(EvaluateOptions& o, const std::string& draft_dir) {
-  std::vector<std::string> said;
-  for (const std::string& key : o.from_run) {
-    std::int64_t* value = key == "ttt_steps" ? &o.ttt_steps : key == "max_length" ? &o.max_length : nullptr;
-    if (!value) throw UsageError("evaluate cannot take '" + key + "' from the training run");
-    std::string flag = "--" + key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    if (const auto run = trained_with(draft_dir, key)) {
-      *value = run->first;
-      said.push_back(flag + " " + std::to_string(*value) + ": what the draft was trained with (" + run->second + ")");
-    } else {
-      said.push_back(flag + " " + std::to_string(*value) + ": the default (no train_options.json of the draft's run)");
-    }
-  }
-  return said;
-}
-
-}  // namespace
-
 EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* mesh) {
   const auto t0 = Clock::now();
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
-  EvaluateOptions o = options;
-  o.check();
-  if (o.cp_size != m.cp_size())
-    throw UsageError("--cp " + std::to_string(o.cp_size) + " does not match the mesh (cp " +
+  options.check();
+  if (options.cp_size != m.cp_size())
+    throw UsageError("--cp " + std::to_string(options.cp_size) + " does not match the mesh (cp " +
                      std::to_string(m.cp_size()) + ")");
-  c10::Device device = parse_device(o.device);
-  if (device.is_cuda() && m.world_size() > 1) device = c10::Device(c10::kCUDA, m.local_rank());
-  const std::optional<c10::ScalarType> autocast = autocast_type(o.compute_dtype);
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  parse_device(options.device);  // before the data: a missing GPU is said first
+  if (options.threads > 0) at::set_num_threads(options.threads);
 
-  // A folder with checkpoints but no config.json: its newest checkpoint.
-  std::string draft_dir = o.draft;
-  if (!std::filesystem::exists(std::filesystem::path(draft_dir) / "config.json")) {
-    if (auto latest = find_latest_checkpoint(draft_dir)) draft_dir = *latest;
-  }
-  const std::vector<std::string> inherited = inherit_run_options(o, draft_dir);
-  o.check();  // again: the values read from the run's file
-
-  SelectedData data = select_data(o);
-  if (data.samples.empty())
-    throw UsageError("the " + o.split + " split is empty (" + data.summary + "); try --split all");
-
-  const NormPlan norm = plan_hidden_states_norm(o.hidden_states_norm, data.samples);
-  BaseLoadOptions bo;
-  bo.device = device;
-  bo.final_norm = norm.any_pre;
-  const BaseModel base = load_base_model(o.base, bo);
-  DraftSource source;
-  DraftModel draft = load_draft(draft_dir, &source);
-  const DraftConfig& dc = draft.config();
-  if (dc.hidden_size != base.config.hidden_size || dc.vocab_size != base.config.vocab_size) {
-    throw UsageError("the draft in " + draft_dir + " (hidden " + std::to_string(dc.hidden_size) + ", vocab " +
-                     std::to_string(dc.vocab_size) + ") does not fit the base in " + o.base + " (hidden " +
-                     std::to_string(base.config.hidden_size) + ", vocab " +
-                     std::to_string(base.config.vocab_size) + ")");
-  }
-
-  LoaderOptions lo = loader_options(o, m.dp_rank(), m.dp_size(), m.cp_rank(), m.cp_size());
-  lo.sampler.epochs = 1;
-  Loader loader(data.dataset, data.samples, lo);
-  const RecordShape shape = loader.shape();
-  if (shape.aux_width != dc.aux_width() || shape.hidden != dc.target_hidden_size) {
-    throw UsageError("the data has hidden size " + std::to_string(shape.hidden) + " and aux width " +
-                     std::to_string(shape.aux_width) + ", the draft expects " +
-                     std::to_string(dc.target_hidden_size) + " and " + std::to_string(dc.aux_width()));
-  }
-
-  draft.to(device, at::kFloat);
-  TttOptions to;
-  to.steps = o.ttt_steps;
-  to.loss_decay = o.loss_decay;
-  to.autocast = autocast;
-  to.prenorm_hidden_states = norm.default_pre;
-  to.attention = o.ttt_attention;
-  TttUnroll unroll(base, draft, to);
-
-  Progress progress("evaluate", loader.steps_in_epoch(), o.progress && m.is_main() ? -1 : 0);
+  const RunPlan plan = resolve(options, m.world_size());
+  const std::unique_ptr<OpenRun> run = open_run(plan, m, [](const std::string&) {});
+  Progress progress("evaluate", run->loader->steps_in_epoch(), options.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;
-  report.loss_decay = o.loss_decay;
-  report.summary = data.summary + "\ndraft: " + draft_dir + " (" + source.layout + ")";
-  for (const auto& w : norm.warnings) report.summary += "\nwarning: " + w;
-  report.summary += "\n" + norm.said;
-  for (const auto& line : inherited) report.summary += "\n" + line;
-  report.samples = static_cast<std::int64_t>(data.samples.size());
-  report.stats = evaluate_loader(unroll, loader, &m, o.max_batches, [&](const TttStats&) { progress.add(1); });
+  report.loss_decay = plan.options.loss_decay;
+  report.summary = plan.summary + "\ndraft: " + plan.draft.source;
+  for (const auto& w : plan.norm.warnings) report.summary += "\nwarning: " + w;
+  report.summary += "\n" + plan.norm.said;
+  for (const auto& line : plan.notes) report.summary += "\n" + line;
+  report.samples = plan.train_samples;
+  report.stats = evaluate_loader(*run->unroll, *run->loader, &m, options.max_batches,
+                                 [&](const TttStats&) { progress.add(1); });
   progress.finish();
   report.seconds = seconds_since(t0);
   return report;

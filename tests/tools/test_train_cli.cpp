@@ -497,9 +497,12 @@ TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and 
 TEST_CASE("train cli: --dry-run plans the run without training, and the run then does what it planned") {
   auto job = make_job();
   const std::string d = job->dir.path();
-  const std::string opts = job->data_args() + " --out " + test::quote(d + "/out") +
-                           " --max-length 24 --batch-size 4 --grad-accum 2 --epochs 2 --draft-vocab-size 32"
-                           " --eval-fraction 0.2 --jobs 2 --eval-every -1";
+  const std::string flags = " --max-length 24 --batch-size 4 --grad-accum 2 --epochs 2 --draft-vocab-size 32"
+                            " --eval-fraction 0.2 --jobs 2 --eval-every -1";
+  const std::string opts = job->data_args() + " --out " + test::quote(d + "/out") + flags;
+  // A plan refuses an --out that holds a checkpoint, as train does: the plans made after the
+  // run below are for another folder.
+  const std::string next = job->data_args() + " --out " + test::quote(d + "/next") + flags;
   auto r = test::eaglekit("train" + opts + " --dry-run --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(!fs::exists(d + "/out"));  // nothing written
@@ -535,15 +538,18 @@ TEST_CASE("train cli: --dry-run plans the run without training, and the run then
   CHECK(plan["eta_seconds"].get<double>() > 0);
   CHECK(plan["eta_basis"].get<std::string>().rfind("a lower bound: ", 0) == 0);
   CHECK(plan["memory_available_bytes"].get<double>() > 0);
+  r = test::eaglekit("train" + opts + " --dry-run");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("already holds checkpoint-8; pass --resume to continue that run") != std::string::npos);
   // No made-up number for a device a dry run does not open.
-  r = test::eaglekit("train" + opts + " --device cuda --dry-run --json");
+  r = test::eaglekit("train" + next + " --device cuda --dry-run --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const auto gpu = nlohmann::json::parse(r.out);
   CHECK(gpu["eta_seconds"].is_null());
   CHECK(gpu["memory_available_bytes"].is_null());
   CHECK(gpu["eta_basis"].get<std::string>().rfind("not estimated: a dry run does not open --device cuda", 0) == 0);
   // A batch that cannot fit this host is warned about, with what to change.
-  r = test::eaglekit("train" + opts + " --max-length 300000 --batch-size 64 --dry-run --json");
+  r = test::eaglekit("train" + next + " --max-length 300000 --batch-size 64 --dry-run --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   bool memory_warning = false;
   const auto huge = nlohmann::json::parse(r.out);  // kept: the loop reads into it
