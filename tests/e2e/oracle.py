@@ -95,8 +95,8 @@ def reference_batches(args, ref):
                "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
 
 
-def modelopt_model(base_dir, draft_dir, batch):
-    """ModelOpt's EAGLE-3 model over the HF base with our draft's weights: (loss, acc per step)."""
+def load_modelopt(base_dir, draft_dir):
+    """ModelOpt's offline EAGLE-3 model (mtsp.convert of the HF base) with our draft's weights."""
     import copy
     import modelopt.torch.speculative as mtsp
     from modelopt.torch.speculative.config import eagle3_default_config
@@ -126,6 +126,12 @@ def modelopt_model(base_dir, draft_dir, batch):
     # ModelOpt 0.47 builds its rotary embedding with a device= argument that transformers 5.19's
     # LlamaRotaryEmbedding no longer takes; built here, the same module, without it.
     em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    return base, dc
+
+
+def modelopt_model(base_dir, draft_dir, batch):
+    """ModelOpt's EAGLE-3 model over the HF base with our draft's weights: (loss, acc per step)."""
+    base, dc = load_modelopt(base_dir, draft_dir)
     base.train()  # all TTT steps (ModelOpt runs one step in eval mode); no dropout in the draft
     with torch.no_grad():
         out = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"],
