@@ -53,6 +53,15 @@ def conversations(path):
     return [json.loads(l) for l in open(path) if l.strip()]
 
 
+def collated(ds, coll, batch_size):
+    """A ModelOpt-style dataset and collator's batches, in order, under eaglekit collate's names."""
+    for i in range(0, len(ds), batch_size):
+        b = coll([ds[j] for j in range(i, min(i + batch_size, len(ds)))])
+        yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
+               "labels": b["labels"], "hidden_states": b["base_model_outputs"]["base_model_hidden_states"],
+               "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
+
+
 def modelopt_batches(args, conv):
     """modelopt.torch.speculative.eagle.utils: the dataset over the dumps in conversation order
     (ModelOpt's training script matches by conversation_id and keeps the first 95%)."""
@@ -62,11 +71,7 @@ def modelopt_batches(args, conv):
     files = files[:int(len(files) * 0.95)]
     ds = OfflineSupervisedDataset(files)
     coll = EagleOfflineDataCollator(train_len=args.max_length)
-    for i in range(0, len(ds), args.batch_size):
-        b = coll([ds[j] for j in range(i, min(i + args.batch_size, len(ds)))])
-        yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
-               "labels": b["labels"], "hidden_states": b["base_model_outputs"]["base_model_hidden_states"],
-               "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
+    return collated(ds, coll, args.batch_size)
 
 
 def reference_batches(args, ref):
@@ -88,11 +93,7 @@ def reference_batches(args, ref):
                                       vlm_img_dir=None, lazy_preprocess=True)
     m = eagle_utils.make_eagle_supervised_data_module(tok, data_args, max_length=args.max_length)
     ds, coll = m["train_dataset"], m["data_collator"]
-    for i in range(0, len(ds), args.batch_size):
-        b = coll([ds[j] for j in range(i, min(i + args.batch_size, len(ds)))])
-        yield {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
-               "labels": b["labels"], "hidden_states": b["base_model_outputs"]["base_model_hidden_states"],
-               "aux_hidden_states": b["base_model_outputs"]["aux_hidden_states"]}
+    return collated(ds, coll, args.batch_size)
 
 
 def load_modelopt(base_dir, draft_dir):
