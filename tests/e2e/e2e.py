@@ -136,7 +136,10 @@ def main():
         [py, os.path.join(HERE, "oracle.py"), "--eaglekit", ek, "--data", r.path("data", "train.jsonl"),
          "--dumps", r.path("data", "dumps"), "--index", r.path("train.idx"), "--out", r.path("oracle"),
          "--batch-size", "16", "--max-length", "160", "--base", base,
-         "--draft", r.path("run-modelopt", "final"), "--draft", r.path("run", "final")], ok=(0, 1)))
+         "--draft", r.path("run-modelopt", "final"), "--draft", r.path("run", "final"),
+         "--speculators", r.path("speculators")], ok=(0, 1)))
+    if not os.path.exists(r.path("oracle", "result.json")):
+        raise SystemExit("e2e: the oracle stopped before writing its result (its error is above)")
     o = json.load(open(r.path("oracle", "result.json")))
     for name, res in o["oracles"].items():
         r.check(f"{name}'s offline dataset and collator give eaglekit collate's batches", not res["unexplained"],
@@ -153,6 +156,11 @@ def main():
         else:
             print(f"e2e: report: ModelOpt's model with our servable draft (named difference: ModelOpt's first "
                   f"layer also applies input_layernorm to the fc output): {line}", file=sys.stderr)
+    sp = o["speculators"]
+    r.check("the speculators package's own classes load our speculators export", sp["ok"],
+            f"speculators {sp['version']}: {sp['config_class']} (algorithm {sp['algorithm']}), {sp['model_class']}; "
+            f"{sp['tensors'] - len(sp['differ_or_missing'])} of {sp['tensors']} tensors equal to ours"
+            + (f"; differ or missing: {', '.join(sp['differ_or_missing'])}" if sp["differ_or_missing"] else ""))
     if "reference_skipped" in o:
         print(f"e2e: note: the reference file: {o['reference_skipped']}", file=sys.stderr)
 

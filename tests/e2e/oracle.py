@@ -11,8 +11,12 @@ offline) with the draft's weights loaded, in training mode (all TTT steps) witho
 the first batch; against `eaglekit evaluate --max-batches 1` on the same batch: the loss
 (sum_s 0.9^s ce_s) and the accuracy per TTT step.
 
+Export (--speculators DIR): the speculators package's own classes (SpeculatorModelConfig,
+SpeculatorModel) load our speculators-layout export: the config class and algorithm they pick,
+and every tensor of the export equal to the loaded model's.
+
 Usage: oracle.py --eaglekit PATH --data CONVERSATIONS.jsonl --dumps DIR --index FILE --out DIR
-                 [--base DIR --draft DIR [--draft DIR...]]
+                 [--base DIR --draft DIR [--draft DIR...]] [--speculators DIR]
                  [--batch-size N] [--max-length N] [--reference FILE]
 
 Prints one JSON object, and writes it to OUT/result.json (the reference file prints on stdout
@@ -161,6 +165,23 @@ def compare_model(args, draft_dir, batch):
     return res
 
 
+def speculators_export(folder):
+    """The speculators package's own config and model classes on our speculators export."""
+    from importlib.metadata import version
+
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+    cfg = SpeculatorModelConfig.from_pretrained(folder)
+    model = SpeculatorModel.from_pretrained(folder)
+    sd = model.state_dict()
+    ours = load_file(os.path.join(folder, "model.safetensors"))
+    differ = sorted(k for k, v in ours.items() if k not in sd or not torch.equal(sd[k].to(v.dtype), v))
+    return {"version": version("speculators"), "config_class": type(cfg).__name__,
+            "algorithm": cfg.speculators_config.algorithm, "model_class": type(model).__name__,
+            "tensors": len(ours), "differ_or_missing": differ,
+            "ok": type(cfg).__name__ == "Eagle3SpeculatorConfig" and not differ}
+
+
 def compare(name, theirs, ours):
     res = {"batches": 0, "equal": {}, "differ": {}, "unexplained": []}
     n_theirs = 0
@@ -195,6 +216,7 @@ def main():
     ap.add_argument("--max-length", type=int, default=160)
     ap.add_argument("--base", help="HF base folder (for the model oracle)")
     ap.add_argument("--draft", action="append", default=[], help="draft folder for the model oracle (repeatable)")
+    ap.add_argument("--speculators", help="a speculators-layout export to load with the speculators package")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--reference", default=os.environ.get(
         "EAGLEKIT_REFERENCE", os.path.join(os.path.dirname(root), "shared", "reference", "eagle_utils.py")))
@@ -214,10 +236,14 @@ def main():
     if args.draft and not args.base:
         ap.error("--draft needs --base")
     result["model"] = [compare_model(args, d, ours[0]) for d in args.draft]
+    if args.speculators:
+        result["speculators"] = speculators_export(args.speculators)
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    return 1 if any(o["unexplained"] for o in result["oracles"].values()) else 0
+    failed = any(o["unexplained"] for o in result["oracles"].values()) or not all(m["same"] for m in result["model"]
+                                                                                if m["modelopt_norm"])
+    return 1 if failed or not result.get("speculators", {"ok": True})["ok"] else 0
 
 
 if __name__ == "__main__":
