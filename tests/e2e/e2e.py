@@ -131,7 +131,7 @@ def main():
             f"pre {sem.get('agreement_pre', 0):.3f}, suspects {len(sem.get('suspects') or [])}, fatal {v.get('fatal')}")
     ev = json.load(open(r.path("evaluate.json")))
 
-    # 5. The reference data path as oracle: ModelOpt's dataset and collator on the same dumps.
+    # 4. The reference trainer's own code as oracle: its data path, its model, speculators' loader.
     r.stage("oracle", "oracle/result.json", lambda: r.sh(
         [py, os.path.join(HERE, "oracle.py"), "--eaglekit", ek, "--data", r.path("data", "train.jsonl"),
          "--dumps", r.path("data", "dumps"), "--index", r.path("train.idx"), "--out", r.path("oracle"),
@@ -164,7 +164,7 @@ def main():
     if "reference_skipped" in o:
         print(f"e2e: note: the reference file: {o['reference_skipped']}", file=sys.stderr)
 
-    # 4. The engine.
+    # 5. The engine.
     # Must-fails: two mistakes users make with real exports. Each is a copy of our export with one
     # thing wrong; the engine loads both without a word, so only its acceptance can tell.
     def broken(name):
