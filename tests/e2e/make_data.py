@@ -60,8 +60,6 @@ def dump(model, tok, entry, path, answer_mask):
     """One conversation as ModelOpt's HF dumper writes it (plus loss_mask when answer_mask)."""
     conv = entry["conversations"]
     input_ids = tok.apply_chat_template(conv, return_tensors="pt", return_dict=False)
-    if isinstance(input_ids, dict) or hasattr(input_ids, "input_ids"):
-        input_ids = input_ids["input_ids"]
     n_layers = model.config.num_hidden_layers
     with torch.inference_mode():
         o = model.model(input_ids=input_ids, output_hidden_states=True)

@@ -44,13 +44,13 @@ KNOWN = {
 
 
 def eaglekit_batches(args):
+    """`eaglekit collate`'s batch files, in order (read one at a time by compare: 90 batches of
+    this size are about 1 GB in memory)."""
     out = os.path.join(args.out, "eaglekit-collate")
     subprocess.run([args.eaglekit, "collate", "--data", args.data, "--index", args.index, "--out", out,
                     "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
                     "--mode", "pad", "--split", "train"], check=True, stdout=subprocess.DEVNULL)
-    files = sorted(glob.glob(os.path.join(out, "batch_*.pt")))
-    ids = [json.loads(l)["conversation_ids"] for l in open(os.path.join(out, "batches.jsonl"))]
-    return [torch.load(f) for f in files], ids
+    return sorted(glob.glob(os.path.join(out, "batch_*.pt")))
 
 
 def conversations(path):
@@ -189,7 +189,7 @@ def compare(name, theirs, ours):
         n_theirs += 1
         if i >= len(ours):
             continue
-        o = ours[i]
+        o = torch.load(ours[i])
         res["batches"] += 1
         for k, v in t.items():
             same = k in o and o[k].shape == v.shape and o[k].dtype == v.dtype and torch.equal(o[k], v)
@@ -222,7 +222,7 @@ def main():
         "EAGLEKIT_REFERENCE", os.path.join(os.path.dirname(root), "shared", "reference", "eagle_utils.py")))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    ours, ids = eaglekit_batches(args)
+    ours = eaglekit_batches(args)
     conv = conversations(args.data)
     result = {"eaglekit_batches": len(ours), "oracles": {}}
     import modelopt
@@ -235,7 +235,8 @@ def main():
         result["reference_skipped"] = f"{args.reference} not found (set EAGLEKIT_REFERENCE)"
     if args.draft and not args.base:
         ap.error("--draft needs --base")
-    result["model"] = [compare_model(args, d, ours[0]) for d in args.draft]
+    first = torch.load(ours[0])
+    result["model"] = [compare_model(args, d, first) for d in args.draft]
     if args.speculators:
         result["speculators"] = speculators_export(args.speculators)
     with open(os.path.join(args.out, "result.json"), "w") as f:
