@@ -150,9 +150,8 @@ EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* me
     throw UsageError("--cp " + std::to_string(options.cp_size) + " does not match the mesh (cp " +
                      std::to_string(m.cp_size()) + ")");
   parse_device(options.device);  // before the data: a missing GPU is said first
-  if (options.threads > 0) at::set_num_threads(options.threads);
-
   const RunPlan plan = resolve(options, m.world_size());
+  at::set_num_threads(plan.threads);
   const std::unique_ptr<OpenRun> run = open_run(plan, m, [](const std::string&) {});
   Progress progress("evaluate", run->loader->steps_in_epoch(), options.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;

@@ -117,7 +117,7 @@ void StepWindow::add(const TttStats& step_stats, double tokens, double seconds, 
 }
 
 std::string StepWindow::take_line(std::int64_t step, std::uint64_t epoch, double lr, double grad_norm,
-                                  double loss_decay, double elapsed_s) {
+                                  double loss_decay, double elapsed_s, int threads) {
   json j;
   j["step"] = step;
   j["epoch"] = epoch;
@@ -133,6 +133,7 @@ std::string StepWindow::take_line(std::int64_t step, std::uint64_t epoch, double
   j["cpu_ms"] = 1000.0 * cpu_ / n;
   j["elapsed_s"] = elapsed_s;
   j["peak_rss_mb"] = peak_rss_mb();
+  if (threads > 0) j["threads"] = threads;
   *this = StepWindow(ttt_steps_);
   return j.dump();
 }

@@ -61,8 +61,9 @@ class StepWindow {
   void add(const TttStats& step_stats, double tokens, double seconds, double wait_seconds, double cpu_seconds);
   bool empty() const { return steps_ == 0; }
   // The metrics line of the window (keys as docs/tensorboard.md lists them), then a reset.
+  // `threads` > 0 (--adapt-threads): the LibTorch threads of the window's last step.
   std::string take_line(std::int64_t step, std::uint64_t epoch, double lr, double grad_norm, double loss_decay,
-                        double elapsed_s);
+                        double elapsed_s, int threads = 0);
 
  private:
   TttStats stats_;

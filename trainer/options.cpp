@@ -122,7 +122,14 @@ opt::Group run_options(RunOptions& r) {
                                       {ComputeDType::kBFloat16, "bfloat16"}},
                                      "Compute dtype: fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
                          "dtype"),
-              note(field("threads", "N", r.threads, "LibTorch threads"), "LibTorch's own choice"),
+              note(field("threads", "N", r.threads, "LibTorch threads"),
+                   "OMP_NUM_THREADS if set, else the cores this process may run on, shared by a launch's local "
+                   "ranks; the run says which"),
+              field("adapt_threads", "", r.adapt_threads,
+                    "Run fewer threads (never more than --threads) while other processes keep the cores busy, "
+                    "and go back up when they are free; each count is kept only where it measured faster. The "
+                    "thread count changes float rounding: a run that adapts is not bit-reproducible "
+                    "(docs/benchmarks.md, \"Under load\")"),
               opt::flag_named(field("cp_size", "N", r.cp_size, "Context-parallel size (world / cp = data-parallel size)"),
                               "cp"),
               field("timeout", "SECONDS", r.timeout,

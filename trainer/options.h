@@ -89,7 +89,8 @@ struct RunOptions {
   std::string out;
   std::string device = "cpu";  // cpu, cuda, cuda:N
   ComputeDType compute_dtype = ComputeDType::kFloat32;
-  int threads = 0;             // LibTorch intra-op threads; 0: its default
+  int threads = 0;             // LibTorch intra-op threads; 0: the cores (trainer/threads.h)
+  bool adapt_threads = false;  // fewer threads while other processes keep the cores busy
   int cp_size = 1;             // context-parallel size (world / cp = data-parallel size)
   double timeout = 300;        // seconds a rendezvous or collective may wait
   std::int64_t eval_every = 0;  // > 0: every N steps and at the end; 0: at the end; < 0: never

@@ -22,6 +22,7 @@
 #include "trainer/export.h"
 #include "trainer/metrics_log.h"
 #include "trainer/optim.h"
+#include "trainer/threads.h"
 
 namespace eaglekit::trainer {
 
@@ -151,6 +152,27 @@ void plan_mesh(RunPlan& p, int world_size, int cp_size) {
                                      std::to_string(p.cp_size),
                          (world_size > 1 ? "the launch's world size" : std::string("a single process")) + ", --cp " +
                              std::to_string(cp_size)});
+}
+
+// LibTorch's thread count as the process started, before a run sets its own.
+int libtorch_default_threads() {
+  static const int initial = at::get_num_threads();
+  return initial;
+}
+
+// The run's LibTorch threads (trainer/threads.h): the number, and whether it adapts.
+void plan_threads(RunPlan& p, const RunOptions& o, bool can_adapt) {
+  const ThreadChoice c = default_threads(o.threads, libtorch_default_threads());
+  p.threads = c.threads;
+  p.adapt_threads = can_adapt && o.adapt_threads;
+  std::string value = std::to_string(c.threads);
+  std::string why = c.why;
+  if (p.adapt_threads) {
+    value += ", fewer while the cores are busy";
+    why += "; --adapt-threads: a count is kept only where it measured faster, and the float rounding follows it "
+           "(not bit-reproducible)";
+  }
+  p.decisions.push_back({"threads", value, why});
 }
 
 // A loader of dp rank 0 that reads nothing but the first record's metadata (and, in longest
@@ -390,6 +412,7 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   p.options = o;
   p.epochs = o.effective_epochs();
   plan_mesh(p, world_size, o.cp_size);
+  plan_threads(p, o, /*can_adapt=*/true);
   const std::optional<CheckpointInfo> resumed = plan_resume(p);
   if (resumed) p.resume_step = resumed->state.step;
 
@@ -484,6 +507,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   RunPlan p;
   p.purpose = RunPlan::Purpose::kEvaluate;
   plan_mesh(p, world_size, o.cp_size);
+  plan_threads(p, o, /*can_adapt=*/false);
 
   // A folder with checkpoints but no config.json: its newest checkpoint.
   std::string draft_dir = o.draft;
@@ -558,7 +582,7 @@ void estimate_time(RunPlan& p) {
   const std::string what = flops_text(p.flops) + " per rank (a model of the draft's matmuls forward and backward, "
                            "attention and the base's lm_head; README, Training)";
   if (o.device == "cpu") {
-    if (o.threads > 0) at::set_num_threads(o.threads);  // as train would run
+    at::set_num_threads(p.threads);  // as the run would
     p.measured_flops_per_s = measure_cpu_matmul_flops_per_s(bf16);
     if (p.measured_flops_per_s > 0) {
       p.eta_s = p.flops / p.measured_flops_per_s;
@@ -629,6 +653,8 @@ std::string RunPlan::to_json() const {
   j["world_size"] = world_size;
   j["dp_size"] = dp_size;
   j["cp_size"] = cp_size;
+  j["threads"] = threads;
+  j["adapt_threads"] = adapt_threads;
   j["rows_per_step"] = rows_per_step;
   j["steps_per_epoch"] = steps_per_epoch;
   j["total_steps"] = total_steps;

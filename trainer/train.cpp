@@ -31,6 +31,7 @@
 #include "trainer/open_run.h"
 #include "trainer/optim.h"
 #include "trainer/plan.h"
+#include "trainer/threads.h"
 #include "trainer/run_setup.h"
 
 namespace eaglekit::trainer {
@@ -131,6 +132,9 @@ void TrainOptions::check() const {
       throw UsageError("--keep-best est_ar needs an eval split: set --eval-fraction above 0 (it enables evaluation)");
   }
   if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
+  if (adapt_threads && device != "cpu")
+    throw UsageError("--adapt-threads adapts the CPU's LibTorch threads; with --device " + device +
+                     " the work runs elsewhere: leave it out");
   if (!export_dtype.empty()) parse_float_dtype(export_dtype);
   parse_device(device, /*check_available=*/false);  // run_training checks the device itself
 }
@@ -140,18 +144,19 @@ void TrainOptions::check() const {
 namespace {
 
 // Cores already busy: LibTorch's threads then wait for each other at every operator
-// (docs/benchmarks.md, "Under load"). Said once; the thread count stays what was asked.
-void say_if_cores_busy(const Say& say) {
+// (docs/benchmarks.md, "Under load"). Said once; the thread count stays what the plan says
+// unless the run adapts it.
+void say_if_cores_busy(const Say& say, bool adapting) {
   const int threads = at::get_num_threads();
   const unsigned cores = std::thread::hardware_concurrency();
   double load = 0;
-  if (threads > 1 && cores > 0 && getloadavg(&load, 1) == 1 && load + threads > cores + 0.5) {
-    char text[400];
+  if (!adapting && threads > 1 && cores > 0 && getloadavg(&load, 1) == 1 && load + threads > cores + 0.5) {
+    char text[480];
     std::snprintf(text, sizeof text,
                   "note: the load average is %.1f on %u cores and this run asks for %d LibTorch threads; "
                   "threads that share busy cores wait for each other (beside one busy process per core, "
                   "--threads 2 ran at about a fifth of its idle speed, --threads 1 at about half of it, "
-                  "docs/benchmarks.md); consider --threads %d",
+                  "docs/benchmarks.md); consider --threads %d, or --adapt-threads to follow the load",
                   load, cores, threads, std::max(1, static_cast<int>(cores) - static_cast<int>(load + 0.5)));
     say(text);
   }
@@ -220,6 +225,7 @@ class TrainLoop {
     loop_start_ = Clock::now();
     while (!(o_.max_steps > 0 && step_ >= o_.max_steps)) {
       const auto t0 = Clock::now();
+      if (governor_) step_counters_ = read_cpu_counters();
       const double cpu0 = process_cpu_seconds();
       const double wait0 = run_.loader->stats().wait_s;
       bool finished = false;
@@ -313,6 +319,7 @@ class TrainLoop {
     saved_at_step_ = false;
 
     const double dt = seconds_since(t0);
+    if (governor_) adapt_threads(dt - waited, step_tokens);
     tokens_total_ += step_tokens;
     window_.add(step_stats, step_tokens, dt, waited, process_cpu_seconds() - cpu0);
     run_stats_ += step_stats;
@@ -370,10 +377,26 @@ class TrainLoop {
     }
   }
 
+  // --adapt-threads: the step's figures to the governor, and its count for the next step.
+  void adapt_threads(double compute_s, double tokens) {
+    ThreadGovernor::Step s;
+    s.seconds = compute_s;
+    s.tokens = tokens;
+    s.load = cpu_load_between(step_counters_, read_cpu_counters());
+    threads_of_step_ = at::get_num_threads();
+    const std::string said = governor_->observe(s);
+    if (governor_->threads() != threads_of_step_) at::set_num_threads(governor_->threads());
+    if (!said.empty()) {
+      if (show_progress_) std::cerr << "\n";
+      say_("step " + std::to_string(step_) + ": " + said);
+    }
+  }
+
   void log_window() {
     if (window_.empty()) return;
     const std::string line =
-        window_.take_line(step_, epoch_of_step_, lr_, grad_norm_, o_.loss_decay, seconds_since(loop_start_));
+        window_.take_line(step_, epoch_of_step_, lr_, grad_norm_, o_.loss_decay, seconds_since(loop_start_),
+                          governor_ ? threads_of_step_ : 0);
     if (log_) log_->write(line);
   }
 
@@ -501,6 +524,11 @@ class TrainLoop {
   double run_tokens_ = 0, run_time_ = 0, run_wait_ = 0;
   double grad_norm_ = 0, lr_ = 0;
   std::uint64_t epoch_of_step_;
+  // --adapt-threads (trainer/threads.h); none otherwise.
+  std::optional<ThreadGovernor> governor_ =
+      plan_.adapt_threads ? std::optional<ThreadGovernor>(std::in_place, plan_.threads) : std::nullopt;
+  CpuCounters step_counters_;
+  int threads_of_step_ = 0;  // the count the last step ran at
 };
 
 }  // namespace
@@ -516,11 +544,11 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
     throw UsageError("--cp " + std::to_string(opts.cp_size) + " does not match the mesh (cp " +
                      std::to_string(mesh.cp_size()) + ")");
   const c10::Device device = parse_device(opts.device);  // before the data: a missing GPU is said first
-  if (opts.threads > 0) at::set_num_threads(opts.threads);
-  if (device.is_cpu() && mesh.is_main()) say_if_cores_busy(say);
 
   // Decide once, then open: the plan's lines first, then what opening says.
   const RunPlan plan = resolve(opts, mesh.world_size());
+  at::set_num_threads(plan.threads);
+  if (device.is_cpu() && mesh.is_main()) say_if_cores_busy(say, plan.adapt_threads);
   if (plan.resume_step >= 0)
     say("resuming from " + plan.draft_dir + " (step " + std::to_string(plan.resume_step) + ")");
   say(plan.summary);

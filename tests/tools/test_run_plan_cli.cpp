@@ -110,6 +110,8 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
       {"--mode pack --grad-accum 2 --epochs 1", " --mode pack --grad-accum 2 --epochs 1", true},
       {"--hidden-states-norm pre", one + " --hidden-states-norm pre", true},
       {"--ttt-steps 2 --compute-dtype bf16", one + " --ttt-steps 2 --compute-dtype bf16", true},
+      {"--threads 2 --adapt-threads", one + " --threads 2 --adapt-threads", true},
+      {"--adapt-threads --device cuda (the CPU's threads only)", one + " --adapt-threads --device cuda", false},
       // The examples' config as a user copies it, on this dump: what cannot fit a 48-token
       // vocabulary and a machine without a GPU is overridden (flags win over --config).
       {"examples/llama-3.1-8b/train.json",
@@ -158,9 +160,14 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
                                    ", draft vocab " + std::to_string(plan["draft_vocab_size"].get<std::int64_t>()) +
                                    "; " + std::to_string(plan["total_steps"].get<std::int64_t>()) +
                                    " optimizer steps of " + std::to_string(plan["rows_per_step"].get<std::int64_t>()) +
-                                   " rows";
+                                   " rows on 1 rank(s), " + std::to_string(plan["threads"].get<int>()) + " threads";
     CHECK_MESSAGE(train_run.err.find(draft_line) != std::string::npos, "expected: " << draft_line << "\n" << train_run.err);
     CHECK(trained["steps"].get<std::int64_t>() <= plan["total_steps"].get<std::int64_t>());
+    // An adapting run logs the count each metrics line ran at; a fixed one does not.
+    const std::string metrics = read_text(d + "/case-" + std::to_string(n - 1) + "/metrics.jsonl");
+    const auto first = nlohmann::json::parse(metrics.substr(0, metrics.find('\n')));
+    CHECK(first.contains("threads") == plan["adapt_threads"].get<bool>());
+    if (first.contains("threads")) CHECK(first["threads"].get<int>() == plan["threads"].get<int>());
   }
 }
 
@@ -179,8 +186,19 @@ TEST_CASE("run plan cli: --dry-run says why it decided each thing, as text and a
     names.push_back(decision["name"]);
     CHECK_MESSAGE(!decision["why"].get<std::string>().empty(), decision.dump());
   }
-  CHECK(names == std::vector<std::string>{"mesh", "split", "evaluation", "norm form", "base", "draft", "aux ids",
-                                          "draft vocab", "rope", "steps"});
+  CHECK(names == std::vector<std::string>{"mesh", "threads", "split", "evaluation", "norm form", "base", "draft",
+                                          "aux ids", "draft vocab", "rope", "steps"});
+  // The thread count says where it came from; --adapt-threads says what it does, and is for
+  // the CPU only.
+  r = test::eaglekit(args + " --threads 1 --adapt-threads");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("  threads: 1, fewer while the cores are busy\n    why: --threads; --adapt-threads: a count "
+                           "is kept only where it measured faster, and the float rounding follows it (not "
+                           "bit-reproducible)\n") != std::string::npos,
+                r.out);
+  r = test::eaglekit(args + " --adapt-threads --device cuda");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--adapt-threads adapts the CPU's LibTorch threads") != std::string::npos, r.err);
   r = test::eaglekit(args);
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK_MESSAGE(r.out.find("  aux ids: 2,16,29\n    why: EAGLE-3's default for a 32-layer base (2, N/2, N-3); no "
