@@ -19,14 +19,17 @@
 # usage: bench/bench_train.sh [--hidden 128] [--vocab 2048] [--draft-vocab 1024]
 #                             [--max-length 256] [--batch-size 4] [--steps 8] [--warmup 2]
 #                             [--runs 3] [--threads N] [--jobs 2] [--dir DIR]
-#   --threads defaults to min(nproc, 2); --jobs is eaglekit's loader threads.
+#                             [--busy N] [--adapt-threads] [--json FILE]
+#   --threads defaults to min(nproc, 2); --jobs is eaglekit's loader threads; --busy N runs N
+#   busy loops (one process each) beside both sides for all their runs; --adapt-threads is
+#   passed to eaglekit train; --json FILE also writes the medians as JSON.
 # The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 THREADS=$(nproc)
 [ "$THREADS" -gt 2 ] && THREADS=2
-HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3
+HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3 BUSY=0 ADAPT=() JSON_OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --hidden) HIDDEN=$2; shift 2 ;;
@@ -40,7 +43,10 @@ while [ $# -gt 0 ]; do
     --threads) THREADS=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --busy) BUSY=$2; shift 2 ;;
+    --adapt-threads) ADAPT=(--adapt-threads); shift ;;
+    --json) JSON_OUT=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "bench_train.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -57,7 +63,13 @@ fi
 EK="$BUILD/bin/eaglekit"
 CLEAN=0
 if [ -z "$DIR" ]; then DIR=$(mktemp -d /tmp/eaglekit-bench-train.XXXXXX); CLEAN=1; fi
-trap '[ "$CLEAN" = 1 ] && rm -rf "$DIR"' EXIT
+BUSY_PIDS=()
+cleanup() {
+  [ ${#BUSY_PIDS[@]} -gt 0 ] && kill "${BUSY_PIDS[@]}" 2>/dev/null
+  [ "$CLEAN" = 1 ] && rm -rf "$DIR"
+  return 0
+}
+trap cleanup EXIT
 
 # Enough conversations that STEPS batches never wrap around the train split.
 CONV=$(( (STEPS * BATCH * 100 + 94) / 95 + 2 ))
@@ -74,9 +86,17 @@ COMMON=(--data "$DIR/data/conversations.jsonl" --index "$DIR/index.eki" --base "
 "$EK" train "${COMMON[@]}" --out "$DIR/init" --max-steps 1 --lr 1e-30 --export-dtype float32 >/dev/null 2>&1
 INIT="$DIR/init/final"
 
+# The load, when asked: started after the data and the starting draft, so both sides meet the
+# same busy cores in every run.
+for _ in $(seq 1 "$BUSY"); do
+  bash -c 'while :; do :; done' &
+  BUSY_PIDS+=($!)
+done
+[ "$BUSY" -gt 0 ] && echo "beside $BUSY busy loop(s)" >&2
+
 for r in $(seq 1 "$RUNS"); do
   rm -rf "$DIR/ours"
-  "$EK" train "${COMMON[@]}" --init-draft "$INIT" --out "$DIR/ours" --max-steps "$STEPS" --json >"$DIR/ours.json" 2>"$DIR/ours.err" \
+  "$EK" train "${COMMON[@]}" "${ADAPT[@]}" --init-draft "$INIT" --out "$DIR/ours" --max-steps "$STEPS" --json >"$DIR/ours.json" 2>"$DIR/ours.err" \
     || { cat "$DIR/ours.err" >&2; exit 1; }
   cp "$DIR/ours/metrics.jsonl" "$DIR/ours-$r.jsonl"
   "$PY" bench/bench_train.py --data "$DIR/data/conversations.jsonl" --records "$DIR/data/records" --draft "$INIT" \
@@ -85,9 +105,9 @@ for r in $(seq 1 "$RUNS"); do
   echo "run $r/$RUNS done" >&2
 done
 
-"$PY" - "$DIR" "$RUNS" "$WARMUP" "$THREADS" <<'EOF'
+"$PY" - "$DIR" "$RUNS" "$WARMUP" "$THREADS" "$JSON_OUT" "$BUSY" <<'EOF'
 import json, statistics as st, sys
-d, runs, w, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+d, runs, w, threads, json_out, busy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 ours, py = [], []
 for r in range(1, runs + 1):
     lines = [json.loads(l) for l in open(f"{d}/ours-{r}.jsonl") if l.strip()]
@@ -124,4 +144,9 @@ print(f"  overall (all timed tokens / all timed seconds, median over runs): eagl
       f"PyTorch {m(py, 'overall'):.0f} tokens/s, ratio {m(ours, 'overall') / m(py, 'overall'):.2f}x")
 print(f"eaglekit with data loading: {m(ours, 'tps_e2e'):.0f} tokens/s end to end; waited for data "
       f"{m(ours, 'wait_ms'):.2f} ms of a {m(ours, 'step_ms'):.0f} ms step = {100 * m(ours, 'wait'):.3f}% (median)")
+if json_out:
+    json.dump({"threads": threads, "busy": busy, "runs": runs,
+               "eaglekit": {"tokens_per_s": m(ours, "tps"), "overall": m(ours, "overall"), "loss1": ours[0]["loss1"]},
+               "pytorch": {"tokens_per_s": m(py, "tps"), "overall": m(py, "overall"), "loss1": py[0]["loss1"]}},
+              open(json_out, "w"), indent=1)
 EOF
