@@ -8,7 +8,7 @@
 //   unroll:    the full TTT unroll of the draft (S steps) + loss, forward + backward.
 // Memory: the growth of the rank's peak RSS over its RSS before the first step (the model,
 // the batch and LibTorch itself are excluded), and LibTorch's CPU allocator peak over the
-// warm-up and timed steps counted exactly by trainer/cpu_memory.h (one thread per rank, so it sees every
+// warm-up and timed steps counted exactly by trainer/run/cpu_memory.h (one thread per rank, so it sees every
 // allocation); time is the median step. CP = 1 runs no ring, so it has one row.
 #include <ATen/ATen.h>
 #include <sys/resource.h>
@@ -27,13 +27,13 @@
 
 #include "bench/bench_util.h"
 #include "formats/error.h"
-#include "trainer/base_model.h"
-#include "trainer/config.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/distributed.h"
-#include "trainer/draft_model.h"
-#include "trainer/ring_attention.h"
-#include "trainer/ttt.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/parallel/ring_attention.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 

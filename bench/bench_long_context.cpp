@@ -1,7 +1,7 @@
 // bench_long_context: eaglekit's side of bench/bench_long_context.sh. Training steps (TTT
-// unroll forward, backward, gradient clipping, AdamW: the inner step of trainer/train.cpp) of
+// unroll forward, backward, gradient clipping, AdamW: the inner step of trainer/run/train.cpp) of
 // a draft of the given shape at one or more row lengths, with the TTT attention kernel
-// chosen by --attention (trainer/options.h TttAttention).
+// chosen by --attention (trainer/run/options.h TttAttention).
 //
 // The model and the batch are synthetic and defined so that bench/bench_train.py --synthetic
 // builds exactly the same ones: every random tensor is drawn on the run device right after
@@ -22,7 +22,7 @@
 // "losses", "step_s" (the timed steps), "step_s_median", "tokens", "tokens_per_s_median",
 // "peak_bytes", "peak_kind", "rss_peak_delta_bytes"}. Peak memory: on CUDA the caching
 // allocator's max allocated bytes over the length's steps (weights and optimizer state
-// included; only when built against a CUDA LibTorch), on the CPU trainer/cpu_memory.h's
+// included; only when built against a CUDA LibTorch), on the CPU trainer/run/cpu_memory.h's
 // allocator peak above the bytes live when the length started (the calling thread's
 // allocations); rss_peak_delta_bytes is the growth of the process's peak RSS (VmHWM, reset
 // per length through /proc/self/clear_refs) over its RSS at the start (CPU runs). A length
@@ -51,13 +51,13 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "trainer/base_model.h"
-#include "trainer/config.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/draft_model.h"
-#include "trainer/optim.h"
-#include "trainer/train.h"
-#include "trainer/ttt.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/run/optim.h"
+#include "trainer/run/train.h"
+#include "trainer/unroll/ttt.h"
 
 // The CUDA caching allocator's statistics: only with a CUDA LibTorch (CMake defines
 // EAGLEKIT_CUDA_LIBTORCH when it has torch_cuda; Debian's CPU LibTorch ships the headers

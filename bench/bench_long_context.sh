@@ -252,7 +252,7 @@ for r in rows:
 lines.append("")
 lines.append("peak MiB: " + ("the CUDA caching allocator's max allocated (weights and AdamW state included)"
                              if device.startswith("cuda") else
-                             "eaglekit's CPU allocator peak above what was live at the start (trainer/cpu_memory.h); "
+                             "eaglekit's CPU allocator peak above what was live at the start (trainer/run/cpu_memory.h); "
                              "peak RSS growth: VmHWM over VmRSS at the start, every implementation"))
 lines.append(f"first loss check (relative {tol:g} against tiled): " +
              ("ok" if not mismatch else "MISMATCH " + ", ".join(f"{m} S={S} L={L} {d:.1e}" for m, S, L, d in mismatch)))

@@ -2,11 +2,11 @@
 // model folder (as `eaglekit train` does: draft_config_from_base, lm_head from the base
 // rows), a random batch of B rows x L tokens (hidden states that the base lm_head reads, a
 // tenth of each row padding), and runs --reps optimizer steps after --warmup: TTT unroll
-// forward, backward, gradient clipping, AdamW, exactly the inner step of trainer/train.cpp.
+// forward, backward, gradient clipping, AdamW, exactly the inner step of trainer/run/train.cpp.
 //
 // Prints, over the timed steps: the median wall and thread-CPU time of each phase, then
 // LibTorch's legacy autograd profiler aggregated by operator (self time: time in the op
-// minus the ops it calls; the ttt.* user scopes of trainer/ttt.cpp show the unroll's
+// minus the ops it calls; the ttt.* user scopes of trainer/unroll/ttt.cpp show the unroll's
 // parts), the top --top rows; --shapes splits each operator by its input shapes (which
 // tensor a `mul` or `copy_` was spent on).
 //
@@ -14,8 +14,8 @@
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
 //                         [--shapes] [--ttt-attention auto|local|tiled|fused]
 //                         [--cpu-kernels on|off|both]
-// --ttt-attention picks the TTT attention kernel (trainer/options.h TttAttention; default auto).
-// --cpu-kernels: the fused float32 CPU kernels (trainer/cpu_kernels.h; on, as `eaglekit train`
+// --ttt-attention picks the TTT attention kernel (trainer/run/options.h TttAttention; default auto).
+// --cpu-kernels: the fused float32 CPU kernels (trainer/model/cpu_kernels.h; on, as `eaglekit train`
 // runs) or the ATen composites (off); both runs the two side by side, steps alternating, from
 // the same weights, prints the first loss of each, each one's table and the ratio, and profiles
 // one step of each.
@@ -35,13 +35,13 @@
 #include <string>
 #include <vector>
 
-#include "trainer/base_model.h"
-#include "trainer/config.h"
-#include "trainer/cpu_kernels.h"
-#include "trainer/draft_model.h"
-#include "trainer/optim.h"
-#include "trainer/train.h"
-#include "trainer/ttt.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/model/cpu_kernels.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/run/optim.h"
+#include "trainer/run/train.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

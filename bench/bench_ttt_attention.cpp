@@ -11,7 +11,7 @@
 //           of the median wall and of the median process CPU time (steadier on a shared machine);
 //   memory: bytes that stay allocated after the S forwards (what autograd keeps for backward,
 //           outputs included) and the allocator peak of forward + backward, counted exactly by
-//           trainer/cpu_memory.h on the calling thread (intra-op worker threads' temporaries
+//           trainer/run/cpu_memory.h on the calling thread (intra-op worker threads' temporaries
 //           are not seen); with --rss also the peak-RSS growth of the unit run alone in a
 //           fresh process (ru_maxrss is a lifetime peak, so one process per measurement).
 //
@@ -39,10 +39,10 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/ttt.h"
-#include "trainer/ttt_flash.h"
-#include "trainer/ttt_fused.h"
+#include "trainer/attention/ttt_flash.h"
+#include "trainer/attention/ttt_fused.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 

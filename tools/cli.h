@@ -16,7 +16,7 @@
 #include "lib/data_options.h"
 #include "lib/options.h"
 #include "lib/validate.h"
-#include "trainer/options.h"
+#include "trainer/run/options.h"
 
 namespace eaglekit {
 class Loader;
@@ -102,7 +102,7 @@ struct ValidateCli {
   DataSelection data;
   ValidateOptions options;
   bool json = false;
-  // validate --base: the semantic check (trainer/semantic_check.h).
+  // validate --base: the semantic check (trainer/run/semantic_check.h).
   std::string base;
   std::int64_t positions = 32;
   std::string device = "cpu";

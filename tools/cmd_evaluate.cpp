@@ -8,9 +8,9 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/distributed.h"
-#include "trainer/evaluate.h"
-#include "trainer/run_setup.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/run/evaluate.h"
+#include "trainer/run/run_setup.h"
 
 namespace eaglekit::tools {
 

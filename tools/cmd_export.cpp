@@ -8,7 +8,7 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 
 namespace eaglekit::tools {
 

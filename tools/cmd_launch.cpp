@@ -13,7 +13,7 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/distributed.h"
+#include "trainer/parallel/distributed.h"
 
 namespace eaglekit::tools {
 

@@ -1,6 +1,6 @@
 // eaglekit train: options from a JSON config file and/or flags (flags win), both read
 // through the option tables (lib/options.h) -> run_training, or with --dry-run the plan
-// (trainer/plan.h). Under torchrun / `eaglekit launch` the process joins the job's dp x cp
+// (trainer/run/plan.h). Under torchrun / `eaglekit launch` the process joins the job's dp x cp
 // mesh.
 #include <nlohmann/json.hpp>
 
@@ -19,10 +19,11 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/distributed.h"
-#include "trainer/evaluate.h"
-#include "trainer/plan.h"
-#include "trainer/train.h"
+#include "trainer/io/metrics_log.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/run/evaluate.h"
+#include "trainer/run/plan.h"
+#include "trainer/run/train.h"
 
 namespace eaglekit::tools {
 

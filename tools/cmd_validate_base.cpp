@@ -1,5 +1,5 @@
 // eaglekit validate in eaglekit-torch: the checks of tools/cmd_validate.cpp, then with
-// --base the semantic check of trainer/semantic_check.h over every matched record. Its
+// --base the semantic check of trainer/run/semantic_check.h over every matched record. Its
 // suspects join the quarantine file (category semantic_suspects) and make the dataset
 // "not trainable as is" (exit 1), as the structural problems do.
 #include <nlohmann/json.hpp>
@@ -12,9 +12,9 @@
 #include "lib/validate.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/base_model.h"
-#include "trainer/config.h"
-#include "trainer/semantic_check.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/run/semantic_check.h"
 
 namespace eaglekit::tools {
 

@@ -8,7 +8,7 @@
 #include "formats/error.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
-#include "trainer/vocab.h"
+#include "trainer/model/vocab.h"
 
 namespace eaglekit::tools {
 

@@ -1,5 +1,5 @@
 // libFuzzer harness: the base and draft config.json parsers with their RoPE
-// (trainer/config.h, trainer/rope.h): parse as a base, derive the draft, compute its RoPE,
+// (trainer/model/config.h, trainer/model/rope.h): parse as a base, derive the draft, compute its RoPE,
 // write its config.json and parse that back; the input also goes through the draft parser.
 #include <cstddef>
 #include <cstdint>
@@ -7,8 +7,8 @@
 
 #include "formats/error.h"
 #include "tests/fuzz/fuzz_common.h"
-#include "trainer/config.h"
-#include "trainer/rope.h"
+#include "trainer/model/config.h"
+#include "trainer/model/rope.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

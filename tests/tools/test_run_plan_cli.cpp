@@ -1,5 +1,5 @@
 // `train --dry-run` against a one-step `train` over a table of edge cases and the examples'
-// config, on a tiny synthetic dataset: the plan (trainer/plan.h resolve) and the run it
+// config, on a tiny synthetic dataset: the plan (trainer/run/plan.h resolve) and the run it
 // describes must make the same decisions. Both accept or both refuse, with the same
 // message; when they accept, the run's final/config.json is the plan's draft config, the run
 // says every note the plan makes (defaults applied, the norm form, the aux ids' default),

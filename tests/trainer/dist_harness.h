@@ -22,11 +22,11 @@
 
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/data_parallel.h"
-#include "trainer/distributed.h"
-#include "trainer/draft_model.h"
-#include "trainer/ring_attention.h"
-#include "trainer/ttt.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/parallel/ring_attention.h"
+#include "trainer/unroll/ttt.h"
 
 namespace eaglekit::test {
 

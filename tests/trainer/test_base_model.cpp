@@ -5,7 +5,7 @@
 #include "formats/error.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/base_model.h"
+#include "trainer/model/base_model.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -13,10 +13,10 @@
 
 #include "tests/support.h"
 #include "tests/trainer/train_data.h"
-#include "trainer/checkpoint.h"
-#include "trainer/config.h"
-#include "trainer/export.h"
-#include "trainer/train.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/export.h"
+#include "trainer/model/config.h"
+#include "trainer/run/train.h"
 
 namespace fs = std::filesystem;
 using namespace eaglekit;

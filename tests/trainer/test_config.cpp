@@ -10,8 +10,8 @@
 
 #include "formats/error.h"
 #include "tests/support.h"
-#include "trainer/config.h"
-#include "trainer/rope.h"
+#include "trainer/model/config.h"
+#include "trainer/model/rope.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -1,4 +1,4 @@
-// trainer/cpu_kernels.h: each fused CPU kernel against the textbook formula computed in
+// trainer/model/cpu_kernels.h: each fused CPU kernel against the textbook formula computed in
 // float64 with ATen's own operators and autograd (forward and every gradient), on shapes
 // that leave vector remainders and on values that reach exp's extremes; then the whole TTT
 // unroll with the kernels on against the ATen composites, loss, metrics and every gradient.
@@ -13,9 +13,9 @@
 #include "formats/error.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/cpu_kernels.h"
-#include "trainer/draft_model.h"
-#include "trainer/ttt.h"
+#include "trainer/model/cpu_kernels.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

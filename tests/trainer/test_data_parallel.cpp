@@ -1,8 +1,8 @@
-// trainer/data_parallel.h: bucketed gradient sums and the DP update, against one process on
+// trainer/parallel/data_parallel.h: bucketed gradient sums and the DP update, against one process on
 // the same global batch: DP=2 (2 processes) and DP=2 x CP=2 (4 processes), gradients after
 // one step and weights after several AdamW steps (within what AdamW makes of gradients that
 // agree to rounding: tests/adamw_bound.h).
-#include "trainer/data_parallel.h"
+#include "trainer/parallel/data_parallel.h"
 
 #include "tests/adamw_bound.h"
 #include "tests/trainer/dist_harness.h"

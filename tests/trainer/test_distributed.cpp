@@ -1,6 +1,6 @@
-// trainer/distributed.h: the torchrun environment, Gloo groups and the dp x cp mesh over
+// trainer/parallel/distributed.h: the torchrun environment, Gloo groups and the dp x cp mesh over
 // real processes on localhost, failure behaviour (a dead or hung rank), and the launcher.
-#include "trainer/distributed.h"
+#include "trainer/parallel/distributed.h"
 
 #include <signal.h>
 #include <stdlib.h>

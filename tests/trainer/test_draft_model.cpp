@@ -6,7 +6,7 @@
 #include "formats/error.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/draft_model.h"
+#include "trainer/model/draft_model.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -9,10 +9,10 @@
 
 #include "tests/support.h"
 #include "tests/trainer/train_data.h"
-#include "trainer/checkpoint.h"
-#include "trainer/evaluate.h"
-#include "trainer/export.h"
-#include "trainer/train.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/export.h"
+#include "trainer/run/evaluate.h"
+#include "trainer/run/train.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

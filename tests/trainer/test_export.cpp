@@ -16,9 +16,9 @@
 #include "formats/safetensors_format.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/base_model.h"
-#include "trainer/export.h"
-#include "trainer/ttt.h"
+#include "trainer/io/export.h"
+#include "trainer/model/base_model.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

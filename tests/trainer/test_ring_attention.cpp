@@ -1,18 +1,18 @@
-// trainer/ring_attention.h: context-parallel TTT attention, boundary rows and the unroll on
+// trainer/parallel/ring_attention.h: context-parallel TTT attention, boundary rows and the unroll on
 // cp ranks, against the single-rank computation: in process (a group of one) and over
 // 2 and 4 real processes, for TTT steps 0..3 (S = 1..4), lengths that are and are not
 // multiples of the cp size, padding and packed documents (attention alone, and the whole
 // unroll on packed rows: document_ids and position_ids through every chunk); both pair
 // kernels (RingPairKernel::kTiled, the default, and kDense), the block-0 tile pieces on chunk
 // pairs (with a must-fail wrong key offset), and the tiled pairs' memory per rank.
-#include "trainer/ring_attention.h"
+#include "trainer/parallel/ring_attention.h"
 
 #include <cmath>
 
 #include "tests/trainer/dist_harness.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/ttt_fused.h"
-#include "trainer/ttt_tiles.h"
+#include "trainer/attention/ttt_fused.h"
+#include "trainer/attention/ttt_tiles.h"
+#include "trainer/run/cpu_memory.h"
 
 using namespace eaglekit;
 using namespace eaglekit::test;
@@ -59,7 +59,7 @@ std::vector<AttnCase> attention_cases(int cp) {
   v.push_back({12, 3, false, KvExchange::kRing, 3, RingPairKernel::kDense});
   v.push_back({13, 1, false, KvExchange::kAllGather, 1, RingPairKernel::kDense});
   v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kDense, {}, /*empty_row=*/true});
-  // LibTorch's fused kernels per pair, where this build has them (trainer/ttt_fused.h): pairs
+  // LibTorch's fused kernels per pair, where this build has them (trainer/attention/ttt_fused.h): pairs
   // at offsets whose first queries see only part of the key chunk (a plain call on the keys
   // they all see plus a causal square), documents crossing chunks, an empty row.
   if (trainer::ttt_fused_available()) {
@@ -310,7 +310,7 @@ void check_ring_job(int cp_size) {
 
 namespace {
 
-// --- The block-0 tile pieces (trainer/ttt_tiles.h) on chunk pairs -------------------------
+// --- The block-0 tile pieces (trainer/attention/ttt_tiles.h) on chunk pairs -------------------------
 
 struct PieceRun {
   at::Tensor out, dq, dk, dv;  // [B, heads, L, D], [B, heads, L, D], [B, kv_heads, L, D] x 2
@@ -365,7 +365,7 @@ PieceRun tiles_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, 
   return r;
 }
 
-// The same through the fused kernels' pair pieces (trainer/ttt_fused.h).
+// The same through the fused kernels' pair pieces (trainer/attention/ttt_fused.h).
 PieceRun fused_over_chunks(const AttnInputs& in, std::int64_t step, int chunks, std::int64_t key_shift) {
   const std::int64_t l = in.q.size(2);
   auto cut = [&](const at::Tensor& x, int dim, const trainer::SequenceChunk& c) {

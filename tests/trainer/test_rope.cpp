@@ -1,4 +1,4 @@
-// trainer/rope.h: every RoPE variant against an independent Python reading of the same
+// trainer/model/rope.h: every RoPE variant against an independent Python reading of the same
 // config.json (tests/trainer/rope_reference.py, written from the published formulas), for
 // the transformers v4 (rope_theta + rope_scaling) and v5 (rope_parameters) forms; the
 // exported draft config read back by that reference gives the frequencies trained with.
@@ -15,9 +15,9 @@
 
 #include "formats/error.h"
 #include "tests/support.h"
-#include "trainer/config.h"
-#include "trainer/draft_model.h"
-#include "trainer/rope.h"
+#include "trainer/model/config.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/model/rope.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -1,10 +1,10 @@
-// trainer/semantic_check.h: what validate --base says before it starts (the check itself is
+// trainer/run/semantic_check.h: what validate --base says before it starts (the check itself is
 // exercised end to end by tests/tools/test_validate_base_cli.cpp).
 #include <doctest/doctest.h>
 
 #include <string>
 
-#include "trainer/semantic_check.h"
+#include "trainer/run/semantic_check.h"
 
 using namespace eaglekit::trainer;
 

@@ -6,8 +6,8 @@
 #include <string>
 
 #include "formats/error.h"
-#include "trainer/config.h"
-#include "trainer/speculators_format.h"
+#include "trainer/io/speculators_format.h"
+#include "trainer/model/config.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -1,4 +1,4 @@
-// trainer/tensorboard.h: event files read by an independent Python reader
+// trainer/io/tensorboard.h: event files read by an independent Python reader
 // (tests/trainer/tfevents_reader.py: framing, CRC-32C, protobuf fields by number); a torn or
 // corrupted tail is detected as such; `train` logs every metrics.jsonl number at its step,
 // and a resumed run adds a file without touching the old one.
@@ -14,9 +14,9 @@
 
 #include "tests/support.h"
 #include "tests/trainer/train_data.h"
-#include "trainer/metrics_log.h"
-#include "trainer/tensorboard.h"
-#include "trainer/train.h"
+#include "trainer/io/metrics_log.h"
+#include "trainer/io/tensorboard.h"
+#include "trainer/run/train.h"
 
 namespace fs = std::filesystem;
 using namespace eaglekit;

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/threads.h"
+#include "trainer/run/threads.h"
 
 using namespace eaglekit::trainer;
 

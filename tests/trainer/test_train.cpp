@@ -18,13 +18,13 @@
 #include "tests/adamw_bound.h"
 #include "tests/support.h"
 #include "tests/trainer/train_data.h"
-#include "trainer/base_model.h"
-#include "trainer/checkpoint.h"
-#include "trainer/evaluate.h"
-#include "trainer/export.h"
-#include "trainer/optim.h"
-#include "trainer/train.h"
-#include "trainer/vocab.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/export.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/vocab.h"
+#include "trainer/run/evaluate.h"
+#include "trainer/run/optim.h"
+#include "trainer/run/train.h"
 
 namespace fs = std::filesystem;
 using namespace eaglekit;

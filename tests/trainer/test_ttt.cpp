@@ -8,14 +8,14 @@
 #include <set>
 
 #include "formats/error.h"
+#include "lib/collate.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "lib/collate.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/export.h"
-#include "trainer/soft_ce.h"
-#include "trainer/run_setup.h"
-#include "trainer/ttt.h"
+#include "trainer/io/export.h"
+#include "trainer/model/soft_ce.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/run/run_setup.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;
@@ -470,7 +470,7 @@ TEST_CASE("ttt: pre-norm hidden states with the base's final RMSNorm give the po
 }
 
 TEST_CASE("ttt: lm_head and the loss in chunks of rows equal the whole step (loss, metrics, every gradient)") {
-  // trainer/soft_ce.h: the step's logits never whole; chunks of 1 row, uneven chunks, one
+  // trainer/model/soft_ce.h: the step's logits never whole; chunks of 1 row, uneven chunks, one
   // chunk larger than the batch, for a one- and a two-layer draft, fp32 and bf16 autocast.
   CHECK(auto_loss_chunk_rows(2048, 32000) == 0);  // 65.5M logits: under 2^26, kept whole
   CHECK(auto_loss_chunk_rows(4096, 32000) == (std::int64_t{1} << 26) / 32000);

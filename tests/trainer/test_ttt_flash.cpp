@@ -12,12 +12,12 @@
 #include "formats/error.h"
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
-#include "trainer/cpu_memory.h"
-#include "trainer/ttt.h"
-#include "trainer/ttt_flash.h"
-#include "trainer/ttt_fused.h"
-#include "trainer/ttt_tiles.h"
 #include "tests/trainer/ttt_inputs.h"
+#include "trainer/attention/ttt_flash.h"
+#include "trainer/attention/ttt_fused.h"
+#include "trainer/attention/ttt_tiles.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

@@ -12,9 +12,9 @@
 #include "tests/support.h"
 #include "tests/trainer/trainer_fixtures.h"
 #include "tests/trainer/ttt_inputs.h"
-#include "trainer/ttt.h"
-#include "trainer/ttt_flash.h"
-#include "trainer/ttt_fused.h"
+#include "trainer/attention/ttt_flash.h"
+#include "trainer/attention/ttt_fused.h"
+#include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

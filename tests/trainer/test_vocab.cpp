@@ -2,7 +2,7 @@
 
 #include "formats/error.h"
 #include "tests/support.h"
-#include "trainer/vocab.h"
+#include "trainer/model/vocab.h"
 
 using namespace eaglekit;
 using namespace eaglekit::trainer;

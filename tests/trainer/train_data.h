@@ -18,8 +18,8 @@
 #include "lib/synth.h"
 #include "tests/compare.h"
 #include "tests/support.h"
-#include "trainer/base_model.h"
-#include "trainer/train.h"
+#include "trainer/model/base_model.h"
+#include "trainer/run/train.h"
 
 namespace eaglekit::test {
 

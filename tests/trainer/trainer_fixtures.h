@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "trainer/base_model.h"
-#include "trainer/config.h"
-#include "trainer/ttt.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/unroll/ttt.h"
 
 namespace eaglekit::trainer::fixtures {
 

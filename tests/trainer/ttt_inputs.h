@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "trainer/cpu_memory.h"
-#include "trainer/ttt.h"
+#include "trainer/run/cpu_memory.h"
+#include "trainer/unroll/ttt.h"
 
 namespace eaglekit::test_attention {
 

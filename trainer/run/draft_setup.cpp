@@ -1,0 +1,164 @@
+#include "trainer/run/draft_setup.h"
+
+#include <ATen/ATen.h>
+
+#include "formats/error.h"
+#include "lib/collate.h"
+#include "trainer/io/export.h"
+#include "trainer/model/config.h"
+#include "trainer/model/draft_model.h"
+#include "trainer/model/vocab.h"
+#include "trainer/run/options.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+// The draft vocabulary of a fresh run: --d2t's size (which --draft-vocab-size, when given,
+// must equal), else --draft-vocab-size, else the base's whole vocabulary.
+std::int64_t fresh_draft_vocab_size(const TrainOptions& o, const BaseConfig& base) {
+  if (!o.d2t.empty()) {
+    const std::int64_t n = load_d2t(o.d2t).size(0);
+    if (o.draft_vocab_size > 0 && n != o.draft_vocab_size) {
+      throw UsageError("--d2t " + o.d2t + " holds " + std::to_string(n) + " entries but --draft-vocab-size is " +
+                       std::to_string(o.draft_vocab_size));
+    }
+    return n;
+  }
+  const std::int64_t vd = o.draft_vocab_size > 0 ? o.draft_vocab_size : base.vocab_size;
+  if (vd > base.vocab_size) {
+    throw UsageError("--draft-vocab-size " + std::to_string(vd) + " exceeds the base vocabulary (" +
+                     std::to_string(base.vocab_size) + ")");
+  }
+  return vd;
+}
+
+std::string ids_text(const std::vector<std::int64_t>& ids) {
+  std::string s;
+  for (auto id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+}  // namespace
+
+std::int64_t aux_layers_of(const RecordShape& shape, const BaseConfig& bc, const std::string& base_dir) {
+  if (shape.hidden != bc.hidden_size) {
+    throw UsageError("the data's hidden states are " + std::to_string(shape.hidden) + " wide but the base in " +
+                     base_dir + " has hidden_size " + std::to_string(bc.hidden_size));
+  }
+  if (shape.hidden <= 0 || shape.aux_width % shape.hidden != 0) {
+    throw UsageError("the data's aux width " + std::to_string(shape.aux_width) + " is not a multiple of hidden " +
+                     std::to_string(shape.hidden));
+  }
+  return shape.aux_width / shape.hidden;
+}
+
+void check_draft_fits_data(const DraftConfig& c, const RecordShape& shape, bool allow_unservable) {
+  const std::int64_t aux_layers = shape.hidden > 0 ? shape.aux_width / shape.hidden : 0;
+  if (c.aux_width() != shape.aux_width || c.target_hidden_size != shape.hidden) {
+    throw UsageError("the draft's fc reads " + std::to_string(c.num_aux_layers) + " x " +
+                     std::to_string(c.target_hidden_size) + " aux features, the data has " +
+                     std::to_string(aux_layers) + " x " + std::to_string(shape.hidden));
+  }
+  // Before any step: final/ is for a server, and no server computes some drafts.
+  check_servable(c, allow_unservable, "train");
+  if (c.aux_layer_ids.empty()) {
+    throw UsageError("--aux-layer-ids is required: the data has " + std::to_string(aux_layers) +
+                     " aux layers and the export must name them (the ids the dump used; EAGLE-3's default "
+                     "2,N/2,N-3 applies only to 3 layers of a base with at least 6)");
+  }
+}
+
+void check_draft_layers(const TrainOptions& o, const DraftConfig& c, const std::string& source) {
+  if (o.draft_layers > 0 && o.draft_layers != c.num_hidden_layers) {
+    throw UsageError("--draft-layers " + std::to_string(o.draft_layers) + " differs from the " +
+                     std::to_string(c.num_hidden_layers) + " decoder layer(s) of the draft in " + source +
+                     " (a draft keeps its depth; drop --draft-layers, or start a fresh draft)");
+  }
+}
+
+DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init) {
+  DraftSource source;
+  init.emplace(load_draft(dir, &source));
+  DraftOrigin origin;
+  origin.kind = DraftOrigin::Kind::kInit;
+  origin.dir = dir;
+  origin.layout = source.layout;
+  origin.config = &init->config();
+  origin.d2t = [&init] { return init->d2t(); };
+  return origin;
+}
+
+DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const RecordShape& shape,
+                           const DraftOrigin& origin) {
+  const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
+  DraftDecision d;
+  if (origin.kind == DraftOrigin::Kind::kResume) {
+    d.config = *origin.config;
+    check_draft_layers(o, d.config, origin.dir);
+    d.source = "resume " + origin.dir;
+    d.aux_layer_ids_source = "the resumed checkpoint's draft";
+  } else if (origin.kind == DraftOrigin::Kind::kInit) {
+    DraftConfig c = *origin.config;
+    d.aux_layer_ids_source = "the --init-draft's config";
+    if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
+      c.aux_layer_ids = o.aux_layer_ids;
+      d.config_changed = true;
+      d.aux_layer_ids_source = "--aux-layer-ids";
+    } else if (c.aux_layer_ids.empty() && c.num_aux_layers == 3 && bc.num_hidden_layers >= 6) {
+      // Published configs often name no aux layers; the engines then use EAGLE-3's default.
+      c.aux_layer_ids = default_aux_layer_ids(bc.num_hidden_layers);
+      d.config_changed = true;
+      d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                               "-layer base (2, N/2, N-3); the --init-draft's config names none";
+      d.said.push_back("--init-draft names no aux layer ids: " + ids_text(c.aux_layer_ids) +
+                       ", EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                       "-layer base; pass --aux-layer-ids if the dump used others");
+    }
+    if (o.modelopt_norm && !c.modelopt_norm) {
+      c.modelopt_norm = true;
+      d.config_changed = true;
+    }
+    check_draft_layers(o, c, origin.dir);
+    if (o.draft_vocab_size > 0 && o.draft_vocab_size != c.draft_vocab_size) {
+      throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from --init-draft's (" +
+                       std::to_string(c.draft_vocab_size) + ")");
+    }
+    if (!o.d2t.empty() && !at::equal(load_d2t(o.d2t).to(at::kLong), origin.d2t().to(at::kCPU).to(at::kLong))) {
+      throw UsageError("--d2t " + o.d2t + " differs from the d2t of --init-draft " + origin.dir +
+                       " (its lm_head rows belong to its own d2t)");
+    }
+    c.check();
+    d.config = c;
+    d.source = "--init-draft " + origin.dir + (origin.layout.empty() ? "" : " (" + origin.layout + ")");
+  } else {
+    DraftOptions dopts;
+    dopts.draft_vocab_size = fresh_draft_vocab_size(o, bc);
+    dopts.num_aux_layers = aux_layers;
+    dopts.aux_layer_ids = o.aux_layer_ids;
+    dopts.modelopt_norm = o.modelopt_norm;
+    dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
+    d.config = draft_config_from_base(bc, dopts);
+    d.count_d2t = o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
+    d.source = "fresh from the base";
+    d.aux_layer_ids_source = "--aux-layer-ids";
+    if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {
+      d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
+                               "-layer base (2, N/2, N-3); no --aux-layer-ids given";
+      d.said.push_back("aux layer ids " + ids_text(d.config.aux_layer_ids) + ": EAGLE-3's default for a " +
+                       std::to_string(bc.num_hidden_layers) +
+                       "-layer base (HF hidden_states indices 2, N/2, N-3); pass --aux-layer-ids if the dump used "
+                       "others");
+    }
+  }
+  const DraftConfig& c = d.config;
+  if (c.hidden_size != bc.hidden_size || c.vocab_size != bc.vocab_size) {
+    throw UsageError("the draft (hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+                     ") does not fit the base (hidden " + std::to_string(bc.hidden_size) + ", vocab " +
+                     std::to_string(bc.vocab_size) + ")");
+  }
+  check_draft_fits_data(c, shape, o.allow_unservable);
+  return d;
+}
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,120 @@
+#include "trainer/run/evaluate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <ATen/Context.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iomanip>
+#include <sstream>
+
+#include "formats/error.h"
+#include "lib/progress.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/metrics_log.h"
+#include "trainer/model/base_model.h"
+#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/run/open_run.h"
+#include "trainer/run/plan.h"
+#include "trainer/run/run_setup.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
+                         const std::function<void(const TttStats&)>& on_batch) {
+  const dist::Mesh single = dist::Mesh::single();
+  const dist::Mesh& m = mesh ? *mesh : single;
+  const std::unique_ptr<SequenceContext> context = make_sequence_context(m, unroll.options().attention);
+  TttStats total(unroll.options().steps);
+  c10::NoGradGuard no_grad;
+  unroll.draft().train(false);
+  std::int64_t done = 0;
+  while (max_batches < 0 || done < max_batches) {
+    std::optional<Batch> batch = loader.next();
+    if (!batch) break;
+    ++done;
+    if (batch->rows() > 0) {
+      prepare_context(context.get(), *batch);
+      total += unroll.forward(to_ttt_batch(*batch), context.get()).stats;
+    }
+    if (on_batch) on_batch(total);
+  }
+  unroll.draft().train(true);
+  if (m.world_size() > 1) total = all_reduce_stats(m.world(), total);
+  return total;
+}
+
+std::string EvaluateReport::to_json() const {
+  auto j = nlohmann::ordered_json::parse(stats_json(stats, loss_decay));
+  j["steps"] = stats.steps();
+  j["loss_decay"] = loss_decay;
+  j["samples"] = samples;
+  j["seconds"] = seconds;
+  return j.dump();
+}
+
+std::string EvaluateReport::to_text() const {
+  std::ostringstream os;
+  os << std::fixed;
+  os << "evaluated " << samples << " samples, " << static_cast<std::int64_t>(stats.tokens())
+     << " scored positions, " << stats.steps() << " TTT steps in " << std::setprecision(1) << seconds
+     << " s\n";
+  os << std::setprecision(4);
+  os << "loss      " << stats.loss(loss_decay) << "  (sum of " << loss_decay << "^s * loss_s)\n";
+  os << "step  loss      acc     cond_acc\n";
+  const auto l = stats.loss_per_step(), a = stats.acc(), c = stats.cond_acc();
+  for (std::int64_t s = 0; s < stats.steps(); ++s) {
+    os << std::left << std::setw(6) << s << std::setw(10) << l[static_cast<std::size_t>(s)] << std::setw(8)
+       << a[static_cast<std::size_t>(s)] << c[static_cast<std::size_t>(s)] << "\n";
+  }
+  os << std::setprecision(3) << "est_ar    " << stats.est_ar() << "  (conditional " << stats.est_ar_conditional()
+     << ")\n";
+  return os.str();
+}
+
+EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* mesh) {
+  const auto t0 = Clock::now();
+  const dist::Mesh single = dist::Mesh::single();
+  const dist::Mesh& m = mesh ? *mesh : single;
+  options.check();
+  if (options.cp_size != m.cp_size())
+    throw UsageError("--cp " + std::to_string(options.cp_size) + " does not match the mesh (cp " +
+                     std::to_string(m.cp_size()) + ")");
+  parse_device(options.device);  // before the data: a missing GPU is said first
+  const RunPlan plan = resolve(options, m.world_size());
+  at::set_num_threads(plan.threads);
+  const std::unique_ptr<OpenRun> run = open_run(plan, m, [](const std::string&) {});
+  Progress progress("evaluate", run->loader->steps_in_epoch(), options.progress && m.is_main() ? -1 : 0);
+  EvaluateReport report;
+  report.loss_decay = plan.options.loss_decay;
+  report.summary = plan.summary + "\ndraft: " + plan.draft.source;
+  for (const auto& w : plan.norm.warnings) report.summary += "\nwarning: " + w;
+  report.summary += "\n" + plan.norm.said;
+  for (const auto& line : plan.notes) report.summary += "\n" + line;
+  report.samples = plan.train_samples;
+  report.stats = evaluate_loader(*run->unroll, *run->loader, &m, options.max_batches,
+                                 [&](const TttStats&) { progress.add(1); });
+  progress.finish();
+  report.seconds = seconds_since(t0);
+  return report;
+}
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,261 @@
+#include "trainer/run/options.h"
+
+#include <cmath>
+#include <string>
+
+#include "formats/error.h"
+#include "trainer/io/checkpoint.h"
+
+namespace eaglekit::trainer {
+
+std::string_view schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kCosine: return "cosine";
+    case Schedule::kLinear: return "linear";
+    case Schedule::kConstant: return "constant";
+  }
+  return "?";
+}
+
+std::optional<Schedule> parse_schedule(std::string_view name) {
+  if (name == "cosine") return Schedule::kCosine;
+  if (name == "linear") return Schedule::kLinear;
+  if (name == "constant") return Schedule::kConstant;
+  return std::nullopt;
+}
+
+opt::Group model_options(ModelOptions& m) {
+  using opt::field;
+  using opt::note;
+  return {"Model",
+          {
+              field("base", "DIR", m.base,
+                    "Base model folder: config.json and the weights (model.safetensors, or the shards of "
+                    "model.safetensors.index.json)"),
+              field("init_draft", "DIR", m.init_draft, "Start from an exported draft folder (its config wins)"),
+              note(field("draft_vocab_size", "N", m.draft_vocab_size, "Draft vocabulary size Vd"),
+                   "the d2t's size, else the base's vocab_size"),
+              note(field("draft_layers", "N", m.draft_layers,
+                         "Decoder layers of the draft: the first reads cat(emb, h), the others are plain "
+                         "Llama layers (docs/draft.md; N > 1 serves as trained in vLLM, not SGLang)"),
+                   "1 for a fresh draft, else the --init-draft's"),
+              note(field("d2t", "FILE", m.d2t, "d2t.pt from eaglekit vocab"),
+                   "counted over the train split when Vd < V"),
+              note(field("aux_layer_ids", "IDS", m.aux_layer_ids,
+                         "Aux layers of the dump, as HF hidden_states indices (e.g. 2,16,29)"),
+                   "the data's, else 2,N/2,N-3 for 3 layers"),
+              field("modelopt_norm", "", m.modelopt_norm,
+                    "ModelOpt's form: input_layernorm also applied to the hidden input (no serving engine "
+                    "computes it)"),
+              field("allow_unservable", "", m.allow_unservable,
+                    "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
+              field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
+              field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
+              opt::choice("hidden_states_norm", m.hidden_states_norm,
+                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"},
+                           {HiddenStatesNorm::kAuto, "auto"}},
+                          "Whether the dump's hidden_states come after the base's final norm (post: HF "
+                          "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
+                          "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
+                          "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
+                          "auto: the stated forms, post when no record states one (said), an error when only "
+                          "some do. eaglekit validate --base measures which one a dump is"),
+              opt::choice("ttt_attention", m.ttt_attention,
+                          {{TttAttention::kAuto, "auto"},
+                           {TttAttention::kLocal, "local"},
+                           {TttAttention::kTiled, "tiled"},
+                           {TttAttention::kFused, "fused"}},
+                          "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
+                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
+                          "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
+                          ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
+                          "below and on GPUs"),
+          }};
+}
+
+opt::Group optim_options(OptimOptions& o) {
+  using opt::field;
+  return {"Optimization",
+          {
+              field("grad_accum", "N", o.grad_accum, "Micro-batches per optimizer step"),
+              field("lr", "X", o.lr, "Peak learning rate"),
+              field("warmup_steps", "N", o.warmup_steps, "Linear warmup steps"),
+              opt::choice("schedule", o.schedule,
+                          {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}},
+                          "Learning-rate decay after warmup"),
+              field("weight_decay", "X", o.weight_decay, "AdamW weight decay on matrices"),
+              field("grad_clip", "X", o.grad_clip, "Clip the global gradient norm to X (0: off)"),
+              field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"),
+              field("adam_beta2", "X", o.adam_beta2, "AdamW beta2"),
+              field("adam_eps", "X", o.adam_eps, "AdamW eps"),
+              opt::note(field("epochs", "N", o.epochs, "Epochs"), "1, or no limit when only --max-steps is given"),
+              opt::note(field("max_steps", "N", o.max_steps, "Stop after this many optimizer steps"), "no limit"),
+          }};
+}
+
+opt::Group run_options(RunOptions& r) {
+  using opt::field;
+  using opt::note;
+  return {"Run",
+          {
+              field("out", "DIR", r.out, "Output folder"),
+              field("device", "NAME", r.device, "cpu, cuda or cuda:N"),
+              opt::alias(opt::choice("compute_dtype", r.compute_dtype,
+                                     {{ComputeDType::kFloat32, "fp32"},
+                                      {ComputeDType::kBFloat16, "bf16"},
+                                      {ComputeDType::kFloat32, "float32"},
+                                      {ComputeDType::kBFloat16, "bfloat16"}},
+                                     "Compute dtype: fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
+                         "dtype"),
+              note(field("threads", "N", r.threads, "LibTorch threads"),
+                   "OMP_NUM_THREADS if set, else the cores this process may run on, shared by a launch's local "
+                   "ranks; the run says which"),
+              field("adapt_threads", "", r.adapt_threads,
+                    "Run fewer threads (never more than --threads) while other processes keep the cores busy, "
+                    "and go back up when they are free; each count is kept only where it measured faster. The "
+                    "thread count changes float rounding: a run that adapts is not bit-reproducible "
+                    "(docs/benchmarks.md, \"Under load\")"),
+              opt::flag_named(field("cp_size", "N", r.cp_size, "Context-parallel size (world / cp = data-parallel size)"),
+                              "cp"),
+              field("timeout", "SECONDS", r.timeout,
+                    "How long a rendezvous or collective may wait for the other ranks before the job fails"),
+              field("eval_every", "N", r.eval_every, "Evaluate every N steps (0: at the end only; -1: never)"),
+              note(field("save_every", "N", r.save_every, "Checkpoint every N steps (one is always saved at the end)"),
+                   "at the end only"),
+              note(field("keep_checkpoints", "N", r.keep_checkpoints,
+                         "Keep only the newest N checkpoint-STEP folders in --out: an older one is deleted once "
+                         "a new one is completely written; --resume still finds the newest; best/ is never "
+                         "deleted (0: keep all)"),
+                   "0, keep all"),
+              opt::choice("keep_best", r.keep_best, {{KeepBest::kNone, "none"}, {KeepBest::kEstAr, "est_ar"}},
+                          "Keep OUT/best/, a checkpoint of the evaluation with the highest est_ar so far, with "
+                          "best.json naming its step and est_ar (needs evaluation: --eval-every >= 0 and "
+                          "--eval-fraction > 0); export takes it like any checkpoint"),
+              field("log_every", "N", r.log_every, "A metrics line every N steps"),
+              opt::optional_value("resume", "[DIR]", r.resume, r.resume_from,
+                                  "Continue from the newest complete checkpoint in DIR (default: --out)"),
+              opt::json_only(field("resume_from", "DIR", r.resume_from, "")),
+              note(field("export_dtype", "DTYPE", r.export_dtype, "dtype of OUT/final: bf16, fp16 or fp32"),
+                   "the base's torch_dtype"),
+              note(field("tensorboard", "DIR", r.tensorboard, "Folder of the TensorBoard event files"), "OUT/tensorboard"),
+              field("no_tensorboard", "", r.no_tensorboard, "Write no TensorBoard event files"),
+              field("progress", "", r.progress,
+                    "A progress line on stderr: redrawn on a terminal; in a log (not a terminal) a plain line "
+                    "after the first step and every --progress-every seconds"),
+              field("progress_every", "SECONDS", r.progress_every,
+                    "Seconds between the plain progress lines when stderr is not a terminal (0: none)"),
+              note(field("loss_chunk_tokens", "N", r.loss_chunk_tokens,
+                         "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
+                         "logits are never whole (0: all at once; docs/ttt.md)"),
+                   "-1: auto, chunks only when a step's logits would exceed 2^26 values (256 MiB)"),
+              field("recompute", "", r.recompute,
+                    "Recompute each draft layer's projections and MLP in backward instead of keeping their "
+                    "activations: the same result in less memory, for one more forward of those pieces per step "
+                    "(docs/ttt.md, recomputation)"),
+          }};
+}
+
+// --- train ----------------------------------------------------------------------------
+
+opt::Groups TrainOptions::groups() {
+  return {data_options(*this).without({"split"}), batch_options(*this), model_options(*this), optim_options(*this),
+          run_options(*this)};
+}
+
+std::string TrainOptions::to_json() const { return opt::to_json(const_cast<TrainOptions&>(*this).groups()); }
+
+void TrainOptions::apply_json(const std::string& json_text, const std::string& where) {
+  opt::apply_json(groups(), json_text, where);
+}
+
+void TrainOptions::check() const {
+  if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
+  if (base.empty()) throw UsageError("--base is required (the base model folder)");
+  if (out.empty()) throw UsageError("--out is required (the output folder)");
+  if (eval_fraction < 0 || eval_fraction >= 1) throw UsageError("--eval-fraction must be in [0, 1)");
+  if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  check_ttt_attention(ttt_attention);
+  if (!(loss_decay > 0)) throw UsageError("--loss-decay must be positive");
+  if (max_length < 2) throw UsageError("--max-length must be at least 2");
+  if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
+  if (grad_accum < 1) throw UsageError("--grad-accum must be at least 1");
+  if (!(lr > 0) || !std::isfinite(lr)) throw UsageError("--lr must be a positive number");
+  if (warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
+  if (weight_decay < 0) throw UsageError("--weight-decay must not be negative");
+  if (!(adam_beta1 >= 0 && adam_beta1 < 1) || !(adam_beta2 >= 0 && adam_beta2 < 1))
+    throw UsageError("Adam betas must be in [0, 1)");
+  if (!(adam_eps > 0)) throw UsageError("Adam eps must be positive");
+  if (epochs < 0) throw UsageError("--epochs must not be negative");
+  if (max_steps < 0) throw UsageError("--max-steps must not be negative");
+  if (log_every < 1) throw UsageError("--log-every must be at least 1");
+  if (!(progress_every >= 0) || !std::isfinite(progress_every))
+    throw UsageError("--progress-every takes seconds, 0 or more (0: no plain progress lines)");
+  if (draft_vocab_size < 0) throw UsageError("--draft-vocab-size must not be negative");
+  if (cp_size < 1) throw UsageError("--cp must be at least 1");
+  if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
+  if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
+  if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
+    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
+  if (keep_checkpoints < 0)
+    throw UsageError("--keep-checkpoints must not be negative (N > 0 keeps the newest N; 0 keeps all), not " +
+                     std::to_string(keep_checkpoints));
+  if (keep_best != KeepBest::kNone) {
+    if (eval_every < 0)
+      throw UsageError("--keep-best est_ar needs evaluation, which --eval-every " + std::to_string(eval_every) +
+                       " turns off: set --eval-every N (every N steps) or 0 (at the end)");
+    if (!(eval_fraction > 0))
+      throw UsageError("--keep-best est_ar needs an eval split: set --eval-fraction above 0 (it enables evaluation)");
+  }
+  if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
+  if (adapt_threads && device != "cpu")
+    throw UsageError("--adapt-threads adapts the CPU's LibTorch threads; with --device " + device +
+                     " the work runs elsewhere: leave it out");
+  if (!export_dtype.empty()) parse_float_dtype(export_dtype);
+  parse_device_name(device);  // run_training checks that the device is there
+}
+
+// --- evaluate -------------------------------------------------------------------------
+
+opt::Groups EvaluateOptions::groups() {
+  opt::Group own{"Evaluate",
+                 {opt::field("draft", "DIR", draft,
+                             "Draft folder: an export, a checkpoint, or a run folder (its newest checkpoint)"),
+                  opt::note(opt::field("max_batches", "N", max_batches, "Stop after N batches"), "the whole split")}};
+  return {own,
+          data_options(*this),
+          batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"}),
+          run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
+}
+
+void EvaluateOptions::check() const {
+  if (base.empty()) throw UsageError("--base is required (the base model folder)");
+  if (draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
+  if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
+  if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  check_ttt_attention(ttt_attention);
+  if (max_length < 2) throw UsageError("--max-length must be at least 2");
+  if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
+  if (cp_size < 1) throw UsageError("--cp must be at least 1");
+  if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
+  if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
+  if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
+  if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
+    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
+}
+
+// --- names -----------------------------------------------------------------------------
+
+DeviceName parse_device_name(const std::string& name) {
+  if (name == "cpu") return {};
+  if (name == "cuda") return {true, 0};
+  if (name.rfind("cuda:", 0) == 0) {
+    const std::string idx = name.substr(5);
+    if (idx.empty() || idx.find_first_not_of("0123456789") != std::string::npos || idx.size() > 3)
+      throw UsageError("--device '" + name + "': expected cuda:N");
+    return {true, std::stoi(idx)};
+  }
+  throw UsageError("--device must be cpu, cuda or cuda:N, not '" + name + "'");
+}
+
+}  // namespace eaglekit::trainer

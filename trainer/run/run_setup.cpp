@@ -1,0 +1,132 @@
+#include "trainer/run/run_setup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include "formats/error.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/parallel/ring_attention.h"
+
+namespace eaglekit::trainer {
+
+c10::Device parse_device(const std::string& name, bool check_available) {
+  if (check_available && (name == "cuda" || name.rfind("cuda:", 0) == 0) && !at::hasCUDA()) {
+    throw UsageError("--device " + name +
+                     ": this LibTorch has no usable CUDA device (build against a CUDA LibTorch, "
+                     "or use --device cpu)");
+  }
+  const DeviceName d = parse_device_name(name);
+  if (!d.cuda) return c10::Device(c10::kCPU);
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.index));
+}
+
+std::optional<c10::ScalarType> autocast_type(ComputeDType dtype) {
+  if (dtype == ComputeDType::kBFloat16) return at::kBFloat16;
+  return std::nullopt;
+}
+
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples) {
+  NormPlan p;
+  const SampleRef* first_pre = nullptr;
+  const SampleRef* first_post = nullptr;
+  const SampleRef* first_unstated = nullptr;
+  for (const auto& s : samples) {
+    if (!s.hidden_states_prenorm) {
+      ++p.unstated;
+      if (!first_unstated) first_unstated = &s;
+    } else if (*s.hidden_states_prenorm) {
+      ++p.stated_pre;
+      if (!first_pre) first_pre = &s;
+    } else {
+      ++p.stated_post;
+      if (!first_post) first_post = &s;
+    }
+  }
+  const std::int64_t stated = p.stated_pre + p.stated_post;
+  const std::string counts = std::to_string(p.stated_pre) + " pre-norm, " + std::to_string(p.stated_post) +
+                             " post-norm, " + std::to_string(p.unstated) + " not stated";
+  if (option == HiddenStatesNorm::kAuto) {
+    if (stated > 0 && p.unstated > 0)
+      throw UsageError("--hidden-states-norm auto: " + std::to_string(stated) + " records state their norm form but " +
+                       std::to_string(p.unstated) + " do not (e.g. '" + first_unstated->conversation_id +
+                       "'; " + counts + "): pass --hidden-states-norm post or pre for the ones that do not "
+                       "(stated forms still win; `eaglekit validate --base` measures which)");
+    p.default_pre = false;
+    p.said = stated > 0 ? "hidden states in the form each record states (" + counts +
+                              "): the base's final RMSNorm is applied before lm_head to the pre-norm ones"
+                        : "hidden states taken as post-norm (--hidden-states-norm auto and no record states its "
+                          "form; pass --hidden-states-norm pre for a dump taken before the base's final norm, e.g. "
+                          "ModelOpt's vLLM path; `eaglekit validate --base` measures which)";
+  } else {
+    p.default_pre = option == HiddenStatesNorm::kPre;
+    const char* name = p.default_pre ? "pre" : "post";
+    const std::int64_t against = p.default_pre ? p.stated_post : p.stated_pre;
+    if (against > 0) {
+      const SampleRef* e = p.default_pre ? first_post : first_pre;
+      p.warnings.push_back(std::string("--hidden-states-norm ") + name + " contradicts " + std::to_string(against) +
+                           " of " + std::to_string(samples.size()) + " records, which state " +
+                           (p.default_pre ? "post" : "pre") + "-norm (e.g. '" + e->conversation_id +
+                           "'): they are trained in their stated form, and the option applies only to the " +
+                           std::to_string(p.unstated) + " that state none");
+    }
+    p.said = std::string("hidden states taken as ") + name + "-norm (--hidden-states-norm " + name + ")" +
+             (stated > 0 ? " where the record states no form (" + counts + ")" : std::string()) +
+             (p.default_pre || p.stated_pre > 0 ? ": the base's final RMSNorm is applied before lm_head to the pre-norm ones"
+                                                : "");
+  }
+  p.any_pre = p.stated_pre > 0 || (p.default_pre && p.unstated > 0);
+  return p;
+}
+
+TttBatch to_ttt_batch(const Batch& batch) {
+  TttBatch t;
+  t.input_ids = batch.input_ids;
+  t.attention_mask = batch.attention_mask;
+  t.loss_mask = batch.loss_mask;
+  t.hidden_states = batch.hidden_states;
+  t.aux_hidden_states = batch.aux_hidden_states;
+  t.document_ids = batch.document_ids;
+  t.position_ids = batch.position_ids;
+  t.hidden_states_prenorm = batch.hidden_states_prenorm;
+  return t;
+}
+
+at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {
+  at::Tensor out = at::zeros({steps}, at::kDouble);
+  if (batch.rows() == 0 || batch.input_ids.size(1) == 0) return out;
+  const std::int64_t n = batch.input_ids.size(1);
+  // The unroll weighs position t by loss_mask[t + 1] when t >= s (and t + 1 is in t's
+  // document). Summed over the whole row that is: loss_mask[u] at every u whose position
+  // is >= s + 1 (a document's first token has position 0, so the document condition is
+  // implied). Counting at u rather than t keeps each context-parallel chunk's share local.
+  const at::Tensor positions =
+      batch.position_ids.defined()
+          ? batch.position_ids.to(at::kCPU, at::kLong)
+          : at::arange(batch.first_token, batch.first_token + n, at::kLong).unsqueeze(0);
+  const at::Tensor mask = batch.loss_mask.to(at::kCPU, at::kDouble);
+  auto acc = out.accessor<double, 1>();
+  for (std::int64_t s = 0; s < steps; ++s)
+    acc[s] = (mask * (positions >= s + 1).to(at::kDouble)).sum().item<double>();
+  return out;
+}
+
+std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh, TttAttention attention) {
+  if (mesh.cp_size() == 1) return nullptr;
+  RingOptions ro;
+  ro.pair_kernel = ring_pair_kernel(attention);
+  return std::make_unique<RingContext>(mesh.cp(), mesh.cp(), ro);
+}
+
+void prepare_context(SequenceContext* context, const Batch& batch) {
+  if (auto* ring = dynamic_cast<RingContext*>(context)) ring->set_global_length(batch.length);
+}
+
+at::Tensor reduce_sum(const dist::Group& group, const at::Tensor& cpu, c10::Device device) {
+  if (group.size() == 1) return cpu;
+  at::Tensor t = cpu.contiguous();
+  if (group.backend() == dist::Backend::kNccl) t = t.to(device);
+  group.all_reduce_sum(t);
+  return t.to(at::kCPU);
+}
+
+}  // namespace eaglekit::trainer

@@ -1,0 +1,75 @@
+// What a run of the TTT unroll needs around it, shared by training and evaluation: the
+// device and compute dtype named on the command line, the loader's Batch as the unroll's
+// TttBatch, the loss normalizer of a batch known before its forward, the sequence context
+// of a mesh (context parallelism), and small sums over a process group.
+//
+// Thread safety: free functions without state. Errors: UsageError for a device or dtype
+// that cannot be used; c10::Error from LibTorch; dist errors from the group.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "lib/loader.h"
+#include "trainer/run/options.h"
+#include "trainer/unroll/ttt.h"
+
+namespace eaglekit::dist {
+class Group;
+class Mesh;
+}  // namespace eaglekit::dist
+
+namespace eaglekit::trainer {
+
+// "cpu", "cuda", "cuda:N". Throws UsageError for anything else, and, when `check_available`,
+// when CUDA is asked for but this LibTorch has no usable CUDA device (a --dry-run plans a GPU
+// job on a machine without one).
+c10::Device parse_device(const std::string& name, bool check_available = true);
+// kFloat32 -> nullopt (no autocast); kBFloat16 -> kBFloat16 (autocast).
+std::optional<c10::ScalarType> autocast_type(ComputeDType dtype);
+
+// How a run takes its records' norm forms (docs/data.md, pre- and post-norm dumps). A
+// record's stated form (SampleRef::hidden_states_prenorm, from the index) always wins;
+// --hidden-states-norm gives the form of the records that state none:
+// - post / pre: that form; records that state the other one are named in `warnings`
+//   (counts and an example id) and still trained in their stated form;
+// - auto: the stated forms when every record states one; post-norm (what Hugging Face's
+//   hidden_states[-1] and ModelOpt's reader default to), said in `said`, when none does;
+//   a UsageError when some do and some do not, saying what to pass.
+struct NormPlan {
+  bool default_pre = false;  // TttOptions::prenorm_hidden_states: records that state no form
+  bool any_pre = false;      // some record is taken as pre-norm: load the base's final norm
+  std::int64_t stated_pre = 0, stated_post = 0, unstated = 0;
+  std::string said;                   // one line for the user
+  std::vector<std::string> warnings;  // contradictions between the option and stated forms
+};
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples);
+
+// The loader's batch as the unroll takes it (tensors shared, not copied).
+TttBatch to_ttt_batch(const Batch& batch);
+
+// The sum over the batch, per TTT step s < steps, of the loss weights the unroll uses
+// (the loss mask of the next token, from position s on; inside a document when packed):
+// equal to TttResult::mask_sum, computed without running the model and without
+// communication (a context-parallel chunk's share from its global positions), so that a
+// step's loss normalizer is known before its first forward. float64 [steps] on the CPU.
+at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps);
+
+// The sequence layout of a mesh: nullptr when the mesh is single-rank (the unroll's own
+// SingleRankContext), else a RingContext over the mesh's cp group whose normalizer group is
+// the cp group as well (callers pass the global normalizer to ttt_loss themselves).
+// Its pair kernel carries out `attention` (ring_pair_kernel).
+std::unique_ptr<SequenceContext> make_sequence_context(const dist::Mesh& mesh, TttAttention attention);
+// Hands the coming batch's global row length to a context that needs it (RingContext).
+void prepare_context(SequenceContext* context, const Batch& batch);
+
+// A small float64 CPU tensor summed over `group` (moved to `device` first for NCCL).
+at::Tensor reduce_sum(const dist::Group& group, const at::Tensor& cpu, c10::Device device);
+
+}  // namespace eaglekit::trainer
