@@ -1,12 +1,10 @@
 #include "formats/format.h"
 
 #include <algorithm>
-#include <cstring>
 #include <filesystem>
 #include <system_error>
 
 #include "formats/byte_source.h"
-#include "formats/bytes.h"
 #include "formats/error.h"
 #include "formats/file_walk.h"
 #include "formats/registry.h"
@@ -16,42 +14,19 @@ namespace eaglekit {
 namespace fs = std::filesystem;
 
 std::string_view format_name(Format f) {
-  switch (f) {
-    case Format::kUnknown: return "unknown";
-    case Format::kPt: return "pt";
-    case Format::kPtGzip: return "pt.gz";
-    case Format::kSafetensors: return "safetensors";
-    case Format::kHdf5: return "hdf5";
-    case Format::kEks: return "eks";
-    case Format::kTorchLegacy: return "torch-legacy";
-  }
-  return "unknown";
+  const FormatRow* row = format_row(f);
+  return row ? row->name : "unknown";
 }
 
 std::optional<Format> parse_format(std::string_view n) {
-  if (n == "pt" || n == "ckpt") return Format::kPt;
-  if (n == "pt.gz" || n == "ckpt.gz") return Format::kPtGzip;
-  if (n == "safetensors") return Format::kSafetensors;
-  if (n == "hdf5" || n == "h5") return Format::kHdf5;
-  if (n == "eks") return Format::kEks;
+  for (const auto& [format, spelling] : format_spellings())
+    if (spelling == n) return format;
   return std::nullopt;
 }
 
 Format detect_format(const std::uint8_t* h, std::size_t n) {
-  // ZIP local file header "PK\3\4" (torch.save zip). An empty zip would start "PK\5\6".
-  if (n >= 4 && h[0] == 'P' && h[1] == 'K' && h[2] == 3 && h[3] == 4) return Format::kPt;
-  if (n >= 2 && h[0] == 0x1f && h[1] == 0x8b) return Format::kPtGzip;
-  static const std::uint8_t kHdf5Magic[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
-  if (n >= 8 && std::memcmp(h, kHdf5Magic, 8) == 0) return Format::kHdf5;
-  if (n >= 8 && std::memcmp(h, "EKSHARD1", 8) == 0) return Format::kEks;
-  // Legacy torch: pickle PROTO 2 then LONG1 of the 10-byte magic number 0x1950a86a20f9469cfc6c.
-  if (n >= 4 && h[0] == 0x80 && h[1] == 0x02 && h[2] == 0x8a && h[3] == 0x0a)
-    return Format::kTorchLegacy;
-  // safetensors: u64 header length, then '{'.
-  if (n >= 9 && h[8] == '{') {
-    const std::uint64_t len = load_le64(h);
-    if (len >= 2 && len < (1ull << 40)) return Format::kSafetensors;
-  }
+  for (const FormatRow& row : format_rows())
+    if (row.magic(h, n)) return row.format;
   return Format::kUnknown;
 }
 
@@ -67,26 +42,24 @@ std::optional<std::size_t> RecordReader::find(std::string_view id) const {
 }
 
 std::unique_ptr<RecordReader> open_reader(const std::string& path) {
-  const Format f = detect_file_format(path);
-  if (f == Format::kTorchLegacy)
-    throw UnsupportedError(path, 0, "magic",
-                           "legacy (pre-1.6, non-zip) torch.save file; re-save it with "
-                           "torch.save(obj, path) from torch >= 1.6");
-  if (f == Format::kUnknown)
+  const FormatRow* row = format_row(detect_file_format(path));
+  if (!row) {
+    const auto named = [](const FormatRow& r) { return !r.noun.empty(); };
     throw FormatError(path, 0, "magic",
-                      "not a record file (expected a torch.save zip, .ckpt.gz, safetensors, "
-                      "HDF5 or .eks shard)");
-  for (const auto& entry : format_registry())
-    if (entry.format == f && entry.open) return entry.open(path);
-  throw UnsupportedError(path, 0, "magic",
-                         std::string("no reader is built for format ") +
-                             std::string(format_name(f)));
+                      "not a record file (expected " +
+                          format_list(&FormatRow::noun, named, ", ", " or ") + ")");
+  }
+  if (!row->open)
+    throw UnsupportedError(path, 0, "magic",
+                           "no reader is built for format " + std::string(row->name));
+  return row->open(path);
 }
 
 std::unique_ptr<RecordWriter> create_writer(const std::string& path, const WriterOptions& opts) {
-  for (const auto& entry : format_registry())
-    if (entry.format == opts.format && entry.create) return entry.create(path, opts);
-  throw UsageError("cannot write format " + std::string(format_name(opts.format)));
+  const FormatRow* row = format_row(opts.format);
+  if (!row || !row->create)
+    throw UsageError("cannot write format " + std::string(format_name(opts.format)));
+  return row->create(path, opts);
 }
 
 RecordSpec parse_record_spec(const std::string& spec) {

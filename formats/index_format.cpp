@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "formats/byte_source.h"
 #include "formats/bytes.h"
 #include "formats/error.h"
+#include "formats/registry.h"
 
 namespace eaglekit {
 
@@ -37,26 +39,21 @@ constexpr std::uint8_t kFlagIdFromFileName = 4;
 constexpr std::uint8_t kFlagNormStated = 8;   // the record states its norm form (version 2)
 constexpr std::uint8_t kFlagPrenorm = 16;     // ... and it is pre-norm
 
-// Stable on-disk codes, independent of the enums' order in the headers.
+// Stable on-disk codes, independent of the enums' order in the headers: formats'
+// from their rows (FormatRow::index_code), 0 for unknown (a file that could not be read).
 std::uint8_t format_code(Format f) {
-  switch (f) {
-    case Format::kUnknown: return 0;
-    case Format::kPt: return 1;
-    case Format::kPtGzip: return 2;
-    case Format::kSafetensors: return 3;
-    case Format::kHdf5: return 4;
-    case Format::kEks: return 5;
-    case Format::kTorchLegacy: return 6;
-  }
-  return 0;
+  const FormatRow* row = format_row(f);
+  return row ? row->index_code : 0;
 }
 
 std::optional<Format> format_from_code(std::uint8_t c) {
-  static const Format kFormats[] = {Format::kUnknown,     Format::kPt,   Format::kPtGzip,
-                                    Format::kSafetensors, Format::kHdf5, Format::kEks,
-                                    Format::kTorchLegacy};
-  if (c < sizeof kFormats / sizeof kFormats[0]) return kFormats[c];
-  return std::nullopt;
+  static const std::array<std::optional<Format>, 256> kFormats = [] {
+    std::array<std::optional<Format>, 256> by_code;
+    by_code[0] = Format::kUnknown;
+    for (const FormatRow& row : format_rows()) by_code[row.index_code] = row.format;
+    return by_code;
+  }();
+  return kFormats[c];
 }
 
 std::uint8_t dtype_code(DType t) {

@@ -42,10 +42,7 @@ Archive open_archive(std::shared_ptr<const ByteSource> src) {
   const std::string& path = a.src->name();
   const std::size_t head = static_cast<std::size_t>(std::min<std::uint64_t>(a.src->size(), 16));
   const Format f = detect_format(a.src->data(), head);
-  if (f == Format::kTorchLegacy)
-    throw UnsupportedError(path, 0, "magic",
-                           "legacy (pre-1.6, non-zip) torch.save file; re-save it with "
-                           "torch.save(obj, path) from torch >= 1.6");
+  if (f == Format::kTorchLegacy) throw_torch_legacy(path);
   if (f != Format::kPt)
     throw FormatError(path, 0, "magic", "not a torch.save zip archive (no PK\\3\\4 at byte 0)");
   a.zip = std::make_unique<ZipArchive>(a.src);
@@ -543,6 +540,12 @@ void PtWriter::finish() {
 
 std::unique_ptr<RecordReader> open_pt_reader(const std::string& path) {
   return std::make_unique<PtReader>(path);
+}
+
+void throw_torch_legacy(const std::string& path) {
+  throw UnsupportedError(path, 0, "magic",
+                         "legacy (pre-1.6, non-zip) torch.save file; re-save it with "
+                         "torch.save(obj, path) from torch >= 1.6");
 }
 
 std::unique_ptr<RecordWriter> create_pt_writer(const std::string& path, const WriterOptions& opts) {

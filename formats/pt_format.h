@@ -126,5 +126,8 @@ class PtWriter final : public RecordWriter {
 // Registry hooks (formats/registry.cpp).
 std::unique_ptr<RecordReader> open_pt_reader(const std::string& path);
 std::unique_ptr<RecordWriter> create_pt_writer(const std::string& path, const WriterOptions& opts);
+// The refusal of a legacy (pre-1.6, non-zip) torch.save file: UnsupportedError saying how to
+// re-save it. The pt reader throws it, and so does open_reader (its registry row).
+[[noreturn]] void throw_torch_legacy(const std::string& path);
 
 }  // namespace eaglekit

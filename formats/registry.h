@@ -1,23 +1,57 @@
-// The table that ties each Format to its reader and writer. Adding a format = one
-// header of its own plus one row in registry.cpp. Internal to formats/.
+// The record formats, one row each: every fact about a format outside its own reader and
+// writer. Detection, format_name / parse_format, the dataset index's format codes, open_reader
+// / create_writer, convert's --format choices, output extensions and help, and the index's
+// ids from file names all read these rows. Adding a format = its own header and source (reader,
+// writer), one enumerator in formats/format.h and one row in formats/registry.cpp.
+// Thread safety: the rows are immutable, built on first use.
 #pragma once
 
-#include <functional>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "formats/format.h"
 
 namespace eaglekit {
 
-struct FormatEntry {
+struct FormatRow {
   Format format;
-  std::function<std::unique_ptr<RecordReader>(const std::string& path)> open;
-  std::function<std::unique_ptr<RecordWriter>(const std::string& path, const WriterOptions&)>
-      create;  // empty when the format is read-only
+  std::string_view name;                     // format_name(); the canonical --format spelling
+  std::vector<std::string_view> aliases;     // more spellings parse_format takes ("ckpt")
+  // File name endings, lower case (".ckpt.gz"). Never used to detect a file (magic does that):
+  // they name outputs (the first: the files of a folder output) and strip ids from file names.
+  std::vector<std::string_view> extensions;
+  // The format's code in dataset index files (formats/index_format.h). On disk: a code is
+  // never renumbered or reused, or old .eki files would read as another format. 0 is unknown.
+  std::uint8_t index_code;
+  bool one_record;      // a file holds one record (a file name gives an id); else a shard
+  bool convert_output;  // `eaglekit convert` writes it (lib/convert.h)
+  // How "not a record file (expected ...)" names it; empty: not named (refused formats).
+  std::string_view noun;
+  // Whether a file's first bytes (16, or the whole file when shorter) are this format's.
+  bool (*magic)(const std::uint8_t* head, std::size_t n);
+  std::unique_ptr<RecordReader> (*open)(const std::string& path);
+  // null: read-only.
+  std::unique_ptr<RecordWriter> (*create)(const std::string& path, const WriterOptions& opts);
 };
 
-const std::vector<FormatEntry>& format_registry();
+// Every row, in the order detection tries them and help lists them.
+const std::vector<FormatRow>& format_rows();
+
+// f's row; nullptr for Format::kUnknown.
+const FormatRow* format_row(Format f);
+
+// Every spelling parse_format takes, for a --format choice: the writable formats' names in
+// row order, then their aliases.
+std::vector<std::pair<Format, std::string_view>> format_spellings();
+
+// Text for help and errors: `field` (&FormatRow::name, &FormatRow::noun) of every row `keep`
+// accepts, in row order, as "a, b, c" with `last` before the final item ("a, b or c").
+std::string format_list(std::string_view FormatRow::*field, bool (*keep)(const FormatRow&),
+                        std::string_view separator, std::string_view last);
 
 }  // namespace eaglekit

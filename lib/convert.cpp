@@ -14,6 +14,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -23,23 +24,17 @@ namespace fs = std::filesystem;
 std::optional<Format> format_from_extension(const std::string& path) {
   std::string ext = fs::path(path).extension().string();
   for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (ext == ".pt" || ext == ".ckpt" || ext == ".pth") return Format::kPt;
-  if (ext == ".safetensors") return Format::kSafetensors;
-  if (ext == ".h5" || ext == ".hdf5") return Format::kHdf5;
-  if (ext == ".eks") return Format::kEks;
+  for (const FormatRow& row : format_rows())
+    for (std::string_view e : row.extensions)
+      if (ext == e) return row.format;
   return std::nullopt;
 }
 
-namespace {
-
-bool is_shard_format(Format f) { return f == Format::kHdf5 || f == Format::kEks; }
-
-std::string extension_of(Format f) {
-  switch (f) {
-    case Format::kSafetensors: return ".safetensors";
-    default: return ".pt";
-  }
+bool convert_writes(const FormatRow& row) {
+  return row.convert_output && row.create && !row.extensions.empty();
 }
+
+namespace {
 
 // A file name for a conversation id: ids may hold characters a path cannot.
 std::string file_stem(const std::string& id) {
@@ -118,15 +113,16 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   res.format = options.format ? *options.format
                               : (dst_is_dir ? Format::kPt
                                             : format_from_extension(dst).value_or(Format::kPt));
-  if (res.format != Format::kPt && res.format != Format::kSafetensors &&
-      !is_shard_format(res.format))
-    throw UsageError("cannot write format " + std::string(format_name(res.format)) +
-                     " (pt, safetensors, hdf5 or eks)");
-  const bool shard = is_shard_format(res.format);
+  const FormatRow* row = format_row(res.format);
+  if (!row || !convert_writes(*row))
+    throw UsageError("cannot write format " + std::string(format_name(res.format)) + " (" +
+                     format_list(&FormatRow::name, convert_writes, ", ", " or ") + ")");
+  const bool shard = !row->one_record;
   if (shard && dst_is_dir)
     throw UsageError("DST " + dst + " is a folder, but " + std::string(format_name(res.format)) +
                      " writes one shard file; name a file");
   res.folder_output = !shard && !(src_single_record && !dst_is_dir);
+  const std::string ext(row->extensions.front());  // a folder output's file names end so
   WriterOptions wo = options.writer;
   wo.format = res.format;
 
@@ -135,7 +131,6 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   if (res.folder_output) {
     fs::create_directories(dst, ec);
     if (ec) throw IoError::from_errno(dst, "cannot create folder", ec.value());
-    const std::string ext = extension_of(res.format);
     remove_stale_temp_files(dst, [&](const std::string& name) {
       return name.size() > ext.size() && name.compare(name.size() - ext.size(), ext.size(), ext) == 0;
     });
@@ -162,7 +157,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
                         [&](const tbb::blocked_range<std::size_t>& range) {
         for (std::size_t u = range.begin(); u != range.end(); ++u) {
           for (const Record& r : read_unit(units[u])) {
-            const std::string name = file_stem(r.conversation_id) + extension_of(res.format);
+            const std::string name = file_stem(r.conversation_id) + ext;
             {
               std::lock_guard<std::mutex> lock(mu);
               if (!names.insert(name).second)

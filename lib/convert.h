@@ -4,10 +4,11 @@
 // SRC is a record file, "FILE#conversation_id" (one record of a shard), or a folder (every
 // record file below it, recursively, sorted; records in file order). The output format is
 // options.format, else DST's extension (.pt/.ckpt, .safetensors, .h5/.hdf5, .eks), else pt.
+// The formats it writes are the rows of formats/registry.h marked convert_output:
 //  - Shard formats (hdf5, eks): DST is one file holding every record.
 //  - One-record formats (pt, safetensors): DST is a file when SRC yields exactly one record
 //    and DST is not a folder (no trailing '/', not an existing folder); otherwise DST is a
-//    folder and record C goes to DST/C.pt (or .safetensors).
+//    folder and record C goes to DST/C.pt (or .safetensors: the row's first extension).
 // Every output file is written atomically (temp file + rename), so an interrupted run leaves
 // no file that looks complete. Records are read (and one-record outputs written) in
 // parallel on options.jobs threads; shard writers receive records in order.
@@ -24,6 +25,8 @@
 #include "formats/format.h"
 
 namespace eaglekit {
+
+struct FormatRow;
 
 struct ConvertOptions {
   std::optional<Format> format;  // nullopt: from DST's extension, else pt
@@ -45,8 +48,14 @@ struct ConvertResult {
 ConvertResult convert_records(const std::string& src, const std::string& dst,
                               const ConvertOptions& options = {});
 
-// The format a path's extension names (".pt", ".ckpt", ".safetensors", ".h5", ".hdf5",
-// ".eks"); nullopt otherwise.
+// The format a path's last extension names, in any case, among the rows' extensions
+// (".pt", ".ckpt", ".safetensors", ".h5", ".hdf5", ".eks"; not ".ckpt.gz", which is two);
+// nullopt otherwise.
 std::optional<Format> format_from_extension(const std::string& path);
+
+// Whether convert writes a row's format: marked convert_output, with a writer and an
+// extension. For format_list: the help's and errors' lists of output formats.
+bool convert_writes(const FormatRow& row);
+
 
 }  // namespace eaglekit

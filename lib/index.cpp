@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -18,6 +17,7 @@
 
 #include "formats/error.h"
 #include "formats/file_walk.h"
+#include "formats/registry.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -27,8 +27,8 @@ namespace fs = std::filesystem;
 namespace {
 
 bool single_record_format(Format f) {
-  return f == Format::kPt || f == Format::kPtGzip || f == Format::kSafetensors ||
-         f == Format::kTorchLegacy;
+  const FormatRow* row = format_row(f);
+  return row && row->one_record;
 }
 
 std::int64_t mtime_ns_of(const struct stat& st) {
@@ -61,12 +61,13 @@ EntryError classify_error(const std::exception& e) {
 
 std::string file_stem_id(const std::string& path) {
   std::string name = fs::path(path).filename().string();
-  static const char* kExtensions[] = {".ckpt.gz", ".pt.gz", ".safetensors", ".ckpt", ".pth", ".pt"};
-  for (const char* ext : kExtensions) {
-    const std::size_t n = std::strlen(ext);
-    if (name.size() > n && name.compare(name.size() - n, n, ext) == 0)
-      return name.substr(0, name.size() - n);
-  }
+  std::size_t longest = 0;  // the longest record-format extension it ends with (".ckpt.gz")
+  for (const FormatRow& row : format_rows())
+    for (std::string_view ext : row.extensions)
+      if (name.size() > ext.size() && ext.size() > longest &&
+          std::string_view(name).substr(name.size() - ext.size()) == ext)
+        longest = ext.size();
+  if (longest > 0) return name.substr(0, name.size() - longest);
   const auto dot = name.rfind('.');
   if (dot != std::string::npos && dot > 0) name.resize(dot);
   return name;

@@ -19,8 +19,9 @@ namespace eaglekit {
 // record tensor is a shape error: that is what Record::check throws).
 EntryError classify_error(const std::exception& e);
 
-// The conversation id a file name gives ("data/7/abc.pt" -> "abc"): the name without its
-// record-format extension (.pt, .pth, .ckpt, .ckpt.gz, .pt.gz, .safetensors, else the last).
+// The conversation id a file name gives ("data/7/abc.pt" -> "abc"): the name without the
+// longest record-format extension it ends with (formats/registry.h's rows: ".ckpt.gz",
+// ".pt", ".safetensors", ...; case as written), else without its last extension.
 std::string file_stem_id(const std::string& path);
 
 struct IndexOptions {

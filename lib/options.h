@@ -73,9 +73,10 @@ Option field(const char* key, const char* metavar, T& value, const char* help) {
   return o;
 }
 
-template <class E>
-Option choice(const char* key, E& value, std::initializer_list<std::pair<E, const char*>> names,
-              const char* help) {
+// A choice among names (value, spelling): the first spelling of each value is its name, in
+// order; the others are accepted too ("ckpt" for pt).
+template <class E, class Names>
+Option choice_of(const char* key, E& value, const Names& names, const char* help) {
   Option o = row(key, "", help);
   ChoiceRef c;
   std::vector<E> values;
@@ -99,6 +100,12 @@ Option choice(const char* key, E& value, std::initializer_list<std::pair<E, cons
   c.set = [p, values](std::size_t i) { *p = values[i]; };
   o.ref = std::move(c);
   return o;
+}
+
+template <class E>
+Option choice(const char* key, E& value, std::initializer_list<std::pair<E, const char*>> names,
+              const char* help) {
+  return choice_of(key, value, names, help);
 }
 
 Option optional_value(const char* key, const char* metavar, bool& flag, std::string& value, const char* help);

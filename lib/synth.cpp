@@ -15,6 +15,7 @@
 
 #include "formats/atomic_file.h"
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "formats/safetensors_format.h"
 #include "lib/progress.h"
 
@@ -114,7 +115,8 @@ void store_row(DType dt, const float* v, std::int64_t n, std::uint8_t* out) {
   }
 }
 
-std::string extension(Format f) { return f == Format::kSafetensors ? ".safetensors" : ".pt"; }
+// pt or safetensors (check_synth_options): the row's first extension, as convert names files.
+std::string extension(Format f) { return std::string(format_row(f)->extensions.front()); }
 
 }  // namespace
 

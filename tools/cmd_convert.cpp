@@ -7,6 +7,7 @@
 
 #include "formats/eks_format.h"
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "lib/convert.h"
 #include "lib/progress.h"
 #include "tools/cli.h"
@@ -21,31 +22,29 @@ int run_convert(int argc, char** argv) {
   bool json = false;
   const opt::Groups groups{opt::Group{
       "Convert",
-      {opt::note(opt::choice("format", format,
-                             {{Format::kPt, "pt"},
-                              {Format::kPtGzip, "pt.gz"},
-                              {Format::kSafetensors, "safetensors"},
-                              {Format::kHdf5, "hdf5"},
-                              {Format::kEks, "eks"},
-                              {Format::kPt, "ckpt"},
-                              {Format::kPtGzip, "ckpt.gz"},
-                              {Format::kHdf5, "h5"}},
-                             "Output format"),
+      {opt::note(opt::choice_of("format", format, format_spellings(), "Output format"),
                  "DST's extension, else pt"),
        opt::choice("codec", codec, {{EksCodec::kZstd, "zstd"}, {EksCodec::kFp8, "fp8"}}, "eks codec"),
        opt::field("level", "N", o.writer.level, "eks zstd level"),
        opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
        opt::field("json", "", json, "Print the result as JSON")}}};
+  const auto shard = [](const FormatRow& r) { return convert_writes(r) && !r.one_record; };
+  const auto one_record = [](const FormatRow& r) { return convert_writes(r) && r.one_record; };
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " SRC DST [OPTIONS]",
       "Convert records between formats, values preserved exactly. SRC: a record file, "
-      "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for "
-      "hdf5/eks), or a folder that receives one file per record (pt, safetensors). The format "
-      "comes from --format, else DST's extension, else pt. Outputs are written atomically.", 2);
+      "FILE#conversation_id, or a folder of records. DST: a file (one record, or a shard for " +
+          format_list(&FormatRow::name, shard, "/", "/") +
+          "), or a folder that receives one file per record (" +
+          format_list(&FormatRow::name, one_record, ", ", ", ") +
+          "). The format comes from --format, else DST's extension, else pt. Outputs are written "
+          "atomically.",
+      2);
   if (!cl) return 0;
   if (cl->positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");
   cl->check_choice("format", [](const std::string& v) {
-    return "--format: unknown format '" + v + "' (pt, safetensors, hdf5, eks)";
+    return "--format: unknown format '" + v + "' (" +
+           format_list(&FormatRow::name, convert_writes, ", ", ", ") + ")";
   });
   cl->apply();
   if (format != Format::kUnknown) o.format = format;

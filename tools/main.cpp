@@ -15,6 +15,8 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/registry.h"
+#include "lib/convert.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -29,12 +31,15 @@
 namespace eaglekit::tools {
 
 const std::vector<Command>& commands() {
+  static const std::string kConvert =
+      "Convert records between " + format_list(&FormatRow::name, convert_writes, ", ", " and ") +
+      " (values exact)";
   static const std::vector<Command> kCommands = {
       {"index", "Index the records below folders (headers only; incremental)", run_index},
       {"validate", "Check records against the conversations and each other before training", VALIDATE_COMMAND},
       {"stats", "Token distribution, bytes per token and a disk estimate, from an index", run_stats},
       {"inspect", "Show a record file's format, id, tensors (dtype, shape) and optional stats", run_inspect},
-      {"convert", "Convert records between pt, safetensors, hdf5 and eks (values exact)", run_convert},
+      {"convert", kConvert.c_str(), run_convert},
       {"synth", "Write a synthetic, learnable dataset (and a tiny base model)", run_synth},
       {"pack", "Pack records of any format into compressed .eks shards (resumable)", run_pack},
       {"verify", "Decode every record and check every checksum; list bad records", run_verify},
