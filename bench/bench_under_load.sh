@@ -6,12 +6,12 @@
 # each side, the overall tokens/s (all timed tokens over all timed seconds: stalled steps
 # count) idle and loaded and the share kept, then the two shares side by side.
 #
-# usage: bench/bench_under_load.sh [--fixed] [--runs 3] [--steps 20] [bench_train.sh options]
+# usage: bench/bench_under_load.sh [--fixed] [--runs 3] [--steps 60] [bench_train.sh options]
 # The build dir is $EAGLEKIT_BUILD_DIR (default build/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ADAPT=(--adapt-threads) RUNS=3 STEPS=20 THREADS=$(nproc) PASS=()
+ADAPT=(--adapt-threads) RUNS=3 STEPS=60 THREADS=$(nproc) PASS=()
 [ "$THREADS" -gt 2 ] && THREADS=2
 while [ $# -gt 0 ]; do
   case "$1" in
