@@ -6,13 +6,15 @@
 #   2. the fused CPU kernels against the ATen composites inside one process
 #      (bench_train_step --cpu-kernels both, the same shape);
 #   3. the loader against the Python reference pipeline (bench_loader.sh);
-#   4. the TTT attention kernels, local and fused against tiled (bench_ttt_attention).
+#   4. the TTT attention kernels, local and fused against tiled (bench_ttt_attention);
+#   5. the share of its idle speed each trainer keeps beside one busy loop per thread
+#      (bench_under_load.sh: train --adapt-threads against PyTorch eager).
 # It first prints the machine: CPU model, cores, vector extensions, load average, LibTorch,
 # OpenBLAS's kernel choice and OMP_WAIT_POLICY; then every benchmark's own output; then one
 # summary table of the ratios, each beside the README's claim.
 #
 # usage: bench/cpu_figures.sh [--quick] [--report-only] [--threads N]
-#   --quick        fewer runs and steps (CI: about 4 minutes on 2 cores)
+#   --quick        fewer runs and steps (CI: about 3 minutes on 2 cores)
 #   --report-only  exit 0 whatever the ratios (CI); otherwise exit 1 when a claim does not
 #                  hold on this machine. A benchmark that fails exits 1 in both modes.
 #   --threads N    LibTorch threads on both sides (default: min(cores, 2), as bench_train.sh)
@@ -44,9 +46,9 @@ for t in eaglekit bench_train_step bench_ttt_attention; do
 done
 PY=/usr/bin/python3
 if [ "$QUICK" = 1 ]; then
-  RUNS=3 STEPS=8 RUNS_1K=2 STEPS_1K=6 REPS=8 LOADER_N=60 ATT_REPS=3
+  RUNS=3 STEPS=8 RUNS_1K=2 STEPS_1K=6 REPS=8 LOADER_N=60 ATT_REPS=3 RUNS_LOAD=1 STEPS_LOAD=40
 else
-  RUNS=5 STEPS=12 RUNS_1K=3 STEPS_1K=8 REPS=20 LOADER_N=200 ATT_REPS=5
+  RUNS=5 STEPS=12 RUNS_1K=3 STEPS_1K=8 REPS=20 LOADER_N=200 ATT_REPS=5 RUNS_LOAD=3 STEPS_LOAD=60
 fi
 LOG=$(mktemp -d /tmp/eaglekit-cpu-figures.XXXXXX)
 trap 'rm -rf "$LOG"' EXIT
@@ -78,6 +80,7 @@ run kernels "$BUILD/bin/bench_train_step" --base "$BASE" --draft-vocab 1024 --ba
   --threads "$THREADS" --reps "$REPS" --top 0 --cpu-kernels both
 run loader bench/bench_loader.sh --conversations "$LOADER_N" --hidden 512 --runs "$RUNS"
 run attention "$BUILD/bin/bench_ttt_attention" --lengths 512,2048 --steps 3 --reps "$ATT_REPS" --threads "$THREADS"
+run load bench/bench_under_load.sh --threads "$THREADS" --runs "$RUNS_LOAD" --steps "$STEPS_LOAD"
 
 # The summary: each ratio beside the claim the README makes for it.
 "$PY" - "$LOG" "$REPORT_ONLY" <<'EOF'
@@ -91,6 +94,7 @@ rows = [
     ("trainer / PyTorch eager, tokens/s, L 1024", grab("train1024", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
     ("fused CPU kernels / ATen composites, step", grab("kernels", r"ratio fused CPU kernels / ATen composites: ([0-9.]+)x"), 1.2),
     ("loader / Python reference, samples/s", grab("loader", r"loader / Python, samples/s: +([0-9.]+)x"), 5.0),
+    ("under load: idle speed kept, trainer / PyTorch", grab("load", r"kept, eaglekit / PyTorch: ([0-9.]+)x"), 1.0),
 ]
 att = open(f"{log}/attention").read()
 print("\n== summary (medians; claims from README.md)")
