@@ -39,8 +39,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
                          std::int64_t max_batches = -1,
                          const std::function<void(const TttStats&)>& on_batch = {});
 
-// `eaglekit evaluate`: the groups of train that apply (the split defaults to eval and the
-// order is the reference one), plus the draft to evaluate.
+// What `eaglekit evaluate` found: the pooled statistics and what matched.
 struct EvaluateReport {
   TttStats stats;
   double loss_decay = 0.9;

@@ -1,7 +1,8 @@
 // The option groups of the torch commands (train, evaluate, export), as tables
 // (lib/options.h): the model ("Model"), the optimisation ("Optimization") and the run
-// ("Run"). With lib/data_options.h's "Data" and "Batches" they make TrainOptions (one
-// struct per group; every field has its one default here). LibTorch-free.
+// ("Run"). With lib/data_options.h's "Data" and "Batches" they make TrainOptions and
+// EvaluateOptions (one struct per group; every field has its one default here), whose checks
+// are here too. LibTorch-free.
 //
 // Thread safety: plain structs. Errors: UsageError from the tables.
 #pragma once
@@ -128,7 +129,8 @@ struct TrainOptions : DataSelection, BatchOptions, ModelOptions, OptimOptions, R
   void check() const;
 };
 
-// Every option of `eaglekit evaluate`: the groups it shares with train, and its own.
+// Every option of `eaglekit evaluate`: the groups of train that apply (the split defaults to
+// eval and the order is the reference one), plus the draft to evaluate.
 struct EvaluateOptions : DataSelection, BatchOptions, ModelOptions, RunOptions {
   std::string draft;              // exported draft or checkpoint folder, or a run folder
   std::int64_t max_batches = -1;  // < 0: the whole split
