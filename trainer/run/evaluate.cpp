@@ -58,7 +58,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
 }
 
 std::string EvaluateReport::to_json() const {
-  auto j = nlohmann::ordered_json::parse(stats_json(stats, loss_decay));
+  nlohmann::ordered_json j = stats_json(stats, loss_decay);
   j["steps"] = stats.steps();
   j["loss_decay"] = loss_decay;
   j["samples"] = samples;

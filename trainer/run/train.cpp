@@ -394,8 +394,7 @@ class TrainLoop {
     j["split"] = "eval";
     j["step"] = step_;
     j["epoch"] = run_.loader->state().epoch;
-    const json metrics = json::parse(stats_json(stats, o_.loss_decay));
-    for (const auto& [k, v] : metrics.items()) j[k] = v;
+    j.update(stats_json(stats, o_.loss_decay));
     j["seconds"] = seconds_since(t0);
     if (log_) log_->write(j.dump());
     result_.eval_stats = stats;
