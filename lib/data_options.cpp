@@ -26,9 +26,8 @@ opt::Group batch_options(BatchOptions& b) {
           {
               field("batch_size", "N", b.batch_size, "Rows per batch, per data-parallel rank"),
               field("max_length", "N", b.max_length, "Tokens per sample (and the row length in pad and pack mode)"),
-              opt::choice("mode", b.mode,
-                          {{CollateMode::kPad, "pad"}, {CollateMode::kLongest, "longest"}, {CollateMode::kPack, "pack"}},
-                          "Collation: pad (the reference), longest or pack (docs/data.md)"),
+              opt::choice_of("mode", b.mode, kCollateModeNames,
+                             "Collation: pad (the reference), longest or pack (docs/data.md)"),
               field("pad_multiple", "N", b.pad_multiple, "longest: round the batch length up to this"),
               field("shuffle", "", b.shuffle, "A seeded permutation of the samples per epoch (off: reference order)"),
               field("seed", "N", b.seed, "Seed of the shuffle (train: and of the draft's initialisation)"),

@@ -8,22 +8,6 @@
 
 namespace eaglekit::trainer {
 
-std::string_view schedule_name(Schedule s) {
-  switch (s) {
-    case Schedule::kCosine: return "cosine";
-    case Schedule::kLinear: return "linear";
-    case Schedule::kConstant: return "constant";
-  }
-  return "?";
-}
-
-std::optional<Schedule> parse_schedule(std::string_view name) {
-  if (name == "cosine") return Schedule::kCosine;
-  if (name == "linear") return Schedule::kLinear;
-  if (name == "constant") return Schedule::kConstant;
-  return std::nullopt;
-}
-
 opt::Group model_options(ModelOptions& m) {
   using opt::field;
   using opt::note;
@@ -51,25 +35,19 @@ opt::Group model_options(ModelOptions& m) {
                     "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
               field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
               field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
-              opt::choice("hidden_states_norm", m.hidden_states_norm,
-                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"},
-                           {HiddenStatesNorm::kAuto, "auto"}},
-                          "Whether the dump's hidden_states come after the base's final norm (post: HF "
-                          "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
-                          "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
-                          "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
-                          "auto: the stated forms, post when no record states one (said), an error when only "
-                          "some do. eaglekit validate --base measures which one a dump is"),
-              opt::choice("ttt_attention", m.ttt_attention,
-                          {{TttAttention::kAuto, "auto"},
-                           {TttAttention::kLocal, "local"},
-                           {TttAttention::kTiled, "tiled"},
-                           {TttAttention::kFused, "fused"}},
-                          "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
-                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
-                          "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
-                          ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
-                          "below and on GPUs"),
+              opt::choice_of("hidden_states_norm", m.hidden_states_norm, kHiddenStatesNormNames,
+                             "Whether the dump's hidden_states come after the base's final norm (post: HF "
+                             "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
+                             "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
+                             "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
+                             "auto: the stated forms, post when no record states one (said), an error when only "
+                             "some do. eaglekit validate --base measures which one a dump is"),
+              opt::choice_of("ttt_attention", m.ttt_attention, kTttAttentionNames,
+                             "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
+                             "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
+                             "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
+                             ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
+                             "below and on GPUs"),
           }};
 }
 
@@ -80,9 +58,7 @@ opt::Group optim_options(OptimOptions& o) {
               field("grad_accum", "N", o.grad_accum, "Micro-batches per optimizer step"),
               field("lr", "X", o.lr, "Peak learning rate"),
               field("warmup_steps", "N", o.warmup_steps, "Linear warmup steps"),
-              opt::choice("schedule", o.schedule,
-                          {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}},
-                          "Learning-rate decay after warmup"),
+              opt::choice_of("schedule", o.schedule, kScheduleNames, "Learning-rate decay after warmup"),
               field("weight_decay", "X", o.weight_decay, "AdamW weight decay on matrices"),
               field("grad_clip", "X", o.grad_clip, "Clip the global gradient norm to X (0: off)"),
               field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"),

@@ -19,8 +19,10 @@
 namespace eaglekit::trainer {
 
 enum class Schedule { kCosine, kLinear, kConstant };
-std::string_view schedule_name(Schedule s);  // "cosine", "linear", "constant"
-std::optional<Schedule> parse_schedule(std::string_view name);
+inline constexpr NameTable<Schedule, 3> kScheduleNames{
+    {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}}};
+inline std::string_view schedule_name(Schedule s) { return name_in(kScheduleNames, s); }
+inline std::optional<Schedule> parse_schedule(std::string_view name) { return value_in(kScheduleNames, name); }
 
 // The compute dtype of the draft's forward and backward: float32, or bfloat16 autocast
 // (weights and optimizer state stay float32).
@@ -32,6 +34,8 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // auto: the form each record states, else post-norm when none states one (trainer/run/run_setup.h
 // plan_hidden_states_norm).
 enum class HiddenStatesNorm { kPost, kPre, kAuto };
+inline constexpr NameTable<HiddenStatesNorm, 3> kHiddenStatesNormNames{
+    {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}, {HiddenStatesNorm::kAuto, "auto"}}};
 
 // --keep-best: which checkpoint OUT/best/ holds (trainer/io/checkpoint.h): none, or the one
 // with the highest eval est_ar.
