@@ -128,7 +128,8 @@ struct TrainOptions : DataSelection, BatchOptions, ModelOptions, OptimOptions, R
   // mistyped value throws UsageError naming the key and `where`.
   std::string to_json() const;
   void apply_json(const std::string& json_text, const std::string& where);
-  // Throws UsageError naming the first option that cannot work.
+  // Throws UsageError naming the first option that cannot work: a required one missing, a
+  // value outside its row's bound (opt::check_bounds), then what involves several options.
   void check() const;
 };
 
@@ -145,7 +146,7 @@ struct EvaluateOptions : DataSelection, BatchOptions, ModelOptions, RunOptions {
     shuffle = false;
   }
   opt::Groups groups();
-  void check() const;  // UsageError naming the first option that cannot work
+  void check() const;  // UsageError naming the first option that cannot work (as TrainOptions)
 };
 
 // "cpu", "cuda", "cuda:N" as the (LibTorch-free) parts of a device: UsageError otherwise.
