@@ -109,19 +109,9 @@ struct Problem {
 // ---------------------------------------------------------------------------------------
 // Names and entries
 
-std::string_view eks_codec_name(EksCodec c) {
-  switch (c) {
-    case EksCodec::kZstd: return "zstd";
-    case EksCodec::kFp8: return "fp8";
-  }
-  return "?";
-}
+std::string_view eks_codec_name(EksCodec c) { return name_in(kEksCodecNames, c); }
 
-std::optional<EksCodec> parse_eks_codec(std::string_view name) {
-  if (name == "zstd") return EksCodec::kZstd;
-  if (name == "fp8") return EksCodec::kFp8;
-  return std::nullopt;
-}
+std::optional<EksCodec> parse_eks_codec(std::string_view name) { return value_in(kEksCodecNames, name); }
 
 std::string_view eks_role_name(EksRole r) {
   switch (r) {

@@ -79,6 +79,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/names.h"
 
 namespace eaglekit {
 
@@ -94,7 +95,8 @@ enum class EksRole : std::uint8_t {
 };
 enum class EksTransform : std::uint8_t { kNone = 0, kBytePlanes = 1, kFp8RowScaled = 2 };
 
-std::string_view eks_codec_name(EksCodec c);  // "zstd", "fp8"
+inline constexpr NameTable<EksCodec, 2> kEksCodecNames{{{EksCodec::kZstd, "zstd"}, {EksCodec::kFp8, "fp8"}}};
+std::string_view eks_codec_name(EksCodec c);  // kEksCodecNames
 std::optional<EksCodec> parse_eks_codec(std::string_view name);
 std::string_view eks_role_name(EksRole r);    // "input_ids", ...
 

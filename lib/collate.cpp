@@ -18,21 +18,9 @@
 
 namespace eaglekit {
 
-std::string_view collate_mode_name(CollateMode m) {
-  switch (m) {
-    case CollateMode::kPad: return "pad";
-    case CollateMode::kLongest: return "longest";
-    case CollateMode::kPack: return "pack";
-  }
-  return "pad";
-}
+std::string_view collate_mode_name(CollateMode m) { return name_in(kCollateModeNames, m); }
 
-std::optional<CollateMode> parse_collate_mode(std::string_view name) {
-  if (name == "pad") return CollateMode::kPad;
-  if (name == "longest") return CollateMode::kLongest;
-  if (name == "pack") return CollateMode::kPack;
-  return std::nullopt;
-}
+std::optional<CollateMode> parse_collate_mode(std::string_view name) { return value_in(kCollateModeNames, name); }
 
 void CollateOptions::check() const {
   if (max_length < 1) throw UsageError("max length must be at least 1");

@@ -31,7 +31,7 @@
 
 namespace eaglekit {
 
-std::string_view collate_mode_name(CollateMode m);  // "pad", "longest", "pack"
+std::string_view collate_mode_name(CollateMode m);  // kCollateModeNames (lib/data_options.h)
 std::optional<CollateMode> parse_collate_mode(std::string_view name);
 
 struct CollateOptions {

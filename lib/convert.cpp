@@ -15,6 +15,7 @@
 #include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/registry.h"
+#include "lib/clock.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -206,7 +207,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   res.records = records.load();
   res.files_written = files.load();
   res.bytes_written = bytes.load();
-  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  res.seconds = seconds_since(start);
   return res;
 }
 

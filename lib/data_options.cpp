@@ -15,26 +15,30 @@ opt::Group data_options(DataSelection& d) {
                           "(auto: id, else row when every record is row-named)"),
               field("quarantine", "FILE", d.quarantine, "File of conversation ids to leave out (eaglekit validate --quarantine)"),
               field("split", "NAME", d.split, "train, eval or all"),
-              field("eval_fraction", "X", d.eval_fraction,
-                    "Share of the matched samples, at the end, that form the eval split"),
+              opt::below(opt::at_least(field("eval_fraction", "X", d.eval_fraction,
+                                             "Share of the matched samples, at the end, that form the eval split"),
+                                       0),
+                         1),
           }};
 }
 
 opt::Group batch_options(BatchOptions& b) {
+  using opt::at_least;
   using opt::field;
   return {"Batches",
           {
-              field("batch_size", "N", b.batch_size, "Rows per batch, per data-parallel rank"),
-              field("max_length", "N", b.max_length, "Tokens per sample (and the row length in pad and pack mode)"),
-              opt::choice("mode", b.mode,
-                          {{CollateMode::kPad, "pad"}, {CollateMode::kLongest, "longest"}, {CollateMode::kPack, "pack"}},
-                          "Collation: pad (the reference), longest or pack (docs/data.md)"),
-              field("pad_multiple", "N", b.pad_multiple, "longest: round the batch length up to this"),
+              at_least(field("batch_size", "N", b.batch_size, "Rows per batch, per data-parallel rank"), 1),
+              at_least(
+                  field("max_length", "N", b.max_length, "Tokens per sample (and the row length in pad and pack mode)"),
+                  2),
+              opt::choice_of("mode", b.mode, kCollateModeNames,
+                             "Collation: pad (the reference), longest or pack (docs/data.md)"),
+              at_least(field("pad_multiple", "N", b.pad_multiple, "longest: round the batch length up to this"), 1),
               field("shuffle", "", b.shuffle, "A seeded permutation of the samples per epoch (off: reference order)"),
               field("seed", "N", b.seed, "Seed of the shuffle (train: and of the draft's initialisation)"),
               field("drop_last", "", b.drop_last, "Drop the last, partial global batch of an epoch"),
-              field("jobs", "N", b.jobs, "Loader threads (0: all cores)"),
-              field("prefetch", "N", b.prefetch, "Batches in flight and ready ahead of the consumer"),
+              at_least(field("jobs", "N", b.jobs, "Loader threads (0: all cores)"), 0),
+              at_least(field("prefetch", "N", b.prefetch, "Batches in flight and ready ahead of the consumer"), 1),
           }};
 }
 

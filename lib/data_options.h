@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "formats/names.h"
 #include "lib/dataset.h"
 #include "lib/options.h"
 
@@ -20,6 +21,8 @@ enum class CollateMode {
   kLongest,  // rows padded to the batch's longest sample, rounded up to pad_multiple
   kPack,     // several samples per row of max_length, greedy, with document/position ids
 };
+inline constexpr NameTable<CollateMode, 3> kCollateModeNames{
+    {{CollateMode::kPad, "pad"}, {CollateMode::kLongest, "longest"}, {CollateMode::kPack, "pack"}}};
 
 // Which samples: the conversations, the index whose records they match, ids to leave out,
 // and the reference split (docs/data.md). Without conversations (data empty) every usable

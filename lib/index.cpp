@@ -18,6 +18,7 @@
 #include "formats/error.h"
 #include "formats/file_walk.h"
 #include "formats/registry.h"
+#include "lib/clock.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -311,7 +312,7 @@ IndexReport build_index(const IndexOptions& opts) {
     if (n > 1) report.duplicate_ids.emplace_back(id);
   std::sort(report.duplicate_ids.begin(), report.duplicate_ids.end());
   report.files = files.size();
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.seconds = seconds_since(start);
   return report;
 }
 

@@ -28,6 +28,7 @@
 #include "formats/error.h"
 #include "formats/finite.h"
 #include "formats/pt_format.h"
+#include "lib/clock.h"
 #include "lib/index.h"
 
 namespace eaglekit {
@@ -35,10 +36,6 @@ namespace eaglekit {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 enum class ItemKind { kBatch, kEndOfEpoch, kFinished };
 

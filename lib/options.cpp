@@ -162,6 +162,54 @@ void Option::set_text(std::string_view text) const {
       ref);
 }
 
+bool Bound::holds(double x) const {
+  return (lo_open ? x > lo : x >= lo) && (hi_open ? x < hi : x <= hi) && (!finite || std::isfinite(x));
+}
+
+std::string Bound::message(const std::string& flag, const std::string& value) const {
+  if (!says.empty()) {
+    std::string s = says;
+    const std::size_t at = s.find("{}");
+    if (at != std::string::npos) s.replace(at, 2, value);
+    return flag + " " + s;
+  }
+  const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
+  std::string s;
+  if (has_lo && has_hi)
+    s = "must be in " + std::string(lo_open ? "(" : "[") + number_text(lo) + ", " + number_text(hi) +
+        (hi_open ? ")" : "]");
+  else if (has_lo && lo == 0)
+    s = lo_open ? (finite ? "must be a positive number" : "must be positive") : "must not be negative";
+  else if (has_lo)
+    s = (lo_open ? "must be above " : "must be at least ") + number_text(lo);
+  else
+    s = (hi_open ? "must be below " : "must be at most ") + number_text(hi);
+  return flag + " " + s;
+}
+
+void check_bounds(const Groups& groups) {
+  for (const auto& g : groups) {
+    for (const auto& o : g.options) {
+      if (!o.bound) continue;
+      double x = 0;
+      std::string text;
+      if (const auto* p = std::get_if<std::int64_t*>(&o.ref)) {
+        x = static_cast<double>(**p);
+        text = std::to_string(**p);
+      } else if (const auto* q = std::get_if<int*>(&o.ref)) {
+        x = **q;
+        text = std::to_string(**q);
+      } else if (const auto* d = std::get_if<double*>(&o.ref)) {
+        x = **d;
+        text = std::to_string(**d);
+      } else {
+        throw std::logic_error(flag_of(o) + ": a bound on an option that is not a signed number");
+      }
+      if (!o.bound->holds(x)) throw UsageError(o.bound->message(flag_of(o), text));
+    }
+  }
+}
+
 Group Group::only(std::initializer_list<const char*> keys) const {
   for (const char* k : keys)
     if (!find(k)) throw std::logic_error(title + " options have no '" + k + "'");
@@ -177,6 +225,15 @@ Group Group::without(std::initializer_list<const char*> keys) const {
   Group g{title, {}};
   for (const auto& o : options)
     if (std::none_of(keys.begin(), keys.end(), [&](const char* k) { return o.key == k; })) g.options.push_back(o);
+  return g;
+}
+
+Group Group::unbounded(std::initializer_list<const char*> keys) const {
+  for (const char* k : keys)
+    if (!find(k)) throw std::logic_error(title + " options have no '" + k + "'");
+  Group g = *this;
+  for (auto& o : g.options)
+    if (std::any_of(keys.begin(), keys.end(), [&](const char* k) { return o.key == k; })) o.bound.reset();
   return g;
 }
 

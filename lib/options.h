@@ -6,7 +6,9 @@
 //
 // A row names its field; the field's initializer is the one default. The key is snake_case
 // and the flag is the key with '-' ("max_length" -> --max-length) unless the row says
-// otherwise; a boolean gets --KEY and --no-KEY.
+// otherwise; a boolean gets --KEY and --no-KEY. A number's row may carry its bound (at least
+// N, positive, in [a, b), ...): check_bounds refuses a value outside it, once every flag and
+// --config key is set, so a struct's check() keeps only what involves several options.
 //
 // Thread safety: a Group points into one struct; use it from one thread. Errors:
 // UsageError naming the flag or JSON key and what it takes.
@@ -15,6 +17,8 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -41,6 +45,24 @@ struct OptionalValueRef {
   std::string* value;
 };
 
+// The values a number option takes: lo <= x (lo < x when lo_open), x <= hi (x < hi when
+// hi_open), and a finite x when `finite`. Built by the row modifiers at_least, positive,
+// at_most, below, finite and refusal (below).
+struct Bound {
+  double lo = -std::numeric_limits<double>::infinity();
+  double hi = std::numeric_limits<double>::infinity();
+  bool lo_open = false;
+  bool hi_open = false;
+  bool finite = false;
+  // What the refusal says after "--FLAG "; "" derives it from the bound ("must be at least
+  // 1", "must not be negative", "must be positive", "must be a positive number" (finite),
+  // "must be in [0, 1)"). "{}" in it stands for the value (std::to_string).
+  std::string says;
+
+  bool holds(double x) const;
+  std::string message(const std::string& flag, const std::string& value) const;
+};
+
 using Ref = std::variant<std::string*, std::int64_t*, std::uint64_t*, int*, double*, bool*,
                          std::vector<std::int64_t>*, ChoiceRef, OptionalValueRef>;
 
@@ -54,6 +76,7 @@ struct Option {
   char short_flag = 0;       // a one-letter form (-o FILE, -oFILE), 0 none
   bool required = false;     // the command needs it: help says so instead of a default
   bool in_json = true;       // false: a command-line switch only (--json, --config)
+  std::optional<Bound> bound;  // numbers: the values check_bounds accepts; none: any
   Ref ref;
 
   // The current value as the command line spells it ("0.05", "pad", "2,16,29", "on").
@@ -140,6 +163,42 @@ inline Option cli_only(Option o) {
   return o;
 }
 
+// Bound modifiers for number rows, chained like the others:
+// below(at_least(field(...), 0), 1) takes [0, 1). Each sets one side of the row's bound.
+inline Bound& bound_of(Option& o) {
+  if (!o.bound) o.bound = Bound{};
+  return *o.bound;
+}
+inline Option at_least(Option o, double lo) {
+  bound_of(o).lo = lo;
+  bound_of(o).lo_open = false;
+  return o;
+}
+inline Option positive(Option o) {  // > 0
+  bound_of(o).lo = 0;
+  bound_of(o).lo_open = true;
+  return o;
+}
+inline Option at_most(Option o, double hi) {
+  bound_of(o).hi = hi;
+  bound_of(o).hi_open = false;
+  return o;
+}
+inline Option below(Option o, double hi) {
+  bound_of(o).hi = hi;
+  bound_of(o).hi_open = true;
+  return o;
+}
+inline Option finite(Option o) {  // not infinite either (a --config value such as 1e999)
+  bound_of(o).finite = true;
+  return o;
+}
+// The refusal's own words after "--FLAG " instead of the derived ones; "{}" the value.
+inline Option refusal(Option o, const char* says) {
+  bound_of(o).says = says;
+  return o;
+}
+
 struct Group {
   std::string title;  // "Data", "Model", ...
   std::vector<Option> options;
@@ -149,9 +208,16 @@ struct Group {
   Group only(std::initializer_list<const char*> keys) const;
   Group without(std::initializer_list<const char*> keys) const;
   const Option* find(std::string_view key_or_flag) const;
+  // The same group with these rows' bounds dropped: a command that accepts more than the
+  // group's usual bound (evaluate takes any --loss-decay) or checks the option elsewhere.
+  Group unbounded(std::initializer_list<const char*> keys) const;
 };
 
 using Groups = std::vector<Group>;
+
+// Throws UsageError (Bound::message) for the first row, in table order, whose value lies
+// outside its bound.
+void check_bounds(const Groups& groups);
 
 // Every JSON option of `groups` as one object, in table order, pretty-printed with a final
 // newline.

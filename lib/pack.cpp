@@ -18,6 +18,7 @@
 #include "formats/atomic_file.h"
 #include "formats/error.h"
 #include "formats/format.h"
+#include "lib/clock.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -351,7 +352,7 @@ PackResult pack_records(const PackOptions& o) {
   progress.finish();
   result.shards_total = static_cast<std::int64_t>(manifest.shards.size());
   result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      seconds_since(start);
   return result;
 }
 
@@ -421,7 +422,7 @@ VerifyResult verify_records(const std::vector<std::string>& paths, const VerifyO
   result.records = records;
   result.bytes = bytes;
   result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      seconds_since(start);
   return result;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "formats/error.h"
+#include "lib/clock.h"
 
 namespace eaglekit {
 
@@ -38,7 +39,7 @@ Progress::Progress(std::string label, std::int64_t total, int enabled)
 Progress::~Progress() { finish(); }
 
 double Progress::elapsed_s() const {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  return seconds_since(start_);
 }
 
 void Progress::add(std::int64_t n, std::int64_t bytes) {

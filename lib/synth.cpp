@@ -17,6 +17,7 @@
 #include "formats/error.h"
 #include "formats/registry.h"
 #include "formats/safetensors_format.h"
+#include "lib/clock.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -581,7 +582,7 @@ SynthResult synthesize(const SynthOptions& options) {
   res.conversations = o.conversations;
   res.tokens = tokens.load();
   res.bytes = bytes.load();
-  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  res.seconds = seconds_since(start);
   return res;
 }
 

@@ -24,7 +24,7 @@ int run_convert(int argc, char** argv) {
       "Convert",
       {opt::note(opt::choice_of("format", format, format_spellings(), "Output format"),
                  "DST's extension, else pt"),
-       opt::choice("codec", codec, {{EksCodec::kZstd, "zstd"}, {EksCodec::kFp8, "fp8"}}, "eks codec"),
+       opt::choice_of("codec", codec, kEksCodecNames, "eks codec"),
        opt::field("level", "N", o.writer.level, "eks zstd level"),
        opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
        opt::field("json", "", json, "Print the result as JSON")}}};

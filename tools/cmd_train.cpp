@@ -92,9 +92,8 @@ int run_train(int argc, char** argv) {
       j["best"] = {{"dir", r.best_dir}, {"step", r.best_step}, {"est_ar", r.best_est_ar}};
     }
     j["final_dir"] = r.final_dir;
-    j["train"] = nlohmann::ordered_json::parse(trainer::stats_json(r.train_stats, o.loss_decay));
-    j["eval"] = r.eval_stats ? nlohmann::ordered_json::parse(trainer::stats_json(*r.eval_stats, o.loss_decay))
-                             : nlohmann::ordered_json(nullptr);
+    j["train"] = trainer::stats_json(r.train_stats, o.loss_decay);
+    j["eval"] = r.eval_stats ? trainer::stats_json(*r.eval_stats, o.loss_decay) : nlohmann::ordered_json(nullptr);
     j["seconds"] = r.seconds;
     j["tokens_per_s"] = r.tokens_per_s;
     j["data_wait_share"] = r.data_wait_share;

@@ -29,11 +29,10 @@ opt::Groups ValidateCli::groups() {
                             "measure how often argmax equals the next token, as post- and pre-norm states; report "
                             "the dump's norm form and the records that agree far less than the rest"),
                       field("positions", "N", positions, "Positions sampled per record for --base"),
-                      opt::choice("hidden_states_norm", hidden_states_norm,
-                                  {{trainer::HiddenStatesNorm::kPost, "post"}, {trainer::HiddenStatesNorm::kPre, "pre"},
-                                   {trainer::HiddenStatesNorm::kAuto, "auto"}},
-                                  "The form --base reads records that state none in (a record's stored "
-                                  "hidden_states_prenorm wins): post, pre, or auto: the form the dataset measures as"),
+                      opt::choice_of("hidden_states_norm", hidden_states_norm, trainer::kHiddenStatesNormNames,
+                                     "The form --base reads records that state none in (a record's stored "
+                                     "hidden_states_prenorm wins): post, pre, or auto: the form the dataset "
+                                     "measures as"),
                       field("device", "NAME", device, "Where --base's head runs: cpu, cuda or cuda:N")}}};
 }
 

@@ -7,16 +7,6 @@
 
 namespace eaglekit::trainer {
 
-std::string_view ttt_attention_name(TttAttention a) {
-  switch (a) {
-    case TttAttention::kAuto: return "auto";
-    case TttAttention::kLocal: return "local";
-    case TttAttention::kTiled: return "tiled";
-    case TttAttention::kFused: return "fused";
-  }
-  return "?";
-}
-
 void check_ttt_attention(TttAttention a, std::string_view flag) {
   std::string why;
   if (a == TttAttention::kFused && !ttt_fused_available(&why))

@@ -7,6 +7,8 @@
 
 #include <string_view>
 
+#include "formats/names.h"
+
 namespace eaglekit::trainer {
 
 // The TTT attention kernel (docs/ttt.md, "Two implementations" and "Fused kernels"): auto
@@ -15,7 +17,11 @@ namespace eaglekit::trainer {
 // (ttt_attention_flash: O(L) memory, any device) or fused (ttt_attention_fused: LibTorch's
 // fused kernels, O(L) memory, LibTorch >= 2.5). trainer::TttOptions::attention takes it.
 enum class TttAttention { kAuto, kLocal, kTiled, kFused };
-std::string_view ttt_attention_name(TttAttention a);  // "auto", "local", "tiled", "fused"
+inline constexpr NameTable<TttAttention, 4> kTttAttentionNames{{{TttAttention::kAuto, "auto"},
+                                                                 {TttAttention::kLocal, "local"},
+                                                                 {TttAttention::kTiled, "tiled"},
+                                                                 {TttAttention::kFused, "fused"}}};
+inline std::string_view ttt_attention_name(TttAttention a) { return name_in(kTttAttentionNames, a); }
 // UsageError naming `flag` when this build cannot run `a` (fused on LibTorch < 2.5).
 void check_ttt_attention(TttAttention a, std::string_view flag = "--ttt-attention");
 

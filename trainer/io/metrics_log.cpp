@@ -128,8 +128,7 @@ std::string StepWindow::take_line(std::int64_t step, std::uint64_t epoch, double
   j["step"] = step;
   j["epoch"] = epoch;
   j["lr"] = lr;
-  const json metrics = json::parse(stats_json(stats_, loss_decay));
-  for (const auto& [k, v] : metrics.items()) j[k] = v;
+  j.update(stats_json(stats_, loss_decay));
   const double n = static_cast<double>(steps_ > 0 ? steps_ : 1);
   j["grad_norm"] = number(grad_norm);
   j["tokens_per_s"] = time_ > 0 ? tokens_ / time_ : 0.0;
@@ -179,7 +178,7 @@ double peak_rss_mb() {
 
 double process_cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
 
-std::string stats_json(const TttStats& stats, double loss_decay) {
+json stats_json(const TttStats& stats, double loss_decay) {
   json j;
   j["loss"] = number(stats.loss(loss_decay));
   j["loss_per_step"] = numbers(stats.loss_per_step());
@@ -188,7 +187,7 @@ std::string stats_json(const TttStats& stats, double loss_decay) {
   j["est_ar"] = number(stats.est_ar());
   j["est_ar_cond"] = number(stats.est_ar_conditional());
   j["tokens"] = number(stats.tokens());
-  return j.dump();
+  return j;
 }
 
 }  // namespace eaglekit::trainer

@@ -6,6 +6,8 @@
 // cannot be created or written.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -86,7 +88,7 @@ double process_cpu_seconds();
 
 // The metrics of pooled stats as a JSON object's members: "loss", "loss_per_step",
 // "acc", "cond_acc", "est_ar", "est_ar_cond", "tokens" (shared by metrics.jsonl and
-// evaluate --json). Returned as the text of a JSON object.
-std::string stats_json(const TttStats& stats, double loss_decay);
+// evaluate --json): a JSON object, non-finite numbers as null.
+nlohmann::ordered_json stats_json(const TttStats& stats, double loss_decay);
 
 }  // namespace eaglekit::trainer

@@ -20,6 +20,7 @@
 #include "formats/error.h"
 #include "formats/format.h"
 #include "formats/pt_format.h"
+#include "lib/clock.h"
 #include "lib/dataset.h"
 #include "lib/loader.h"
 #include "trainer/model/config.h"
@@ -210,7 +211,7 @@ VocabReport build_vocab(const VocabOptions& o) {
   for (std::int64_t i = 0; i < o.draft_vocab_size; ++i) covered += counts[static_cast<std::size_t>(p[i])];
   r.coverage = r.tokens > 0 ? static_cast<double>(covered) / static_cast<double>(r.tokens) : 0.0;
   r.summary = data.summary;
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.seconds = seconds_since(t0);
   return r;
 }
 

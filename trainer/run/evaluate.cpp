@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "lib/clock.h"
 #include "lib/progress.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/metrics_log.h"
@@ -29,13 +30,7 @@
 namespace eaglekit::trainer {
 
 namespace {
-
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 }  // namespace
 
 TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
@@ -63,7 +58,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
 }
 
 std::string EvaluateReport::to_json() const {
-  auto j = nlohmann::ordered_json::parse(stats_json(stats, loss_decay));
+  nlohmann::ordered_json j = stats_json(stats, loss_decay);
   j["steps"] = stats.steps();
   j["loss_decay"] = loss_decay;
   j["samples"] = samples;

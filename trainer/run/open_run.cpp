@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "formats/error.h"
+#include "lib/clock.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/export.h"
 #include "trainer/model/vocab.h"
@@ -28,7 +29,7 @@ at::Tensor fresh_d2t(const RunPlan& plan, const Say& say) {
   if (!plan.draft.count_d2t) return identity_d2t(base.vocab_size);
   const auto t0 = Clock::now();
   const auto counts = count_tokens(plan.train_data->dataset, plan.train_data->samples, base.vocab_size, o.jobs);
-  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double seconds = seconds_since(t0);
   say("draft vocabulary: the " + std::to_string(vd) + " most frequent of " + std::to_string(base.vocab_size) +
       " tokens, counted over the train split in " + std::to_string(seconds).substr(0, 4) + " s");
   return d2t_from_counts(counts, vd);

@@ -1,6 +1,5 @@
 #include "trainer/run/options.h"
 
-#include <cmath>
 #include <string>
 
 #include "formats/error.h"
@@ -8,23 +7,8 @@
 
 namespace eaglekit::trainer {
 
-std::string_view schedule_name(Schedule s) {
-  switch (s) {
-    case Schedule::kCosine: return "cosine";
-    case Schedule::kLinear: return "linear";
-    case Schedule::kConstant: return "constant";
-  }
-  return "?";
-}
-
-std::optional<Schedule> parse_schedule(std::string_view name) {
-  if (name == "cosine") return Schedule::kCosine;
-  if (name == "linear") return Schedule::kLinear;
-  if (name == "constant") return Schedule::kConstant;
-  return std::nullopt;
-}
-
 opt::Group model_options(ModelOptions& m) {
+  using opt::at_least;
   using opt::field;
   using opt::note;
   return {"Model",
@@ -33,7 +17,7 @@ opt::Group model_options(ModelOptions& m) {
                     "Base model folder: config.json and the weights (model.safetensors, or the shards of "
                     "model.safetensors.index.json)"),
               field("init_draft", "DIR", m.init_draft, "Start from an exported draft folder (its config wins)"),
-              note(field("draft_vocab_size", "N", m.draft_vocab_size, "Draft vocabulary size Vd"),
+              note(at_least(field("draft_vocab_size", "N", m.draft_vocab_size, "Draft vocabulary size Vd"), 0),
                    "the d2t's size, else the base's vocab_size"),
               note(field("draft_layers", "N", m.draft_layers,
                          "Decoder layers of the draft: the first reads cat(emb, h), the others are plain "
@@ -49,51 +33,47 @@ opt::Group model_options(ModelOptions& m) {
                     "computes it)"),
               field("allow_unservable", "", m.allow_unservable,
                     "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
-              field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"),
-              field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s"),
-              opt::choice("hidden_states_norm", m.hidden_states_norm,
-                          {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"},
-                           {HiddenStatesNorm::kAuto, "auto"}},
-                          "Whether the dump's hidden_states come after the base's final norm (post: HF "
-                          "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
-                          "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
-                          "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
-                          "auto: the stated forms, post when no record states one (said), an error when only "
-                          "some do. eaglekit validate --base measures which one a dump is"),
-              opt::choice("ttt_attention", m.ttt_attention,
-                          {{TttAttention::kAuto, "auto"},
-                           {TttAttention::kLocal, "local"},
-                           {TttAttention::kTiled, "tiled"},
-                           {TttAttention::kFused, "fused"}},
-                          "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
-                          "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
-                          "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
-                          ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
-                          "below and on GPUs"),
+              at_least(field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"), 1),
+              opt::positive(field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s")),
+              opt::choice_of("hidden_states_norm", m.hidden_states_norm, kHiddenStatesNormNames,
+                             "Whether the dump's hidden_states come after the base's final norm (post: HF "
+                             "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
+                             "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
+                             "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
+                             "auto: the stated forms, post when no record states one (said), an error when only "
+                             "some do. eaglekit validate --base measures which one a dump is"),
+              opt::choice_of("ttt_attention", m.ttt_attention, kTttAttentionNames,
+                             "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
+                             "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "
+                             "runs block 0 on LibTorch's fused attention kernels, O(L) (a build against LibTorch "
+                             ">= 2.5); auto: fused where built, else tiled on the CPU from 512 positions and local "
+                             "below and on GPUs"),
           }};
 }
 
 opt::Group optim_options(OptimOptions& o) {
+  using opt::at_least;
   using opt::field;
   return {"Optimization",
           {
-              field("grad_accum", "N", o.grad_accum, "Micro-batches per optimizer step"),
-              field("lr", "X", o.lr, "Peak learning rate"),
-              field("warmup_steps", "N", o.warmup_steps, "Linear warmup steps"),
-              opt::choice("schedule", o.schedule,
-                          {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}},
-                          "Learning-rate decay after warmup"),
-              field("weight_decay", "X", o.weight_decay, "AdamW weight decay on matrices"),
+              at_least(field("grad_accum", "N", o.grad_accum, "Micro-batches per optimizer step"), 1),
+              opt::finite(opt::positive(field("lr", "X", o.lr, "Peak learning rate"))),
+              at_least(field("warmup_steps", "N", o.warmup_steps, "Linear warmup steps"), 0),
+              opt::choice_of("schedule", o.schedule, kScheduleNames, "Learning-rate decay after warmup"),
+              at_least(field("weight_decay", "X", o.weight_decay, "AdamW weight decay on matrices"), 0),
               field("grad_clip", "X", o.grad_clip, "Clip the global gradient norm to X (0: off)"),
-              field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"),
-              field("adam_beta2", "X", o.adam_beta2, "AdamW beta2"),
-              field("adam_eps", "X", o.adam_eps, "AdamW eps"),
-              opt::note(field("epochs", "N", o.epochs, "Epochs"), "1, or no limit when only --max-steps is given"),
-              opt::note(field("max_steps", "N", o.max_steps, "Stop after this many optimizer steps"), "no limit"),
+              opt::below(at_least(field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"), 0), 1),
+              opt::below(at_least(field("adam_beta2", "X", o.adam_beta2, "AdamW beta2"), 0), 1),
+              opt::positive(field("adam_eps", "X", o.adam_eps, "AdamW eps")),
+              opt::note(at_least(field("epochs", "N", o.epochs, "Epochs"), 0),
+                        "1, or no limit when only --max-steps is given"),
+              opt::note(at_least(field("max_steps", "N", o.max_steps, "Stop after this many optimizer steps"), 0),
+                        "no limit"),
           }};
 }
 
 opt::Group run_options(RunOptions& r) {
+  using opt::at_least;
   using opt::field;
   using opt::note;
   return {"Run",
@@ -107,7 +87,7 @@ opt::Group run_options(RunOptions& r) {
                                       {ComputeDType::kBFloat16, "bfloat16"}},
                                      "Compute dtype: fp32, or bf16 autocast (weights and optimizer state stay fp32)"),
                          "dtype"),
-              note(field("threads", "N", r.threads, "LibTorch threads"),
+              note(at_least(field("threads", "N", r.threads, "LibTorch threads"), 0),
                    "OMP_NUM_THREADS if set, else the cores this process may run on, shared by a launch's local "
                    "ranks; the run says which"),
               field("adapt_threads", "", r.adapt_threads,
@@ -115,23 +95,30 @@ opt::Group run_options(RunOptions& r) {
                     "and go back up when they are free; each count is kept only where it measured faster. The "
                     "thread count changes float rounding: a run that adapts is not bit-reproducible "
                     "(docs/benchmarks.md, \"Under load\")"),
-              opt::flag_named(field("cp_size", "N", r.cp_size, "Context-parallel size (world / cp = data-parallel size)"),
+              opt::flag_named(at_least(field("cp_size", "N", r.cp_size,
+                                             "Context-parallel size (world / cp = data-parallel size)"),
+                                       1),
                               "cp"),
-              field("timeout", "SECONDS", r.timeout,
-                    "How long a rendezvous or collective may wait for the other ranks before the job fails"),
+              opt::refusal(opt::at_most(opt::positive(field("timeout", "SECONDS", r.timeout,
+                                                            "How long a rendezvous or collective may wait for the "
+                                                            "other ranks before the job fails")),
+                                        7 * 24 * 3600.0),
+                           "takes a positive number of seconds (at most a week), not {}"),
               field("eval_every", "N", r.eval_every, "Evaluate every N steps (0: at the end only; -1: never)"),
               note(field("save_every", "N", r.save_every, "Checkpoint every N steps (one is always saved at the end)"),
                    "at the end only"),
-              note(field("keep_checkpoints", "N", r.keep_checkpoints,
-                         "Keep only the newest N checkpoint-STEP folders in --out: an older one is deleted once "
-                         "a new one is completely written; --resume still finds the newest; best/ is never "
-                         "deleted (0: keep all)"),
+              note(opt::refusal(at_least(field("keep_checkpoints", "N", r.keep_checkpoints,
+                                               "Keep only the newest N checkpoint-STEP folders in --out: an older "
+                                               "one is deleted once a new one is completely written; --resume still "
+                                               "finds the newest; best/ is never deleted (0: keep all)"),
+                                         0),
+                                "must not be negative (N > 0 keeps the newest N; 0 keeps all), not {}"),
                    "0, keep all"),
               opt::choice("keep_best", r.keep_best, {{KeepBest::kNone, "none"}, {KeepBest::kEstAr, "est_ar"}},
                           "Keep OUT/best/, a checkpoint of the evaluation with the highest est_ar so far, with "
                           "best.json naming its step and est_ar (needs evaluation: --eval-every >= 0 and "
                           "--eval-fraction > 0); export takes it like any checkpoint"),
-              field("log_every", "N", r.log_every, "A metrics line every N steps"),
+              at_least(field("log_every", "N", r.log_every, "A metrics line every N steps"), 1),
               opt::optional_value("resume", "[DIR]", r.resume, r.resume_from,
                                   "Continue from the newest complete checkpoint in DIR (default: --out)"),
               opt::json_only(field("resume_from", "DIR", r.resume_from, "")),
@@ -142,8 +129,11 @@ opt::Group run_options(RunOptions& r) {
               field("progress", "", r.progress,
                     "A progress line on stderr: redrawn on a terminal; in a log (not a terminal) a plain line "
                     "after the first step and every --progress-every seconds"),
-              field("progress_every", "SECONDS", r.progress_every,
-                    "Seconds between the plain progress lines when stderr is not a terminal (0: none)"),
+              opt::refusal(opt::finite(at_least(field("progress_every", "SECONDS", r.progress_every,
+                                                      "Seconds between the plain progress lines when stderr is not "
+                                                      "a terminal (0: none)"),
+                                                0)),
+                           "takes seconds, 0 or more (0: no plain progress lines)"),
               note(field("loss_chunk_tokens", "N", r.loss_chunk_tokens,
                          "Tokens of a TTT step's lm_head and loss computed at a time, so the step's [tokens, Vd] "
                          "logits are never whole (0: all at once; docs/ttt.md)"),
@@ -172,33 +162,8 @@ void TrainOptions::check() const {
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   if (base.empty()) throw UsageError("--base is required (the base model folder)");
   if (out.empty()) throw UsageError("--out is required (the output folder)");
-  if (eval_fraction < 0 || eval_fraction >= 1) throw UsageError("--eval-fraction must be in [0, 1)");
-  if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  opt::check_bounds(const_cast<TrainOptions&>(*this).groups());  // reads only
   check_ttt_attention(ttt_attention);
-  if (!(loss_decay > 0)) throw UsageError("--loss-decay must be positive");
-  if (max_length < 2) throw UsageError("--max-length must be at least 2");
-  if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
-  if (grad_accum < 1) throw UsageError("--grad-accum must be at least 1");
-  if (!(lr > 0) || !std::isfinite(lr)) throw UsageError("--lr must be a positive number");
-  if (warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
-  if (weight_decay < 0) throw UsageError("--weight-decay must not be negative");
-  if (!(adam_beta1 >= 0 && adam_beta1 < 1) || !(adam_beta2 >= 0 && adam_beta2 < 1))
-    throw UsageError("Adam betas must be in [0, 1)");
-  if (!(adam_eps > 0)) throw UsageError("Adam eps must be positive");
-  if (epochs < 0) throw UsageError("--epochs must not be negative");
-  if (max_steps < 0) throw UsageError("--max-steps must not be negative");
-  if (log_every < 1) throw UsageError("--log-every must be at least 1");
-  if (!(progress_every >= 0) || !std::isfinite(progress_every))
-    throw UsageError("--progress-every takes seconds, 0 or more (0: no plain progress lines)");
-  if (draft_vocab_size < 0) throw UsageError("--draft-vocab-size must not be negative");
-  if (cp_size < 1) throw UsageError("--cp must be at least 1");
-  if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
-  if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
-  if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
-    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
-  if (keep_checkpoints < 0)
-    throw UsageError("--keep-checkpoints must not be negative (N > 0 keeps the newest N; 0 keeps all), not " +
-                     std::to_string(keep_checkpoints));
   if (keep_best != KeepBest::kNone) {
     if (eval_every < 0)
       throw UsageError("--keep-best est_ar needs evaluation, which --eval-every " + std::to_string(eval_every) +
@@ -206,7 +171,6 @@ void TrainOptions::check() const {
     if (!(eval_fraction > 0))
       throw UsageError("--keep-best est_ar needs an eval split: set --eval-fraction above 0 (it enables evaluation)");
   }
-  if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
   if (adapt_threads && device != "cpu")
     throw UsageError("--adapt-threads adapts the CPU's LibTorch threads; with --device " + device +
                      " the work runs elsewhere: leave it out");
@@ -221,10 +185,14 @@ opt::Groups EvaluateOptions::groups() {
                  {opt::field("draft", "DIR", draft,
                              "Draft folder: an export, a checkpoint, or a run folder (its newest checkpoint)"),
                   opt::note(opt::field("max_batches", "N", max_batches, "Stop after N batches"), "the whole split")}};
+  // Evaluate takes what it always took: any --loss-decay, and an --eval-fraction that the
+  // split itself checks (lib/dataset.h split_dataset: 1 makes every sample eval).
   return {own,
-          data_options(*this),
+          data_options(*this).unbounded({"eval_fraction"}),
           batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
-          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"}),
+          model_options(*this)
+              .only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"})
+              .unbounded({"loss_decay"}),
           run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
 }
 
@@ -232,16 +200,8 @@ void EvaluateOptions::check() const {
   if (base.empty()) throw UsageError("--base is required (the base model folder)");
   if (draft.empty()) throw UsageError("--draft is required (an exported draft or a checkpoint)");
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
-  if (ttt_steps < 1) throw UsageError("--ttt-steps must be at least 1");
+  opt::check_bounds(const_cast<EvaluateOptions&>(*this).groups());  // reads only
   check_ttt_attention(ttt_attention);
-  if (max_length < 2) throw UsageError("--max-length must be at least 2");
-  if (batch_size < 1) throw UsageError("--batch-size must be at least 1");
-  if (cp_size < 1) throw UsageError("--cp must be at least 1");
-  if (pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
-  if (prefetch < 1) throw UsageError("--prefetch must be at least 1");
-  if (jobs < 0 || threads < 0) throw UsageError("--jobs and --threads must not be negative");
-  if (!(timeout > 0) || timeout > 7 * 24 * 3600.0)
-    throw UsageError("--timeout takes a positive number of seconds (at most a week), not " + std::to_string(timeout));
 }
 
 // --- names -----------------------------------------------------------------------------

@@ -20,8 +20,10 @@
 namespace eaglekit::trainer {
 
 enum class Schedule { kCosine, kLinear, kConstant };
-std::string_view schedule_name(Schedule s);  // "cosine", "linear", "constant"
-std::optional<Schedule> parse_schedule(std::string_view name);
+inline constexpr NameTable<Schedule, 3> kScheduleNames{
+    {{Schedule::kCosine, "cosine"}, {Schedule::kLinear, "linear"}, {Schedule::kConstant, "constant"}}};
+inline std::string_view schedule_name(Schedule s) { return name_in(kScheduleNames, s); }
+inline std::optional<Schedule> parse_schedule(std::string_view name) { return value_in(kScheduleNames, name); }
 
 // The compute dtype of the draft's forward and backward: float32, or bfloat16 autocast
 // (weights and optimizer state stay float32).
@@ -33,6 +35,8 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // auto: the form each record states, else post-norm when none states one (trainer/run/run_setup.h
 // plan_hidden_states_norm).
 enum class HiddenStatesNorm { kPost, kPre, kAuto };
+inline constexpr NameTable<HiddenStatesNorm, 3> kHiddenStatesNormNames{
+    {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}, {HiddenStatesNorm::kAuto, "auto"}}};
 
 // --keep-best: which checkpoint OUT/best/ holds (trainer/io/checkpoint.h): none, or the one
 // with the highest eval est_ar.
@@ -125,7 +129,8 @@ struct TrainOptions : DataSelection, BatchOptions, ModelOptions, OptimOptions, R
   // mistyped value throws UsageError naming the key and `where`.
   std::string to_json() const;
   void apply_json(const std::string& json_text, const std::string& where);
-  // Throws UsageError naming the first option that cannot work.
+  // Throws UsageError naming the first option that cannot work: a required one missing, a
+  // value outside its row's bound (opt::check_bounds), then what involves several options.
   void check() const;
 };
 
@@ -143,7 +148,7 @@ struct EvaluateOptions : DataSelection, BatchOptions, ModelOptions, RunOptions {
     shuffle = false;
   }
   opt::Groups groups();
-  void check() const;  // UsageError naming the first option that cannot work
+  void check() const;  // UsageError naming the first option that cannot work (as TrainOptions)
 };
 
 // "cpu", "cuda", "cuda:N" as the (LibTorch-free) parts of a device: UsageError otherwise.

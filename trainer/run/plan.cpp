@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "lib/clock.h"
 #include "lib/loader.h"
 #include "trainer/io/export.h"
 #include "trainer/io/metrics_log.h"
@@ -96,7 +97,7 @@ double measure_cpu_matmul_flops_per_s(bool bfloat16) {
   do {
     c = at::mm(a, b);
     ++reps;
-    seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    seconds = seconds_since(t0);
   } while (seconds < 0.2 && reps < 1000);
   return seconds > 0 ? 2.0 * n * n * n * reps / seconds : 0;
 }

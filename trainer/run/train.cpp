@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +18,7 @@
 #include <optional>
 #include <thread>
 
+#include "lib/clock.h"
 #include "lib/loader.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/export.h"
@@ -41,10 +41,6 @@ using json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // --- SIGINT/SIGTERM: a flag read at step boundaries ------------------------------------
 
@@ -398,8 +394,7 @@ class TrainLoop {
     j["split"] = "eval";
     j["step"] = step_;
     j["epoch"] = run_.loader->state().epoch;
-    const json metrics = json::parse(stats_json(stats, o_.loss_decay));
-    for (const auto& [k, v] : metrics.items()) j[k] = v;
+    j.update(stats_json(stats, o_.loss_decay));
     j["seconds"] = seconds_since(t0);
     if (log_) log_->write(j.dump());
     result_.eval_stats = stats;
