@@ -7,6 +7,7 @@
 
 #include "formats/error.h"
 #include "trainer/io/speculators_format.h"
+#include "trainer/model/architecture_rows.h"
 #include "trainer/model/config.h"
 
 using namespace eaglekit;
@@ -89,6 +90,9 @@ TEST_CASE("speculators: refused variants and missing keys") {
   j["norm_output"] = true;
   refused(j, "norm_output");
   j = good;
+  j["fc_norm"] = true;  // read by the architecture that claims it: none built in
+  refused(j, "fc_norm");
+  j = good;
   j["speculators_model_type"] = "eagle";
   refused(j, "only eagle3 drafts");
   j = good;
@@ -100,8 +104,9 @@ TEST_CASE("speculators: refused variants and missing keys") {
   // The twin: the unchanged config is accepted.
   CHECK_NOTHROW(parse_draft_config(speculators_to_draft_config(good.dump(), "c.json"), "c.json"));
 
-  CHECK_THROWS_AS(check_draft_variant_keys(R"({"fc_norm": true})", "c.json"), UnsupportedError);
-  CHECK_THROWS_AS(check_draft_variant_keys(R"({"norm_output": false})", "c.json"), UnsupportedError);
-  CHECK_NOTHROW(check_draft_variant_keys(R"({"norm_output": true, "fc_norm": false})", "c.json"));
+  // SpecForge's flat variant keys: no built-in architecture claims them.
+  CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"fc_norm": true})"), "c.json"), UnsupportedError);
+  CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"norm_output": false})"), "c.json"), UnsupportedError);
+  CHECK(architecture_of_config(json::parse(R"({"norm_output": true, "fc_norm": false})"), "c.json").name() == "eagle3");
   CHECK_THROWS_AS(speculators_config_json(sample(), SpeculatorsInfo{}, "bfloat16"), UsageError);
 }

@@ -20,24 +20,19 @@
 #include "formats/safetensors_format.h"
 #include "lib/collate.h"
 #include "trainer/io/speculators_format.h"
+#include "trainer/model/architecture_rows.h"
 #include "trainer/model/base_model.h"
 #include "trainer/model/config.h"
 
 namespace eaglekit::trainer {
 
 void check_servable(const DraftConfig& config, bool allow_unservable, const std::string& what) {
-  if (!config.modelopt_norm || allow_unservable) return;
-  throw UsageError(what + ": the draft uses ModelOpt's norm form (input_layernorm applied to the hidden input "
-                   "before hidden_norm), which neither vLLM nor SGLang computes: served there it would run "
-                   "another function than the one trained, with low acceptance and no error. Pass "
-                   "--allow-unservable to write it anyway (for ModelOpt's own stack)");
+  if (allow_unservable) return;
+  if (const auto why = draft_architecture(config.architecture).unservable(config)) throw UsageError(what + ": " + *why);
 }
 
 std::vector<std::string> serving_warnings(const DraftConfig& c) {
-  if (c.num_hidden_layers <= 1) return {};
-  return {"a draft of " + std::to_string(c.num_hidden_layers) +
-          " decoder layers serves as trained in vLLM (layers.{i}.* names); SGLang loads its extra layers from "
-          "additional_layers.* and computes them differently, so do not serve it there (docs/export.md)"};
+  return draft_architecture(c.architecture).serving_warnings(c);
 }
 
 void export_draft(const DraftModel& draft, const std::string& dir, const ExportOptions& options) {
@@ -276,7 +271,6 @@ FolderConfig read_folder_config(const std::string& dir) {
   if (out.speculators) {
     out.config = parse_draft_config(speculators_to_draft_config(text, path, &out.info), path);
   } else {
-    check_draft_variant_keys(text, path);
     out.config = parse_draft_config(text, path);
   }
   out.ours = text.find("\"eaglekit_num_aux_layers\"") != std::string::npos;
@@ -400,7 +394,8 @@ DraftModel load_draft(const std::string& dir, DraftSource* source) {
     if (expected.count(name) || name == "d2t" || name == "t2d") continue;
     throw FormatError(file_of(name), std::nullopt, name_in_file(name),
                       "not part of a " + std::to_string(config.num_hidden_layers) +
-                          "-layer EAGLE-3 draft (unexpected tensor)");
+                          "-layer " + std::string(draft_architecture(config.architecture).title()) +
+                          " draft (unexpected tensor)");
   }
   if (source) {
     source->layout = weights.layout;

@@ -55,12 +55,12 @@ struct ExportOptions {
   std::string run_options_json;
 };
 
-// UsageError naming why no serving engine runs `config` as trained (ModelOpt's norm form),
-// unless allowed. `what` names the action ("export", "train").
+// UsageError naming why no serving engine runs `config` as trained, as its architecture says
+// (EAGLE-3: ModelOpt's norm form), unless allowed. `what` names the action ("export", "train").
 void check_servable(const DraftConfig& config, bool allow_unservable, const std::string& what);
 
-// What a user should know before serving `config` (docs/export.md): for a draft of more than
-// one decoder layer, that vLLM runs it as trained and SGLang does not. Empty otherwise.
+// What a user should know before serving `config` (docs/export.md), as its architecture says
+// (EAGLE-3: for more than one decoder layer, that vLLM runs it as trained and SGLang does not).
 std::vector<std::string> serving_warnings(const DraftConfig& config);
 
 // Writes DIR/model.safetensors, then DIR/config.json (each atomically; DIR is created). For

@@ -15,7 +15,7 @@ using nlohmann::ordered_json;
 // transformer_layer_config rather than in it (vLLM's eagle3 updater reads them there).
 bool top_level_key(const std::string& key) {
   return key == "architectures" || key == "draft_vocab_size" || key == "target_hidden_size" ||
-         key == "norm_before_residual" || key == "eagle_aux_hidden_state_layer_ids" ||
+         key == "norm_before_residual" || key == "fc_norm" || key == "eagle_aux_hidden_state_layer_ids" ||
          key.rfind("eaglekit_", 0) == 0;
 }
 
@@ -83,7 +83,7 @@ std::string speculators_config_json(const DraftConfig& config, const Speculators
   // vLLM's speculators path reads an absent norm_before_residual as true: always write it.
   j["norm_before_residual"] = false;
   j["norm_before_fc"] = false;
-  j["fc_norm"] = false;
+  j["fc_norm"] = flat.contains("fc_norm") && flat["fc_norm"] == true;
   j["norm_output"] = false;
   j["embed_requires_grad"] = false;
   j["eagle_aux_hidden_state_layer_ids"] = flat.at("eagle_aux_hidden_state_layer_ids");
@@ -121,12 +121,16 @@ std::string speculators_to_draft_config(const std::string& json_text, const std:
     throw UnsupportedError(where, std::nullopt, "transformer_layer_config.model_type",
                            "only Llama decoder layers are read, got " + mt->dump());
   }
-  for (const char* variant : {"norm_before_fc", "fc_norm", "norm_output"}) {
+  for (const char* variant : {"norm_before_fc", "norm_output"}) {
     if (flag(j, variant, where, variant)) {
       throw UnsupportedError(where, std::nullopt, variant,
                              "true: a variant of the draft eaglekit does not compute");
     }
   }
+  // fc_norm (an RMSNorm per aux layer before fc) is SpecForge's flat key too: the draft
+  // architecture that claims it reads it (trainer/model/architecture.h), or none does and
+  // parse_draft_config says so.
+  if (flag(j, "fc_norm", where, "fc_norm")) flat["fc_norm"] = true;
   // draft_vocab_size: speculators' class default (32000) and vLLM's (the vocabulary) differ,
   // so an absent one is not guessed.
   const auto vd = j.find("draft_vocab_size");
@@ -167,19 +171,6 @@ std::string speculators_to_draft_config(const std::string& json_text, const std:
     }
   }
   return flat.dump(2) + "\n";
-}
-
-void check_draft_variant_keys(const std::string& json_text, const std::string& where) {
-  const ordered_json j = parse_object(json_text, where);
-  if (flag(j, "fc_norm", where, "fc_norm")) {
-    throw UnsupportedError(where, std::nullopt, "fc_norm",
-                           "true (an RMSNorm per aux layer before fc): a variant of the draft eaglekit does not compute");
-  }
-  const auto no = j.find("norm_output");
-  if (no != j.end() && no->is_boolean() && !no->get<bool>()) {
-    throw UnsupportedError(where, std::nullopt, "norm_output",
-                           "false (lm_head without the final norm): a variant of the draft eaglekit does not compute");
-  }
 }
 
 }  // namespace eaglekit::trainer

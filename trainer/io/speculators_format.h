@@ -58,9 +58,4 @@ bool is_speculators_config(const std::string& json_text);
 std::string speculators_to_draft_config(const std::string& json_text, const std::string& where,
                                         SpeculatorsInfo* info = nullptr);
 
-// A flat config from another trainer that names a variant of the draft eaglekit does not
-// compute: SpecForge's fc_norm: true (a norm per aux layer before fc) or norm_output: false
-// (no final norm before lm_head). Throws UnsupportedError naming the key.
-void check_draft_variant_keys(const std::string& json_text, const std::string& where);
-
 }  // namespace eaglekit::trainer

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "formats/error.h"
+#include "trainer/model/architecture_rows.h"
 
 namespace eaglekit::trainer {
 
@@ -287,44 +288,6 @@ Rope read_rope(const json& j, std::int64_t max_pos, const std::string& where, st
   return out;
 }
 
-nlohmann::ordered_json rope_scaling_json(const RopeScaling& r) {
-  using oj = nlohmann::ordered_json;
-  oj j;
-  j["rope_type"] = rope_type_name(r.type);
-  switch (r.type) {
-    case RopeType::kDefault:
-      return nullptr;
-    case RopeType::kLinear:
-    case RopeType::kDynamic:
-      j["factor"] = r.factor;
-      break;
-    case RopeType::kLlama3:
-      j["factor"] = r.factor;
-      j["low_freq_factor"] = r.low_freq_factor;
-      j["high_freq_factor"] = r.high_freq_factor;
-      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
-      break;
-    case RopeType::kYarn:
-      j["factor"] = r.factor;
-      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
-      j["beta_fast"] = r.beta_fast;
-      j["beta_slow"] = r.beta_slow;
-      j["truncate"] = r.truncate;
-      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
-      if (r.mscale) j["mscale"] = *r.mscale;
-      if (r.mscale_all_dim) j["mscale_all_dim"] = *r.mscale_all_dim;
-      break;
-    case RopeType::kLongrope:
-      j["short_factor"] = r.short_factor;
-      j["long_factor"] = r.long_factor;
-      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
-      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
-      if (r.short_mscale) j["short_mscale"] = *r.short_mscale;
-      if (r.long_mscale) j["long_mscale"] = *r.long_mscale;
-      break;
-  }
-  return j;
-}
 
 std::string get_dtype_name(const json& j, const std::string& fallback) {
   auto v = field(j, "torch_dtype");
@@ -388,50 +351,6 @@ std::vector<std::int64_t> default_aux_layer_ids(std::int64_t n) {
   return {2, n / 2, n - 3};
 }
 
-void DraftConfig::check() const {
-  auto fail = [](const std::string& what) { throw UsageError("draft config: " + what); };
-  const std::pair<const char*, std::int64_t> positive[] = {
-      {"hidden_size", hidden_size},
-      {"intermediate_size", intermediate_size},
-      {"num_attention_heads", num_attention_heads},
-      {"num_key_value_heads", num_key_value_heads},
-      {"head_dim", head_dim},
-      {"vocab_size", vocab_size},
-      {"draft_vocab_size", draft_vocab_size},
-      {"target_hidden_size", target_hidden_size},
-      {"num_aux_layers", num_aux_layers},
-      {"max_position_embeddings", max_position_embeddings},
-      {"num_hidden_layers", num_hidden_layers}};
-  for (const auto& [name, value] : positive) {
-    if (value <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(value));
-  }
-  if (num_attention_heads % num_key_value_heads != 0) {
-    fail("num_attention_heads (" + std::to_string(num_attention_heads) +
-         ") is not a multiple of num_key_value_heads (" + std::to_string(num_key_value_heads) + ")");
-  }
-  if (head_dim % 2 != 0) fail("head_dim must be even for RoPE, got " + std::to_string(head_dim));
-  if (draft_vocab_size > vocab_size) {
-    fail("draft_vocab_size " + std::to_string(draft_vocab_size) + " exceeds vocab_size " +
-         std::to_string(vocab_size));
-  }
-  if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
-  if (!(rope_theta > 0)) fail("rope_theta must be positive");
-  try {
-    rope_frequencies(rope_theta, rope_scaling, head_dim, max_position_embeddings);
-  } catch (const UsageError& e) {
-    fail(e.what());
-  }
-  if (!aux_layer_ids.empty()) {
-    if (static_cast<std::int64_t>(aux_layer_ids.size()) != num_aux_layers) {
-      fail(std::to_string(aux_layer_ids.size()) + " aux layer ids for " +
-           std::to_string(num_aux_layers) + " aux layers");
-    }
-    for (std::size_t i = 0; i < aux_layer_ids.size(); ++i) {
-      if (aux_layer_ids[i] < 1) fail("aux layer ids are HF hidden_states indices and start at 1");
-      if (i > 0 && aux_layer_ids[i] <= aux_layer_ids[i - 1]) fail("aux layer ids must increase");
-    }
-  }
-}
 
 DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& options) {
   DraftConfig d;
@@ -461,6 +380,7 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
 DraftConfig parse_draft_config(const std::string& json_text, const std::string& where) {
   const json j = parse_json(json_text, where);
   DraftConfig d;
+  d.architecture = std::string(architecture_of_config(j, where).name());
   d.hidden_size = get_int(j, "hidden_size", where);
   d.intermediate_size = get_int(j, "intermediate_size", where);
   d.num_attention_heads = get_int(j, "num_attention_heads", where);
@@ -523,47 +443,7 @@ DraftConfig load_draft_config(const std::string& path) {
 }
 
 std::string draft_config_json(const DraftConfig& c, const std::string& weights_dtype) {
-  c.check();
-  if (c.aux_layer_ids.empty()) {
-    throw UsageError(
-        "the aux layer ids of the dump are unknown: declare them (e.g. --aux-layer-ids 2,16,29 for "
-        "Llama-3.1-8B, as Hugging Face hidden_states indices)");
-  }
-  std::vector<std::int64_t> sglang_ids;
-  for (auto id : c.aux_layer_ids) sglang_ids.push_back(id - 1);
-  // nlohmann's ordered_json keeps the documented field order in the file.
-  nlohmann::ordered_json j;
-  j["architectures"] = {"LlamaForCausalLMEagle3"};
-  j["model_type"] = "llama";
-  j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.intermediate_size;
-  j["num_hidden_layers"] = c.num_hidden_layers;
-  j["num_attention_heads"] = c.num_attention_heads;
-  j["num_key_value_heads"] = c.num_key_value_heads;
-  j["head_dim"] = c.head_dim;
-  j["hidden_act"] = "silu";
-  j["rms_norm_eps"] = c.rms_norm_eps;
-  j["vocab_size"] = c.vocab_size;
-  j["draft_vocab_size"] = c.draft_vocab_size;
-  j["target_hidden_size"] = c.target_hidden_size;
-  j["max_position_embeddings"] = c.max_position_embeddings;
-  j["rope_theta"] = c.rope_theta;
-  j["rope_scaling"] = rope_scaling_json(c.rope_scaling);
-  // transformers' Phi-3 reads longrope's pretraining context at the top level.
-  if (c.rope_scaling.type == RopeType::kLongrope)
-    j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
-  j["tie_word_embeddings"] = false;
-  j["torch_dtype"] = weights_dtype.empty() ? c.torch_dtype : weights_dtype;
-  j["num_aux_hidden_states"] = c.num_aux_layers;
-  // vLLM's other form (hidden_norm before the residual) is not the one trained here.
-  j["norm_before_residual"] = false;
-  j["eagle_aux_hidden_state_layer_ids"] = c.aux_layer_ids;
-  j["eagle_config"] = {{"eagle_aux_hidden_state_layer_ids", sglang_ids},
-                       {"use_aux_hidden_state", true}};
-  j["eaglekit_num_aux_layers"] = c.num_aux_layers;
-  j["eaglekit_modelopt_norm"] = c.modelopt_norm;
-  j["eaglekit_serving_dtype"] = c.torch_dtype;
-  return j.dump(2) + "\n";
+  return draft_architecture(c.architecture).served_config(c, weights_dtype).dump(2) + "\n";
 }
 
 }  // namespace eaglekit::trainer

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/model/draft_config.h"
 #include "trainer/model/rope.h"
 
 namespace eaglekit::trainer {
@@ -45,39 +46,6 @@ BaseConfig parse_base_config(const std::string& json_text, const std::string& wh
 // `path` is a config.json or a folder holding one. Throws IoError when unreadable.
 BaseConfig load_base_config(const std::string& path);
 
-// The draft (docs/draft.md): a first Llama decoder layer over cat(emb, h) with 2H-wide
-// q/k/v, then num_hidden_layers - 1 plain decoder layers on H.
-struct DraftConfig {
-  std::int64_t hidden_size = 0;  // H, equal to the base's (the draft shares its embeddings)
-  std::int64_t intermediate_size = 0;
-  std::int64_t num_attention_heads = 0;
-  std::int64_t num_key_value_heads = 0;
-  std::int64_t head_dim = 0;
-  double rms_norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  RopeScaling rope_scaling;
-  std::int64_t vocab_size = 0;        // V, the target's
-  std::int64_t draft_vocab_size = 0;  // Vd <= V
-  std::int64_t target_hidden_size = 0;  // width of one aux layer in the dump
-  std::int64_t num_aux_layers = 3;      // k: fc maps k*target_hidden_size -> hidden_size
-  std::int64_t max_position_embeddings = 2048;
-  std::int64_t num_hidden_layers = 1;  // N, the draft's decoder layers (config.json's key)
-  // Hugging Face hidden_states indices of the dumped aux layers (vLLM's convention, low to
-  // high); SGLang's "output of layer k" ids are these minus one. Empty when unknown.
-  std::vector<std::int64_t> aux_layer_ids;
-  // ModelOpt's form: input_layernorm is also applied to h before hidden_norm.
-  bool modelopt_norm = false;
-  // The dtype the draft is served in: the base's torch_dtype (bf16 when it names none).
-  // Kept apart from the dtype of stored weights (float32 in checkpoints): config.json
-  // carries it as eaglekit_serving_dtype beside torch_dtype.
-  std::string torch_dtype = "bfloat16";
-
-  std::int64_t aux_width() const { return num_aux_layers * target_hidden_size; }
-  // Throws UsageError naming the first inconsistency (heads * head_dim, GQA divisibility,
-  // Vd > V, aux ids count != k, ...).
-  void check() const;
-};
-
 struct DraftOptions {
   std::int64_t draft_vocab_size = 0;  // 0: the base vocabulary size
   std::int64_t num_aux_layers = 3;
@@ -96,13 +64,16 @@ std::vector<std::int64_t> default_aux_layer_ids(std::int64_t num_hidden_layers);
 // intermediate size, eps and RoPE). Validated with check().
 DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& options);
 
-// An exported draft's config.json (ours or a published one). Aux layer ids are read from
+// An exported draft's config.json (ours or a published one). The architecture is the row
+// that claims it (architecture_of_config: UnsupportedError for a variant none computes). Aux
+// layer ids are read from
 // the top-level `eagle_aux_hidden_state_layer_ids`, else from
 // `eagle_config.eagle_aux_hidden_state_layer_ids` plus one.
 DraftConfig parse_draft_config(const std::string& json_text, const std::string& where);
 DraftConfig load_draft_config(const std::string& path);  // config.json or its folder
 
-// The config.json that `export` writes (docs/export.md), pretty-printed. Aux layer ids
+// The config.json that `export` writes (docs/export.md), pretty-printed: the served config
+// of config.architecture (trainer/model/architecture.h). EAGLE-3's: aux layer ids
 // are written both ways, num_aux_hidden_states (the fc's k, read by newer vLLM and SGLang)
 // and norm_before_residual: false (vLLM's other first-layer form) too; throws UsageError
 // when the ids are unknown. `weights_dtype`: the dtype of the weights beside it, written as

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <nlohmann/json.hpp>
 
 #include "formats/error.h"
 
@@ -168,6 +169,45 @@ RopeFrequencies rope_frequencies(double theta, const RopeScaling& r, std::int64_
     }
   }
   return out;
+}
+
+nlohmann::ordered_json rope_scaling_json(const RopeScaling& r) {
+  using oj = nlohmann::ordered_json;
+  oj j;
+  j["rope_type"] = rope_type_name(r.type);
+  switch (r.type) {
+    case RopeType::kDefault:
+      return nullptr;
+    case RopeType::kLinear:
+    case RopeType::kDynamic:
+      j["factor"] = r.factor;
+      break;
+    case RopeType::kLlama3:
+      j["factor"] = r.factor;
+      j["low_freq_factor"] = r.low_freq_factor;
+      j["high_freq_factor"] = r.high_freq_factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      break;
+    case RopeType::kYarn:
+      j["factor"] = r.factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      j["beta_fast"] = r.beta_fast;
+      j["beta_slow"] = r.beta_slow;
+      j["truncate"] = r.truncate;
+      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
+      if (r.mscale) j["mscale"] = *r.mscale;
+      if (r.mscale_all_dim) j["mscale_all_dim"] = *r.mscale_all_dim;
+      break;
+    case RopeType::kLongrope:
+      j["short_factor"] = r.short_factor;
+      j["long_factor"] = r.long_factor;
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      if (r.attention_factor) j["attention_factor"] = *r.attention_factor;
+      if (r.short_mscale) j["short_mscale"] = *r.short_mscale;
+      if (r.long_mscale) j["long_mscale"] = *r.long_mscale;
+      break;
+  }
+  return j;
 }
 
 }  // namespace eaglekit::trainer

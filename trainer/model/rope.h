@@ -1,7 +1,7 @@
 // Rotary position embedding variants as Hugging Face transformers defines them and vLLM and
 // SGLang serve them (docs/rope.md): the inverse frequencies of each rotary pair and the
 // attention factor that scales cos and sin. Plain values, no LibTorch: the draft model turns
-// them into tables (trainer/model/draft_model.h), the config reads and writes their JSON
+// them into tables (trainer/model/rotary.h), the config reads and writes their JSON
 // (trainer/model/config.h).
 #pragma once
 
@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 namespace eaglekit::trainer {
 
@@ -54,5 +56,9 @@ struct RopeFrequencies {
 // (the target's). Throws UsageError when a needed field is missing or out of range.
 RopeFrequencies rope_frequencies(double theta, const RopeScaling& scaling, std::int64_t head_dim,
                                  std::int64_t max_position_embeddings);
+
+// `rope_scaling` as config.json writes it (null for the default RoPE), the keys each variant
+// reads in transformers.
+nlohmann::ordered_json rope_scaling_json(const RopeScaling& scaling);
 
 }  // namespace eaglekit::trainer

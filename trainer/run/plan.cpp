@@ -20,6 +20,7 @@
 #include "lib/loader.h"
 #include "trainer/io/export.h"
 #include "trainer/io/metrics_log.h"
+#include "trainer/model/architecture_rows.h"
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/threads.h"
@@ -43,14 +44,11 @@ std::string gib(double bytes) {
   return os.str();
 }
 
-// Trainable parameters of the draft (trainer/model/draft_model.h): fc, the first decoder layer on
-// 2H-wide q/k/v inputs with its three norms, N - 1 plain layers on H with two norms each,
-// the final norm and lm_head over Vd.
+// Trainable parameters of the draft, as its architecture lists them (trainer/model/architecture.h).
 std::int64_t draft_parameters(const DraftConfig& c) {
-  const std::int64_t h = c.hidden_size, qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
-  const std::int64_t first = 2 * h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 3 * h;
-  const std::int64_t plain = h * (qd + 2 * kvd) + qd * h + 3 * h * c.intermediate_size + 2 * h;
-  return c.aux_width() * h + first + (c.num_hidden_layers - 1) * plain + h + c.draft_vocab_size * h;
+  std::int64_t n = 0;
+  for (const ParameterShape& p : draft_architecture(c.architecture).parameters(c)) n += p.numel();
+  return n;
 }
 
 // Activations one micro-batch keeps for backward, float32, per TTT step: per decoder layer

@@ -577,12 +577,14 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     loss_weight = cx.shift_left(batch.loss_mask.to(device).to(at::kFloat));
     if (packed) loss_weight = loss_weight * next_same_doc.to(at::kFloat);
   }
-  const at::Tensor emb_normed = draft.norm_embeddings(emb);
-  at::Tensor hidden = draft.fc(batch.aux_hidden_states.to(device, dtype));
+  // The architecture's network (trainer/model/draft_net.h) computes everything but the attention.
+  const DraftNet& net = draft.net();
+  const at::Tensor emb_normed = net.norm_embeddings(emb);
+  at::Tensor hidden = net.fc(batch.aux_hidden_states.to(device, dtype));
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   // Each decoder layer keeps its own keys/values of every step (docs/ttt.md, deeper drafts).
-  const std::int64_t layers = draft.num_layers();
+  const std::int64_t layers = net.num_layers();
   std::vector<std::vector<at::Tensor>> k_blocks(static_cast<std::size_t>(layers)),
       v_blocks(static_cast<std::size_t>(layers));
   std::vector<at::Tensor> ce, mask_sums, counts;
@@ -613,13 +615,13 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       Qkv qkv;
       if (recompute_layers) {
         const std::vector<at::Tensor> r = recompute(under_autocast([draft, rope, layer](const std::vector<at::Tensor>& x) {
-                                                      Qkv y = draft.qkv(x[0], x[1], rope, layer);
+                                                      Qkv y = draft.net().qkv(x[0], x[1], rope, layer);
                                                       return std::vector<at::Tensor>{y.q, y.k, y.v};
                                                     }),
                                                     {emb_normed, out}, params);
         qkv = Qkv{r[0], r[1], r[2]};
       } else {
-        qkv = draft.qkv(emb_normed, out, rope, layer);
+        qkv = net.qkv(emb_normed, out, rope, layer);
       }
       k_blocks[li].push_back(qkv.k);
       v_blocks[li].push_back(qkv.v);
@@ -628,11 +630,11 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       scope.begin("ttt.layer");
       if (recompute_layers) {
         out = recompute(under_autocast([draft, layer](const std::vector<at::Tensor>& x) {
-                          return std::vector<at::Tensor>{draft.finish_layer(x[0], x[1], layer)};
+                          return std::vector<at::Tensor>{draft.net().finish_layer(x[0], x[1], layer)};
                         }),
                         {out, attn}, params)[0];
       } else {
-        out = draft.finish_layer(out, attn, layer);
+        out = net.finish_layer(out, attn, layer);
       }
     }
     scope.begin("ttt.lm_head_loss");
@@ -641,20 +643,20 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     at::Tensor draft_argmax;
     if (loss_chunk > 0) {
       // lm_head and the loss a chunk of rows at a time, never the step's whole logits.
-      const SoftCeResult r = chunked_soft_ce(draft.final_norm(out).reshape({b * n, c.hidden_size}),
-                                             draft.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
+      const SoftCeResult r = chunked_soft_ce(net.final_norm(out).reshape({b * n, c.hidden_size}),
+                                             net.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
                                              weight.reshape({b * n}), loss_chunk, compute_dtype);
       ce.push_back(r.ce_sum);
       draft_argmax = r.argmax.view({b, n});
-    } else if (compute_dtype == at::kFloat && cpu_kernels::takes(out) && cpu_kernels::takes(draft.lm_head_weight())) {
+    } else if (compute_dtype == at::kFloat && cpu_kernels::takes(out) && cpu_kernels::takes(net.lm_head_weight())) {
       // The same loss in one pass per direction over the logits (trainer/model/cpu_kernels.h).
-      const SoftCeResult r = cpu_kernels::soft_ce(draft.final_norm(out).reshape({b * n, c.hidden_size}),
-                                                  draft.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
+      const SoftCeResult r = cpu_kernels::soft_ce(net.final_norm(out).reshape({b * n, c.hidden_size}),
+                                                  net.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
                                                   weight.reshape({b * n}));
       ce.push_back(r.ce_sum);
       draft_argmax = r.argmax.view({b, n});
     } else {
-      const at::Tensor logits = draft.logits(out).to(at::kFloat);
+      const at::Tensor logits = net.logits(out).to(at::kFloat);
       const at::Tensor logp = at::log_softmax(logits, -1);
       ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
       at::NoGradGuard no_grad;
