@@ -5,7 +5,7 @@
 // log-sum-exp. Never more than one query tile x key tile of scores is alive. Internal: the
 // kernel under ttt_attention_flash (trainer/attention/ttt_flash.h: one pair, the whole sequence at
 // offset 0) and under the CP ring's block-0 pairs (trainer/parallel/ring_attention.h,
-// RingPairKernel::kTiled; docs/context-parallel.md, "Pair kernels").
+// RingOptions::pair_kernel TttAttention::kTiled; docs/context-parallel.md, "Pair kernels").
 //
 // The pair: queries at global positions [qo, qo + nq), keys at [ko, ko + nk). Query q sees
 // key j iff j <= q - step, key j is valid, and (packed rows) both have the same document.
