@@ -187,8 +187,8 @@ int worker(const Args& a) {
         at::Tensor q = at::randn({1, heads, chunk.size(), d}, gen).requires_grad_(true);
         ks.push_back(at::randn({1, kv, chunk.size(), d}, gen).requires_grad_(true));
         vs.push_back(at::randn({1, kv, chunk.size(), d}, gen).requires_grad_(true));
-        const at::Tensor o = c == 1 ? single.attention(q, ks, vs, valid, s, scale, {})
-                                    : trainer::ring_ttt_attention(mesh.cp(), l, q, ks, vs, valid, s, scale, {}, ro);
+        const at::Tensor o = c == 1 ? single.attention({q, ks, vs, valid, s, scale})
+                                    : trainer::ring_ttt_attention(mesh.cp(), l, {q, ks, vs, valid, s, scale}, ro);
         total = total + o.square().sum();
       }
       total.backward();

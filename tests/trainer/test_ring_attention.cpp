@@ -111,7 +111,7 @@ std::vector<at::Tensor> reference_attention(const AttnCase& c, const AttnInputs&
   std::vector<at::Tensor> ks, vs;
   for (const auto& k : in.ks) ks.push_back(k.clone().requires_grad_(true));
   for (const auto& v : in.vs) vs.push_back(v.clone().requires_grad_(true));
-  const at::Tensor out = trainer::ttt_attention_dense(q, ks, vs, in.key_valid, c.step, kScale, in.docs);
+  const at::Tensor out = trainer::ttt_attention_dense({q, ks, vs, in.key_valid, c.step, kScale, in.docs});
   (out * in.d_out).sum().backward();
   std::vector<at::Tensor> r{out.detach(), q.grad()};
   for (const auto& k : ks) r.push_back(k.grad());
@@ -134,8 +134,8 @@ std::vector<at::Tensor> ring_attention_run(const dist::Group& cp, const AttnCase
   ro.query_chunk_rows = c.query_chunk_rows;
   ro.pair_kernel = c.kernel;
   ro.tiles = c.tiles;
-  const at::Tensor out = trainer::ring_ttt_attention(cp, c.length, q, ks, vs, local(in.key_valid, 1), c.step,
-                                                     kScale, local(in.docs, 1), ro);
+  const at::Tensor out = trainer::ring_ttt_attention(
+      cp, c.length, {q, ks, vs, local(in.key_valid, 1), c.step, kScale, local(in.docs, 1)}, ro);
   (out * local(in.d_out, 2)).sum().backward();
   std::vector<at::Tensor> r{out.detach(), q.grad()};
   for (const auto& k : ks) r.push_back(k.grad());
@@ -451,8 +451,8 @@ ScenarioRegistration ring_memory_job("ring_memory", [] {
       {
         trainer::CpuAllocationProbe probe;
         {
-          const at::Tensor out = trainer::ring_ttt_attention(mesh.cp(), length, q, ks, vs, valid, kMemStep,
-                                                             1.0 / std::sqrt(double(kMemDim)), {}, ro);
+          const at::Tensor out = trainer::ring_ttt_attention(
+              mesh.cp(), length, {q, ks, vs, valid, kMemStep, 1.0 / std::sqrt(double(kMemDim))}, ro);
           (out * d_out).sum().backward();
         }
         peak = probe.peak_bytes();
@@ -557,9 +557,9 @@ TEST_CASE("ring: RingContext on one rank is the single-rank context; misuse is r
                        "cp_shift: x must be [B, n, ...] with n >= 1", UsageError);
   const at::Tensor q = at::zeros({1, 2, 4, 2});
   const std::vector<at::Tensor> kv{at::zeros({1, 1, 4, 2})};
-  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 4, q, kv, kv, at::ones({1, 4}, at::kBool), 1, 1.0),
+  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 4, {q, kv, kv, at::ones({1, 4}, at::kBool), 1, 1.0}),
                        "ring attention: step 1 needs 2 key/value blocks, got 1/1", UsageError);
-  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 5, q, kv, kv, at::ones({1, 4}, at::kBool), 0, 1.0),
+  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 5, {q, kv, kv, at::ones({1, 4}, at::kBool), 0, 1.0}),
                        "ring attention: rank 0 holds 4 rows, but its chunk of 5 rows has 5", UsageError);
 }
 

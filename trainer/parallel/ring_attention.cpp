@@ -511,9 +511,13 @@ struct RingAttentionBackward : public Node {
   }
 };
 
-void check_ring_inputs(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                       const at::Tensor& document_ids, std::int64_t step) {
+void check_ring_inputs(const TttAttentionInputs& in) {
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
   if (q.dim() != 4) throw UsageError("ring attention: q must be [B, heads, n, D]");
   if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 ||
       v_blocks.size() != k_blocks.size())
@@ -611,12 +615,16 @@ TttAttention ring_pair_kernel(TttAttention attention) {
   return fused ? TttAttention::kFused : TttAttention::kTiled;
 }
 
-at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const at::Tensor& q,
-                              const std::vector<at::Tensor>& k_blocks,
-                              const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                              std::int64_t step, double scale, const at::Tensor& document_ids,
+at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const TttAttentionInputs& in,
                               const RingOptions& options) {
-  check_ring_inputs(q, k_blocks, v_blocks, key_valid, document_ids, step);
+  check_ring_inputs(in);
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   RingGeometry g;
   g.cp = cp;
   g.options = options;
@@ -739,12 +747,10 @@ at::Tensor RingContext::shift_left(const at::Tensor& x) {
   return cp_shift(cp_, x, -1);
 }
 
-at::Tensor RingContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                                  const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                                  std::int64_t step, double scale, const at::Tensor& document_ids) {
-  if (cp_.size() == 1) return local_.attention(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
-  chunk_rows(q.size(2));
-  return ring_ttt_attention(cp_, length_, q, k_blocks, v_blocks, key_valid, step, scale, document_ids, options_);
+at::Tensor RingContext::attention(const TttAttentionInputs& in) {
+  if (cp_.size() == 1) return local_.attention(in);
+  chunk_rows(in.q.size(2));
+  return ring_ttt_attention(cp_, length_, in, options_);
 }
 
 at::Tensor RingContext::sum_across(const at::Tensor& x) {

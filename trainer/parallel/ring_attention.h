@@ -79,13 +79,10 @@ struct RingOptions {
 };
 
 // TTT attention of step `step` for this rank's query rows against every rank's chunks of
-// the step blocks 0..step (arguments as SequenceContext::attention, all local rows; the
+// the step blocks 0..step (inputs as SequenceContext::attention, all local rows; the
 // sequence is `length` rows long in all, laid out by cp_chunk). Differentiable in q,
 // k_blocks and v_blocks; returns [B, heads, n, D] in q's dtype.
-at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const at::Tensor& q,
-                              const std::vector<at::Tensor>& k_blocks,
-                              const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                              std::int64_t step, double scale, const at::Tensor& document_ids = {},
+at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const TttAttentionInputs& in,
                               const RingOptions& options = {});
 
 // y[:, t] = x[:, t - shift] over the global sequence (shift = +1: right, -1: left), zero
@@ -113,9 +110,7 @@ class RingContext final : public SequenceContext {
   std::int64_t global_length(std::int64_t local_length) const override;
   at::Tensor shift_right(const at::Tensor& x) override;
   at::Tensor shift_left(const at::Tensor& x) override;
-  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                       std::int64_t step, double scale, const at::Tensor& document_ids) override;
+  at::Tensor attention(const TttAttentionInputs& in) override;
   at::Tensor sum_across(const at::Tensor& x) override;
 
   const dist::Group& cp() const { return cp_; }
