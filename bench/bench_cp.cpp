@@ -1,6 +1,6 @@
 // bench_cp: per-rank peak memory and step time of context parallelism for one long sequence
 // at CP = 1, 2, 4 (CPU, Gloo), in one run, with both ring pair kernels side by side
-// (RingPairKernel::kTiled, the default, and kDense, the per-pair score matrix;
+// (--kernels tiled: TttAttention::kTiled, the default; dense: kLocal, the per-pair score matrix;
 // docs/context-parallel.md, "Ring attention"). For each C and kernel it launches C local
 // ranks of itself (dist::launch_local, as `eaglekit launch` does); every rank runs, on its
 // chunk:
@@ -110,8 +110,9 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-trainer::RingPairKernel kernel_of(const std::string& name) {
-  return name == "dense" ? trainer::RingPairKernel::kDense : trainer::RingPairKernel::kTiled;
+// The ring pair kernel of a --kernels name: dense is TttAttention::kLocal, the per-pair scores.
+trainer::TttAttention kernel_of(const std::string& name) {
+  return name == "dense" ? trainer::TttAttention::kLocal : trainer::TttAttention::kTiled;
 }
 
 using bench::median;
@@ -186,8 +187,8 @@ int worker(const Args& a) {
         at::Tensor q = at::randn({1, heads, chunk.size(), d}, gen).requires_grad_(true);
         ks.push_back(at::randn({1, kv, chunk.size(), d}, gen).requires_grad_(true));
         vs.push_back(at::randn({1, kv, chunk.size(), d}, gen).requires_grad_(true));
-        const at::Tensor o = c == 1 ? single.attention(q, ks, vs, valid, s, scale, {})
-                                    : trainer::ring_ttt_attention(mesh.cp(), l, q, ks, vs, valid, s, scale, {}, ro);
+        const at::Tensor o = c == 1 ? single.attention({q, ks, vs, valid, s, scale})
+                                    : trainer::ring_ttt_attention(mesh.cp(), l, {q, ks, vs, valid, s, scale}, ro);
         total = total + o.square().sum();
       }
       total.backward();

@@ -184,9 +184,9 @@ Run run_unit(const Args& a, Unit& u, const std::string& variant, bool probe_memo
       const std::vector<at::Tensor> ks(u.ks.begin(), u.ks.begin() + s + 1), vs(u.vs.begin(), u.vs.begin() + s + 1);
       const auto i = static_cast<std::size_t>(s);
       const at::Tensor out =
-          variant == "tiled"   ? trainer::ttt_attention_flash(u.qs[i], ks, vs, u.valid, s, u.scale, {}, a.tiles)
-          : variant == "fused" ? trainer::ttt_attention_fused(u.qs[i], ks, vs, u.valid, s, u.scale)
-                               : trainer::ttt_attention_local(u.qs[i], ks, vs, u.valid, s, u.scale, {}, &cache);
+          variant == "tiled"   ? trainer::ttt_attention_flash({u.qs[i], ks, vs, u.valid, s, u.scale, {}}, a.tiles)
+          : variant == "fused" ? trainer::ttt_attention_fused({u.qs[i], ks, vs, u.valid, s, u.scale})
+                               : trainer::ttt_attention_local({u.qs[i], ks, vs, u.valid, s, u.scale, {}}, &cache);
       const at::Tensor part = (out * u.weights[i]).sum();
       total = total.defined() ? total + part : part;
     }

@@ -1,5 +1,7 @@
 #include "lib/data_options.h"
 
+#include <utility>
+
 namespace eaglekit {
 
 opt::Group data_options(DataSelection& d) {
@@ -20,6 +22,10 @@ opt::Group data_options(DataSelection& d) {
                                        0),
                          1),
           }};
+}
+
+opt::Group split_data_options(DataSelection& d) {
+  return data_options(d).with("eval_fraction", [](opt::Option o) { return opt::at_most(std::move(o), 1); });
 }
 
 opt::Group batch_options(BatchOptions& b) {

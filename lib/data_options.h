@@ -49,8 +49,12 @@ struct BatchOptions {
   int prefetch = 4;                // batches in flight and ready ahead of the consumer
 };
 
-// "Data": data, index, match_by, quarantine, split, eval_fraction.
+// "Data": data, index, match_by, quarantine, split, eval_fraction (in [0, 1): train needs
+// samples to train on).
 opt::Group data_options(DataSelection& d);
+// The same rows for a command that reads a split without training on it (evaluate, vocab,
+// collate, loader-bench): --eval-fraction in [0, 1], 1 making every sample eval.
+opt::Group split_data_options(DataSelection& d);
 // "Batches": batch_size, max_length, mode, pad_multiple, shuffle, seed, drop_last, jobs,
 // prefetch.
 opt::Group batch_options(BatchOptions& b);

@@ -228,12 +228,11 @@ Group Group::without(std::initializer_list<const char*> keys) const {
   return g;
 }
 
-Group Group::unbounded(std::initializer_list<const char*> keys) const {
-  for (const char* k : keys)
-    if (!find(k)) throw std::logic_error(title + " options have no '" + k + "'");
+Group Group::with(const char* key, const std::function<Option(Option)>& change) const {
+  if (!find(key)) throw std::logic_error(title + " options have no '" + key + "'");
   Group g = *this;
   for (auto& o : g.options)
-    if (std::any_of(keys.begin(), keys.end(), [&](const char* k) { return o.key == k; })) o.bound.reset();
+    if (o.key == key) o = change(o);
   return g;
 }
 

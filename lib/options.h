@@ -208,9 +208,10 @@ struct Group {
   Group only(std::initializer_list<const char*> keys) const;
   Group without(std::initializer_list<const char*> keys) const;
   const Option* find(std::string_view key_or_flag) const;
-  // The same group with these rows' bounds dropped: a command that accepts more than the
-  // group's usual bound (evaluate takes any --loss-decay) or checks the option elsewhere.
-  Group unbounded(std::initializer_list<const char*> keys) const;
+  // The same group with the row `key` passed through `change` (a bound modifier): a command
+  // whose bound differs from the group's usual one (evaluate takes --eval-fraction 1).
+  // Throws std::logic_error for a key the group does not have.
+  Group with(const char* key, const std::function<Option(Option)>& change) const;
 };
 
 using Groups = std::vector<Group>;

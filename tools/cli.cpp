@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <utility>
 #include <stdexcept>
 #include <variant>
 
@@ -34,18 +35,23 @@ std::chrono::milliseconds collective_timeout(double seconds) {
 }
 
 opt::Groups LoaderJob::groups() {
+  using opt::at_least;
   using opt::field;
-  opt::Group loader{"Loader",
-                    {field("batches", "N", batches, "Stop after N batches, continuing into later epochs (-1: one epoch)"),
-                     field("rank", "N", rank, "Data-parallel rank"),
-                     field("world_size", "N", world_size, "Data-parallel size"),
-                     field("first_token", "N", first_token, "Token window of each row: first column"),
-                     field("last_token", "N", last_token, "Token window of each row: end column, exclusive (-1: row end)"),
-                     field("cp_rank", "N", cp_rank, "Context-parallel rank: holds its chunk of every row"),
-                     field("cp_size", "N", cp_size, "Context-parallel size"),
-                     field("resume", "STATE", resume, "Sampler state to continue from (JSON, or a file holding it)"),
-                     field("strict", "", strict, "Fail on the first bad record instead of skipping it")}};
-  return {data_options(*this), batch_options(*this), loader};
+  opt::Group loader{
+      "Loader",
+      {field("batches", "N", batches, "Stop after N batches, continuing into later epochs (-1: one epoch)"),
+       at_least(field("rank", "N", rank, "Data-parallel rank"), 0),
+       at_least(field("world_size", "N", world_size, "Data-parallel size"), 1),
+       at_least(field("first_token", "N", first_token, "Token window of each row: first column"), 0),
+       at_least(field("last_token", "N", last_token, "Token window of each row: end column, exclusive (-1: row end)"),
+                -1),
+       at_least(field("cp_rank", "N", cp_rank, "Context-parallel rank: holds its chunk of every row"), 0),
+       at_least(field("cp_size", "N", cp_size, "Context-parallel size"), 1),
+       field("resume", "STATE", resume, "Sampler state to continue from (JSON, or a file holding it)"),
+       field("strict", "", strict, "Fail on the first bad record instead of skipping it")}};
+  // The collator takes rows of one token (train needs two).
+  return {split_data_options(*this),
+          batch_options(*this).with("max_length", [](opt::Option o) { return at_least(std::move(o), 1); }), loader};
 }
 
 bool CommandLine::given(std::string_view key) const {

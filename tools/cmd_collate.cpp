@@ -15,7 +15,7 @@ namespace eaglekit::tools {
 
 std::unique_ptr<Loader> open_loader(const LoaderJob& job, std::string& summary) {
   if (job.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
-  if (job.pad_multiple < 1) throw UsageError("--pad-multiple must be at least 1");
+  opt::check_bounds(const_cast<LoaderJob&>(job).groups());  // reads only
   LoaderOptions o = loader_options(job, job.rank, job.world_size, job.cp_rank, job.cp_size);
   o.collate.first_token = job.first_token;
   o.collate.last_token = job.last_token;

@@ -98,6 +98,19 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
       {"convert a b --format zip", "eaglekit convert: --format: unknown format 'zip' (pt, safetensors, hdf5, eks)\n"},
       {"synth --conversations 3", "eaglekit synth: --out DIR is required (see --help)\n"},
       {"synth --out x --dtype int8", "eaglekit synth: --dtype must be bf16, fp16 or fp32, not int8\n"},
+      // The loader commands and vocab judge their options by the rows' bounds, as train does,
+      // before they read anything (no.eki does not exist).
+      {"collate --index no.eki --out x --batch-size 0", "eaglekit collate: --batch-size must be at least 1\n"},
+      {"collate --index no.eki --out x --pad-multiple 0", "eaglekit collate: --pad-multiple must be at least 1\n"},
+      {"collate --index no.eki --out x --max-length 0", "eaglekit collate: --max-length must be at least 1\n"},
+      {"collate --index no.eki --out x --rank -1", "eaglekit collate: --rank must not be negative\n"},
+      {"collate --index no.eki --out x --last-token -2", "eaglekit collate: --last-token must be at least -1\n"},
+      {"collate --index no.eki --out x --eval-fraction 1.5", "eaglekit collate: --eval-fraction must be in [0, 1]\n"},
+      {"loader-bench --index no.eki --prefetch 0", "eaglekit loader-bench: --prefetch must be at least 1\n"},
+      {"loader-bench --index no.eki --cp-size 0", "eaglekit loader-bench: --cp-size must be at least 1\n"},
+      {"vocab --index no.eki --out x --draft-vocab-size 0", "eaglekit vocab: --draft-vocab-size is required and must be positive\n"},
+      {"vocab --index no.eki --out x --draft-vocab-size 8 --jobs -1", "eaglekit vocab: --jobs must not be negative\n"},
+      {"vocab --index no.eki --out x --draft-vocab-size 8 --vocab-size -1", "eaglekit vocab: --vocab-size must not be negative\n"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.args);

@@ -351,6 +351,26 @@ TEST_CASE("checkpoint: export writes the aux ids both ways and the serving dtype
   CHECK(test::max_rel_diff(test::read_weights(dir / "fresh/checkpoint-1/model.safetensors"), saved) > 1e-3);
 }
 
+TEST_CASE("checkpoint: a speculators export takes --speculative-tokens 0 as the trained TTT steps and refuses a negative count saying so") {
+  auto job = test::make_synth_job(24);
+  test::TempDir dir("spec-tokens");
+  TrainOptions o = test::small_options(*job, dir / "out");
+  o.max_steps = 1;
+  o.ttt_steps = 2;
+  run_training(o);
+  ExportCheckpointOptions spec;
+  spec.format = ExportFormat::kSpeculators;
+  spec.verifier = "base";
+  spec.speculative_tokens = 0;  // what export's --speculative-tokens leaves when not given
+  CHECK(export_checkpoint(dir / "out", dir / "zero", spec).speculative_tokens == 2);
+  spec.speculative_tokens = 3;
+  CHECK(export_checkpoint(dir / "out", dir / "three", spec).speculative_tokens == 3);
+  spec.speculative_tokens = -1;
+  CHECK_THROWS_WITH_AS(export_checkpoint(dir / "out", dir / "negative", spec),
+                       "--speculative-tokens must be at least 1 (0: the --ttt-steps the draft was trained with), not -1",
+                       UsageError);
+}
+
 TEST_CASE("checkpoint: final/, final/ after resume and export are in the base's dtype; float32 warns; "
           "a draft no engine computes is refused for serving") {
   auto job = test::make_synth_job(24);

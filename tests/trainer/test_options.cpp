@@ -60,14 +60,17 @@ const std::vector<Edge> kTrainEdges = {
     {"progress-every", "0", "-0.001", "--progress-every takes seconds, 0 or more (0: no plain progress lines)"},
 };
 
-// The flags evaluate bounded (EvaluateOptions::check), with train's edges and words.
-const std::set<std::string> kEvaluateBounded = {"batch-size", "max-length", "pad-multiple", "jobs", "prefetch",
-                                                "ttt-steps", "threads", "cp", "timeout"};
+// The flags evaluate bounds with train's edges and words (EvaluateOptions::check); its
+// --eval-fraction may be 1 as well (every sample eval).
+const std::set<std::string> kEvaluateBounded = {"batch-size", "max-length", "pad-multiple", "jobs",    "prefetch",
+                                                "ttt-steps",  "loss-decay", "threads",      "cp",      "timeout"};
 
 std::vector<Edge> evaluate_edges() {
   std::vector<Edge> edges;
   for (const Edge& e : kTrainEdges)
     if (kEvaluateBounded.count(e.flag)) edges.push_back(e);
+  edges.push_back({"eval-fraction", "0", "-0.001", "--eval-fraction must be in [0, 1]"});
+  edges.push_back({"eval-fraction", "1", "1.001", "--eval-fraction must be in [0, 1]"});
   return edges;
 }
 
@@ -125,10 +128,11 @@ TEST_CASE("options: every bound of train and evaluate takes the value just insid
   evaluate.base = "b";
   evaluate.draft = "d";
   check_edges(evaluate, evaluate_edges());
-  // evaluate takes what it always took: any --loss-decay, and an --eval-fraction that the
-  // split checks later (1: every sample is eval).
-  for (const char* v : {"0", "-1"}) CHECK(outcome(evaluate, "loss-decay", v) == "");
-  for (const char* v : {"1", "-0.5", "1.5"}) CHECK(outcome(evaluate, "eval-fraction", v) == "");
+  // evaluate refuses up front what train refuses: a --loss-decay of 0 or below (it used to
+  // weigh its loss with it), an --eval-fraction outside [0, 1] (the split used to refuse it
+  // once the data was read, in other words).
+  CHECK(outcome(evaluate, "loss-decay", "-1") == "--loss-decay must be positive");
+  CHECK(outcome(evaluate, "eval-fraction", "-0.5") == "--eval-fraction must be in [0, 1]");
 
   // A --config value is judged by the same bound, once every option is set.
   TrainOptions from_json = train;

@@ -3,8 +3,10 @@
 // 2 and 4 real processes, for TTT steps 0..3 (S = 1..4), lengths that are and are not
 // multiples of the cp size, padding and packed documents (attention alone, and the whole
 // unroll on packed rows: document_ids and position_ids through every chunk); both pair
-// kernels (RingPairKernel::kTiled, the default, and kDense), the block-0 tile pieces on chunk
-// pairs (with a must-fail wrong key offset), and the tiled pairs' memory per rank.
+// kernels (TttAttention::kTiled, the default, kLocal, the dense reference, and kFused where
+// the build has it), which of them --ttt-attention runs on a cp group (ring_pair_kernel), the
+// block-0 tile pieces on chunk pairs (with a must-fail wrong key offset), and the tiled pairs'
+// memory per rank.
 #include "trainer/parallel/ring_attention.h"
 
 #include <cmath>
@@ -17,7 +19,7 @@
 using namespace eaglekit;
 using namespace eaglekit::test;
 using trainer::KvExchange;
-using trainer::RingPairKernel;
+using trainer::TttAttention;
 
 namespace {
 
@@ -29,8 +31,8 @@ struct AttnCase {
   std::int64_t step;
   bool docs;
   KvExchange exchange;
-  std::int64_t query_chunk_rows = 0;  // RingOptions::query_chunk_rows (kDense; 0: the default)
-  RingPairKernel kernel = RingPairKernel::kTiled;
+  std::int64_t query_chunk_rows = 0;  // RingOptions::query_chunk_rows (kLocal; 0: the default)
+  TttAttention kernel = TttAttention::kTiled;
   trainer::TttFlashTiles tiles = {};  // RingOptions::tiles (kTiled; 0: the default 128 x 256)
   bool empty_row = false;             // batch row 1 all padding: no visible key anywhere
 };
@@ -49,24 +51,24 @@ std::vector<AttnCase> attention_cases(int cp) {
   // across key tiles; documents crossing chunk boundaries (L = 13 and 7: not multiples of C).
   for (std::int64_t l : {13, 7})
     for (std::int64_t s = 0; s <= 3; ++s)
-      v.push_back({l, s, true, KvExchange::kRing, 0, RingPairKernel::kTiled, {2, 3}});
-  v.push_back({12, 1, false, KvExchange::kAllGather, 0, RingPairKernel::kTiled, {3, 1}});
-  v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kTiled, {1, 2}, /*empty_row=*/true});
+      v.push_back({l, s, true, KvExchange::kRing, 0, TttAttention::kTiled, {2, 3}});
+  v.push_back({12, 1, false, KvExchange::kAllGather, 0, TttAttention::kTiled, {3, 1}});
+  v.push_back({13, 3, true, KvExchange::kRing, 0, TttAttention::kTiled, {1, 2}, /*empty_row=*/true});
   // The dense reference kernel; its diagonal pair in query chunks of 1-3 rows (the first
   // ones see no block-0 key).
-  for (std::int64_t s = 0; s <= 3; ++s) v.push_back({13, s, true, KvExchange::kRing, 0, RingPairKernel::kDense});
-  v.push_back({13, 2, true, KvExchange::kRing, 2, RingPairKernel::kDense});
-  v.push_back({12, 3, false, KvExchange::kRing, 3, RingPairKernel::kDense});
-  v.push_back({13, 1, false, KvExchange::kAllGather, 1, RingPairKernel::kDense});
-  v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kDense, {}, /*empty_row=*/true});
+  for (std::int64_t s = 0; s <= 3; ++s) v.push_back({13, s, true, KvExchange::kRing, 0, TttAttention::kLocal});
+  v.push_back({13, 2, true, KvExchange::kRing, 2, TttAttention::kLocal});
+  v.push_back({12, 3, false, KvExchange::kRing, 3, TttAttention::kLocal});
+  v.push_back({13, 1, false, KvExchange::kAllGather, 1, TttAttention::kLocal});
+  v.push_back({13, 3, true, KvExchange::kRing, 0, TttAttention::kLocal, {}, /*empty_row=*/true});
   // LibTorch's fused kernels per pair, where this build has them (trainer/attention/ttt_fused.h): pairs
   // at offsets whose first queries see only part of the key chunk (a plain call on the keys
   // they all see plus a causal square), documents crossing chunks, an empty row.
   if (trainer::ttt_fused_available()) {
     for (std::int64_t l : lengths)
-      for (std::int64_t s = 0; s <= 3; ++s) v.push_back({l, s, l != 12, KvExchange::kRing, 0, RingPairKernel::kFused});
-    v.push_back({13, 2, true, KvExchange::kAllGather, 0, RingPairKernel::kFused});
-    v.push_back({13, 3, true, KvExchange::kRing, 0, RingPairKernel::kFused, {}, /*empty_row=*/true});
+      for (std::int64_t s = 0; s <= 3; ++s) v.push_back({l, s, l != 12, KvExchange::kRing, 0, TttAttention::kFused});
+    v.push_back({13, 2, true, KvExchange::kAllGather, 0, TttAttention::kFused});
+    v.push_back({13, 3, true, KvExchange::kRing, 0, TttAttention::kFused, {}, /*empty_row=*/true});
   }
   return v;
 }
@@ -109,7 +111,7 @@ std::vector<at::Tensor> reference_attention(const AttnCase& c, const AttnInputs&
   std::vector<at::Tensor> ks, vs;
   for (const auto& k : in.ks) ks.push_back(k.clone().requires_grad_(true));
   for (const auto& v : in.vs) vs.push_back(v.clone().requires_grad_(true));
-  const at::Tensor out = trainer::ttt_attention_dense(q, ks, vs, in.key_valid, c.step, kScale, in.docs);
+  const at::Tensor out = trainer::ttt_attention_dense({q, ks, vs, in.key_valid, c.step, kScale, in.docs});
   (out * in.d_out).sum().backward();
   std::vector<at::Tensor> r{out.detach(), q.grad()};
   for (const auto& k : ks) r.push_back(k.grad());
@@ -132,8 +134,8 @@ std::vector<at::Tensor> ring_attention_run(const dist::Group& cp, const AttnCase
   ro.query_chunk_rows = c.query_chunk_rows;
   ro.pair_kernel = c.kernel;
   ro.tiles = c.tiles;
-  const at::Tensor out = trainer::ring_ttt_attention(cp, c.length, q, ks, vs, local(in.key_valid, 1), c.step,
-                                                     kScale, local(in.docs, 1), ro);
+  const at::Tensor out = trainer::ring_ttt_attention(
+      cp, c.length, {q, ks, vs, local(in.key_valid, 1), c.step, kScale, local(in.docs, 1)}, ro);
   (out * local(in.d_out, 2)).sum().backward();
   std::vector<at::Tensor> r{out.detach(), q.grad()};
   for (const auto& k : ks) r.push_back(k.grad());
@@ -159,9 +161,10 @@ void check_attention_chunk(const std::vector<at::Tensor>& got, const std::vector
 std::string case_text(const AttnCase& c) {
   return "L=" + std::to_string(c.length) + " s=" + std::to_string(c.step) + (c.docs ? " docs" : "") +
          (c.exchange == KvExchange::kAllGather ? " all-gather" : " ring") +
-         (c.kernel == RingPairKernel::kDense
-              ? " dense, query chunks " + std::to_string(c.query_chunk_rows)
-              : " tiled " + std::to_string(c.tiles.query_rows) + "x" + std::to_string(c.tiles.key_rows)) +
+         (c.kernel == TttAttention::kLocal   ? " local, query chunks " + std::to_string(c.query_chunk_rows)
+          : c.kernel == TttAttention::kTiled ? " tiled " + std::to_string(c.tiles.query_rows) + "x" +
+                                                   std::to_string(c.tiles.key_rows)
+                                             : " " + std::string(trainer::ttt_attention_name(c.kernel))) +
          (c.empty_row ? " empty row" : "");
 }
 
@@ -436,7 +439,7 @@ ScenarioRegistration ring_memory_job("ring_memory", [] {
       v0.push_back(randn({1, kMemKvHeads, chunk.size(), kMemDim}));
     }
     const at::Tensor valid = at::ones({1, chunk.size()}, at::kBool);
-    for (const RingPairKernel kernel : {RingPairKernel::kTiled, RingPairKernel::kDense}) {
+    for (const TttAttention kernel : {TttAttention::kTiled, TttAttention::kLocal}) {
       const at::Tensor q = q0.clone().requires_grad_(true);
       std::vector<at::Tensor> ks, vs;
       for (const auto& k : k0) ks.push_back(k.clone().requires_grad_(true));
@@ -448,8 +451,8 @@ ScenarioRegistration ring_memory_job("ring_memory", [] {
       {
         trainer::CpuAllocationProbe probe;
         {
-          const at::Tensor out = trainer::ring_ttt_attention(mesh.cp(), length, q, ks, vs, valid, kMemStep,
-                                                             1.0 / std::sqrt(double(kMemDim)), {}, ro);
+          const at::Tensor out = trainer::ring_ttt_attention(
+              mesh.cp(), length, {q, ks, vs, valid, kMemStep, 1.0 / std::sqrt(double(kMemDim))}, ro);
           (out * d_out).sum().backward();
         }
         peak = probe.peak_bytes();
@@ -506,12 +509,31 @@ TEST_CASE("ring: one-rank ring attention equals the dense reference, output and 
   CHECK(trainer::tiles::host_keys_reads() == reads);
 }
 
+TEST_CASE("ring: --ttt-attention on a cp group runs fused for fused and auto with the fused kernels, tiled otherwise") {
+  // ring_pair_kernel is what make_sequence_context (train and evaluate with --cp > 1) puts
+  // into RingOptions::pair_kernel: local runs the tiled pairs, never the dense reference.
+  const bool fused = trainer::ttt_fused_available();
+  CHECK(trainer::ring_pair_kernel(TttAttention::kAuto) == (fused ? TttAttention::kFused : TttAttention::kTiled));
+  CHECK(trainer::ring_pair_kernel(TttAttention::kLocal) == TttAttention::kTiled);
+  CHECK(trainer::ring_pair_kernel(TttAttention::kTiled) == TttAttention::kTiled);
+  CHECK(trainer::ring_pair_kernel(TttAttention::kFused) == TttAttention::kFused);
+  // kAuto left in RingOptions runs the same kernel: the same bits, forward and backward.
+  const dist::Group solo;
+  AttnCase c{13, 2, true, KvExchange::kRing, 0, TttAttention::kAuto};
+  const auto in = make_inputs(c, 41);
+  const auto got = ring_attention_run(solo, c, in);
+  c.kernel = trainer::ring_pair_kernel(TttAttention::kAuto);
+  const auto want = ring_attention_run(solo, c, in);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i].equal(want[i]));
+}
+
 TEST_CASE("ring: rows with no visible key give 0 and finite gradients, never NaN") {
   const dist::Group solo;
   for (const std::int64_t rows : {0, 2, -1}) {
     CAPTURE(rows);  // -1: the tiled kernel, else the dense one with query chunks of `rows`
     AttnCase c{6, 2, false, KvExchange::kRing, std::max<std::int64_t>(rows, 0),
-               rows < 0 ? RingPairKernel::kTiled : RingPairKernel::kDense, {2, 2}};
+               rows < 0 ? TttAttention::kTiled : TttAttention::kLocal, {2, 2}};
     auto in = make_inputs(c, 5);
     in.key_valid.fill_(false);
     const auto got = ring_attention_run(solo, c, in);
@@ -535,9 +557,9 @@ TEST_CASE("ring: RingContext on one rank is the single-rank context; misuse is r
                        "cp_shift: x must be [B, n, ...] with n >= 1", UsageError);
   const at::Tensor q = at::zeros({1, 2, 4, 2});
   const std::vector<at::Tensor> kv{at::zeros({1, 1, 4, 2})};
-  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 4, q, kv, kv, at::ones({1, 4}, at::kBool), 1, 1.0),
+  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 4, {q, kv, kv, at::ones({1, 4}, at::kBool), 1, 1.0}),
                        "ring attention: step 1 needs 2 key/value blocks, got 1/1", UsageError);
-  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 5, q, kv, kv, at::ones({1, 4}, at::kBool), 0, 1.0),
+  CHECK_THROWS_WITH_AS(trainer::ring_ttt_attention(dist::Group(), 5, {q, kv, kv, at::ones({1, 4}, at::kBool), 0, 1.0}),
                        "ring attention: rank 0 holds 4 rows, but its chunk of 5 rows has 5", UsageError);
 }
 

@@ -112,7 +112,7 @@ TEST_CASE("ttt: fast attention equals dense attention under the docs/ttt.md mask
         vs.push_back(at::randn({b, kv, l, d}).requires_grad_());
       }
       const at::Tensor doc = packed ? docs : at::Tensor();
-      const at::Tensor dense = ttt_attention_dense(q, ks, vs, key_valid, s, 0.35, doc);
+      const at::Tensor dense = ttt_attention_dense({q, ks, vs, key_valid, s, 0.35, doc});
       const at::Tensor w = at::randn(dense.sizes());
       std::vector<at::Tensor> inputs = {q};
       inputs.insert(inputs.end(), ks.begin(), ks.end());
@@ -123,7 +123,7 @@ TEST_CASE("ttt: fast attention equals dense attention under the docs/ttt.md mask
       for (const std::int64_t rows : {0, 1, 2, 4}) {
         CAPTURE(rows);
         TttMaskCache cache;
-        const at::Tensor fast = ttt_attention_local(q, ks, vs, key_valid, s, 0.35, doc, &cache, rows);
+        const at::Tensor fast = ttt_attention_local({q, ks, vs, key_valid, s, 0.35, doc}, &cache, rows);
         CHECK(fast.sizes() == q.sizes());
         CHECK(max_rel(fast, dense) < 1e-5);
         CHECK(cache.size() == 1);

@@ -54,8 +54,8 @@ TEST_CASE("ttt flash: values and gradients equal the dense attention under the d
       CAPTURE(s);
       const Inputs in = make_inputs(c.shape, s, c.padded, c.packed);
       const double scale = 0.35;
-      const at::Tensor dense = ttt_attention_dense(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs);
-      const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs, c.tiles);
+      const at::Tensor dense = ttt_attention_dense({in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs});
+      const at::Tensor flash = ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs}, c.tiles);
       REQUIRE(flash.sizes() == in.q.sizes());
       CHECK((flash.scalar_type() == at::kFloat));
       CHECK(max_rel(flash, dense) < 1e-5);
@@ -83,7 +83,7 @@ TEST_CASE("ttt flash: the comparison catches an off-by-one diagonal, a misplaced
   for (std::int64_t s = 0; s <= 3; ++s) {
     CAPTURE(s);
     const Inputs in = make_inputs(sh, s, true, true);
-    const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, 0.5, in.docs, {4, 3});
+    const at::Tensor flash = ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, s, 0.5, in.docs}, {4, 3});
     // The test's own mask agrees with flash when written right ...
     CHECK(max_rel(flash, masked_attention(in, s, 0.5, reference_mask(sh.l, s, 0, 0))) < 1e-5);
     // ... and the same comparison fails for each error.
@@ -108,8 +108,8 @@ TEST_CASE("ttt flash: bf16 inputs give the float32 result of their upcast, in bf
       up.ks[i] = in.ks[i].detach().to(at::kFloat).requires_grad_();
       up.vs[i] = in.vs[i].detach().to(at::kFloat).requires_grad_();
     }
-    const at::Tensor flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, s, 0.35, in.docs, {4, 4});
-    const at::Tensor dense = ttt_attention_dense(up.q, up.ks, up.vs, up.key_valid, s, 0.35, up.docs);
+    const at::Tensor flash = ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, s, 0.35, in.docs}, {4, 4});
+    const at::Tensor dense = ttt_attention_dense({up.q, up.ks, up.vs, up.key_valid, s, 0.35, up.docs});
     CHECK((flash.scalar_type() == at::kBFloat16));
     // bf16 keeps 8 significant bits: one rounding of the output, relative 2^-8 of the
     // largest value; the gradients are likewise float32 results rounded once.
@@ -130,13 +130,13 @@ TEST_CASE("ttt flash: bf16 inputs give the float32 result of their upcast, in bf
 TEST_CASE("ttt flash: under CPU autocast it still computes in float32 (the local path does not)") {
   at::manual_seed(24);
   const Inputs in = make_inputs({2, 4, 2, 12, 16}, 2, true, false);
-  const at::Tensor plain = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {4, 4});
-  const at::Tensor local_plain = ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25);
+  const at::Tensor plain = ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}}, {4, 4});
+  const at::Tensor local_plain = ttt_attention_local({in.q, in.ks, in.vs, in.key_valid, 2, 0.25});
   at::Tensor flash, local;
   {
     CpuAutocast autocast;
-    flash = ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {4, 4});
-    local = ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25);
+    flash = ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}}, {4, 4});
+    local = ttt_attention_local({in.q, in.ks, in.vs, in.key_valid, 2, 0.25});
   }
   CHECK((flash.scalar_type() == at::kFloat));
   CHECK(at::equal(flash, plain));
@@ -151,9 +151,9 @@ TEST_CASE("ttt flash: autograd keeps O(L) bytes where the local path keeps O(L^2
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   auto flash = [](const Inputs& in) {
-    return ttt_attention_flash(in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}, {64, 64});
+    return ttt_attention_flash({in.q, in.ks, in.vs, in.key_valid, 2, 0.25, {}}, {64, 64});
   };
-  auto local = [](const Inputs& in) { return ttt_attention_local(in.q, in.ks, in.vs, in.key_valid, 2, 0.25); };
+  auto local = [](const Inputs& in) { return ttt_attention_local({in.q, in.ks, in.vs, in.key_valid, 2, 0.25}); };
   std::vector<Footprint> f, o;
   const std::vector<std::int64_t> lengths{256, 512, 1024};
   for (const std::int64_t l : lengths) {
@@ -181,13 +181,13 @@ TEST_CASE("ttt flash: shape errors say what is wrong") {
   const at::Tensor q = at::zeros({1, 4, 5, 8});
   const at::Tensor k = at::zeros({1, 2, 5, 8});
   const at::Tensor valid = at::ones({1, 5}, at::kBool);
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, valid, 1, 1.0); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash({q, {k}, {k}, valid, 1, 1.0}); }) ==
         "TTT flash attention: step 1 needs 2 key/value blocks, got 1/1");
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {at::zeros({1, 3, 5, 8})}, {k}, valid, 0, 1.0); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash({q, {at::zeros({1, 3, 5, 8})}, {k}, valid, 0, 1.0}); }) ==
         "TTT flash attention: key/value block shape [1, 3, 5, 8] does not fit q [1, 4, 5, 8]");
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, at::ones({1, 4}, at::kBool), 0, 1.0); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash({q, {k}, {k}, at::ones({1, 4}, at::kBool), 0, 1.0}); }) ==
         "TTT flash attention: key_valid must be [B, L] = [1, 5]");
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash(q, {k}, {k}, valid, 0, 1.0, at::zeros({5})); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_flash({q, {k}, {k}, valid, 0, 1.0, at::zeros({5})}); }) ==
         "TTT flash attention: document_ids must be [B, L] = [1, 5]");
 }
 
@@ -201,11 +201,7 @@ class LocalAttentionContext final : public SequenceContext {
   std::int64_t global_length(std::int64_t n) const override { return n; }
   at::Tensor shift_right(const at::Tensor& x) override { return single_.shift_right(x); }
   at::Tensor shift_left(const at::Tensor& x) override { return single_.shift_left(x); }
-  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid, std::int64_t step,
-                       double scale, const at::Tensor& document_ids) override {
-    return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
-  }
+  at::Tensor attention(const TttAttentionInputs& in) override { return ttt_attention_local(in, &masks_); }
   at::Tensor sum_across(const at::Tensor& x) override { return x; }
 
  private:
@@ -215,7 +211,7 @@ class LocalAttentionContext final : public SequenceContext {
 
 std::string attention_node(SingleRankContext& context, std::int64_t l) {
   const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
-  return context.attention(in.q, in.ks, in.vs, in.key_valid, 1, 0.3, {}).grad_fn()->name();
+  return context.attention({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}).grad_fn()->name();
 }
 
 // Each parameter's gradient of `a` within 1e-5 (relative) of `b`'s, where `b` has one; returns
@@ -310,7 +306,7 @@ TEST_CASE("ttt attention: SingleRankContext reads key_valid and document ids on 
     for (std::int64_t s = 0; s < steps; ++s) {
       const std::vector<at::Tensor> ks(in.ks.begin(), in.ks.begin() + s + 1), vs(in.vs.begin(), in.vs.begin() + s + 1);
       for (int layer = 0; layer < 2; ++layer)
-        loss = loss + cx.attention(in.q, ks, vs, in.key_valid, s, scale, in.docs).pow(2).sum();
+        loss = loss + cx.attention({in.q, ks, vs, in.key_valid, s, scale, in.docs}).pow(2).sum();
     }
     loss.backward();
     CHECK(tiles::host_keys_reads() - reads == 1);
@@ -319,11 +315,11 @@ TEST_CASE("ttt attention: SingleRankContext reads key_valid and document ids on 
     // follows the change (a stale host copy would keep the old padding).
     Inputs next = make_inputs(sh, 1, true, true);
     const std::vector<at::Tensor> ks(next.ks.begin(), next.ks.begin() + 2), vs(next.vs.begin(), next.vs.begin() + 2);
-    cx.attention(next.q, ks, vs, next.key_valid, 1, scale, next.docs);
+    cx.attention({next.q, ks, vs, next.key_valid, 1, scale, next.docs});
     CHECK(tiles::host_keys_reads() - reads == 2);
     next.key_valid[0].narrow(0, 1, 3).fill_(false);
-    const at::Tensor got = cx.attention(next.q, ks, vs, next.key_valid, 1, scale, next.docs);
+    const at::Tensor got = cx.attention({next.q, ks, vs, next.key_valid, 1, scale, next.docs});
     CHECK(tiles::host_keys_reads() - reads == 3);
-    CHECK(max_rel(got, ttt_attention_dense(next.q, ks, vs, next.key_valid, 1, scale, next.docs)) < 1e-5);
+    CHECK(max_rel(got, ttt_attention_dense({next.q, ks, vs, next.key_valid, 1, scale, next.docs})) < 1e-5);
   }
 }

@@ -31,7 +31,7 @@ namespace {
 
 std::string attention_node(SingleRankContext& context, std::int64_t l) {
   const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
-  return context.attention(in.q, in.ks, in.vs, in.key_valid, 1, 0.3, {}).grad_fn()->name();
+  return context.attention({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}).grad_fn()->name();
 }
 
 }  // namespace
@@ -49,7 +49,7 @@ TEST_CASE("ttt fused: a build without the kernels says so and why; one with them
   CHECK(why.find("LibTorch >= 2.5") != std::string::npos);
   CHECK(why.find(TORCH_VERSION) != std::string::npos);
   const Inputs in = make_inputs({1, 4, 2, 6, 8}, 1, false, false);
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused(in.q, in.ks, in.vs, in.key_valid, 1, 0.3); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}); }) ==
         "TTT fused attention is not available: " + why);
   CHECK(test::message_of<UsageError>([&] { check_ttt_attention(TttAttention::kFused); }) ==
         "--ttt-attention fused is not available: " + why);
@@ -80,8 +80,8 @@ Inputs tail_padded(const Shape& sh, std::int64_t s, const std::vector<std::int64
 // Values within 1e-5 of the dense reference, keyless rows exactly 0, and every gradient
 // finite and within 1e-5.
 void check_against_dense(const Inputs& in, std::int64_t s, double scale) {
-  const at::Tensor dense = ttt_attention_dense(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs);
-  const at::Tensor fused = ttt_attention_fused(in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs);
+  const at::Tensor dense = ttt_attention_dense({in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs});
+  const at::Tensor fused = ttt_attention_fused({in.q, in.ks, in.vs, in.key_valid, s, scale, in.docs});
   REQUIRE(fused.sizes() == in.q.sizes());
   CHECK((fused.scalar_type() == in.q.scalar_type()));
   CHECK(max_rel(fused, dense) < 1e-5);
@@ -148,7 +148,7 @@ TEST_CASE("ttt fused: the comparison catches an off-by-one diagonal, a misplaced
     for (const bool padded : {false, true}) {
       CAPTURE(padded);
       const Inputs in = make_inputs(sh, s, padded, true);
-      const at::Tensor fused = ttt_attention_fused(in.q, in.ks, in.vs, in.key_valid, s, 0.5, in.docs);
+      const at::Tensor fused = ttt_attention_fused({in.q, in.ks, in.vs, in.key_valid, s, 0.5, in.docs});
       CHECK(max_rel(fused, masked_attention(in, s, 0.5, reference_mask(sh.l, s, 0, 0))) < 1e-5);
       CHECK(max_rel(fused, masked_attention(in, s, 0.5, reference_mask(sh.l, s, +1, 0))) > 1e-2);
       CHECK(max_rel(fused, masked_attention(in, s, 0.5, reference_mask(sh.l, s, -1, 0))) > 1e-2);
@@ -172,8 +172,8 @@ TEST_CASE("ttt fused: bf16 inputs run the kernel in bf16 and stay within bf16 ro
       up.ks[i] = in.ks[i].detach().to(at::kFloat).requires_grad_();
       up.vs[i] = in.vs[i].detach().to(at::kFloat).requires_grad_();
     }
-    const at::Tensor fused = ttt_attention_fused(in.q, in.ks, in.vs, in.key_valid, s, 0.35, in.docs);
-    const at::Tensor dense = ttt_attention_dense(up.q, up.ks, up.vs, up.key_valid, s, 0.35, up.docs);
+    const at::Tensor fused = ttt_attention_fused({in.q, in.ks, in.vs, in.key_valid, s, 0.35, in.docs});
+    const at::Tensor dense = ttt_attention_dense({up.q, up.ks, up.vs, up.key_valid, s, 0.35, up.docs});
     CHECK((fused.scalar_type() == at::kBFloat16));
     // bf16 keeps 8 significant bits; the kernel's probabilities are rounded to bf16 before
     // P V, so a few roundings of the output: 2e-2 of the largest value.
@@ -193,7 +193,7 @@ TEST_CASE("ttt fused: bf16 inputs run the kernel in bf16 and stay within bf16 ro
 TEST_CASE("ttt fused: autograd keeps O(L) bytes, as the tiles do") {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
-  auto fused = [](const Inputs& in) { return ttt_attention_fused(in.q, in.ks, in.vs, in.key_valid, 2, 0.25); };
+  auto fused = [](const Inputs& in) { return ttt_attention_fused({in.q, in.ks, in.vs, in.key_valid, 2, 0.25}); };
   std::vector<Footprint> f;
   // From L = 1024 on: below 768 positions the CPU kernel picks smaller blocks (a fixed
   // per-thread buffer of query block x key block scores that grows with them), above it
@@ -214,9 +214,9 @@ TEST_CASE("ttt fused: autograd keeps O(L) bytes, as the tiles do") {
 TEST_CASE("ttt fused: shape errors say what is wrong") {
   const at::Tensor q = at::zeros({1, 4, 5, 8});
   const at::Tensor k = at::zeros({1, 2, 5, 8});
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused(q, {k}, {k}, at::ones({1, 5}, at::kBool), 1, 1.0); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused({q, {k}, {k}, at::ones({1, 5}, at::kBool), 1, 1.0}); }) ==
         "TTT fused attention: step 1 needs 2 key/value blocks, got 1/1");
-  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused(q, {k}, {k}, at::ones({1, 4}, at::kBool), 0, 1.0); }) ==
+  CHECK(test::message_of<UsageError>([&] { ttt_attention_fused({q, {k}, {k}, at::ones({1, 4}, at::kBool), 0, 1.0}); }) ==
         "TTT fused attention: key_valid must be [B, L] = [1, 5]");
 }
 
@@ -290,8 +290,8 @@ TEST_CASE("ttt fused: on a CUDA device (skipped without one) it equals the dense
         }
         gpu.key_valid = cpu.key_valid.to(at::kCUDA);
         if (cpu.docs.defined()) gpu.docs = cpu.docs.to(at::kCUDA);
-        const at::Tensor fused = ttt_attention_fused(gpu.q, gpu.ks, gpu.vs, gpu.key_valid, s, 0.125, gpu.docs);
-        const at::Tensor dense = ttt_attention_dense(cpu.q, cpu.ks, cpu.vs, cpu.key_valid, s, 0.125, cpu.docs);
+        const at::Tensor fused = ttt_attention_fused({gpu.q, gpu.ks, gpu.vs, gpu.key_valid, s, 0.125, gpu.docs});
+        const at::Tensor dense = ttt_attention_dense({cpu.q, cpu.ks, cpu.vs, cpu.key_valid, s, 0.125, cpu.docs});
         const double tol = dtype == at::kFloat ? 1e-4 : 2e-2;  // TF32-free fp32 kernels; bf16 roundings
         CHECK(max_rel(fused.cpu(), dense) < tol);
         const at::Tensor w = at::randn(dense.sizes());

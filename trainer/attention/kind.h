@@ -1,6 +1,8 @@
 // The TTT attention kernels by name, the one enum every layer above them takes: the
 // --ttt-attention option, TttOptions::attention, and the ring's pair kernel
-// (trainer/parallel/ring_attention.h). LibTorch-free.
+// (RingOptions::pair_kernel, trainer/parallel/ring_attention.h, where kLocal is the dense
+// per-pair reference and ring_pair_kernel says which kernel carries out --ttt-attention on
+// a cp group). LibTorch-free.
 //
 // Thread safety: free functions. Errors: check_ttt_attention throws UsageError.
 #pragma once

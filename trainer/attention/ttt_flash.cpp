@@ -213,11 +213,15 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
 
 }  // namespace
 
-at::Tensor ttt_attention_flash(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids,
-                               TttFlashTiles tiles, const tiles::HostKeys* host) {
-  tiles::check_attention_args("TTT flash attention", q, k_blocks, v_blocks, key_valid, document_ids, step);
+at::Tensor ttt_attention_flash(const TttAttentionInputs& in, TttFlashTiles tiles, const tiles::HostKeys* host) {
+  tiles::check_attention_args("TTT flash attention", in);
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   const std::int64_t query_rows = tiles.query_rows > 0 ? tiles.query_rows : kTttFlashQueryRows;
   const std::int64_t key_rows = tiles.key_rows > 0 ? tiles.key_rows : kTttFlashKeyRows;
   const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };

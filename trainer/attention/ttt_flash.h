@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "trainer/attention/inputs.h"
+
 namespace eaglekit::trainer {
 
 namespace tiles {
@@ -38,18 +40,16 @@ constexpr std::int64_t kTttFlashKeyRows = 256;
 // measurements. On a GPU it keeps ttt_attention_local: the tile loop is not measured there.
 constexpr std::int64_t kTttFlashMinLength = 512;
 
-// The same arguments, semantics and result as ttt_attention_local (trainer/unroll/ttt.h): q
-// [B, heads, L, D], k_blocks / v_blocks [B, kv_heads, L, D] for blocks 0..step (GQA: query
-// head h reads kv head h / (heads / kv_heads)), key_valid [B, L] bool, document_ids [B, L]
-// (packed rows) or undefined. A query with no visible key gets 0 and finite gradients.
+// The same inputs (trainer/attention/inputs.h), semantics and result as ttt_attention_local
+// (trainer/unroll/ttt.h): q [B, heads, L, D], k_blocks / v_blocks [B, kv_heads, L, D] for
+// blocks 0..step, key_valid [B, L] bool, document_ids [B, L] (packed rows) or undefined.
+// A query with no visible key gets 0 and finite gradients.
 // Computes in float32 whatever the inputs' dtype (also under autocast) and returns q's dtype.
 // Differentiable in q and every k and v block; saves for backward the (detached) inputs, the
 // float32 output and a [B, heads, L] log-sum-exp. host: key_valid and document_ids already
 // read on the host (tiles::host_keys, trainer/attention/ttt_tiles.h; SingleRankContext reads them once
 // per batch); null: this call reads them, once for its forward and backward.
-at::Tensor ttt_attention_flash(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids = {},
-                               TttFlashTiles tiles = {}, const tiles::HostKeys* host = nullptr);
+at::Tensor ttt_attention_flash(const TttAttentionInputs& in, TttFlashTiles tiles = {},
+                               const tiles::HostKeys* host = nullptr);
 
 }  // namespace eaglekit::trainer

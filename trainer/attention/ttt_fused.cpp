@@ -413,11 +413,15 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
 
 }  // namespace
 
-at::Tensor ttt_attention_fused(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids,
-                               const tiles::HostKeys* host) {
-  tiles::check_attention_args("TTT fused attention", q, k_blocks, v_blocks, key_valid, document_ids, step);
+at::Tensor ttt_attention_fused(const TttAttentionInputs& in, const tiles::HostKeys* host) {
+  tiles::check_attention_args("TTT fused attention", in);
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   return TttFusedFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, opt(document_ids),
                                  host ? opt(host->valid) : c10::nullopt, host ? opt(host->docs) : c10::nullopt, step,
@@ -426,8 +430,7 @@ at::Tensor ttt_attention_fused(const at::Tensor& q, const std::vector<at::Tensor
 
 #else  // LibTorch < 2.5
 
-at::Tensor ttt_attention_fused(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                               const at::Tensor&, std::int64_t, double, const at::Tensor&, const tiles::HostKeys*) {
+at::Tensor ttt_attention_fused(const TttAttentionInputs&, const tiles::HostKeys*) {
   std::string why;
   ttt_fused_available(&why);
   throw UsageError("TTT fused attention is not available: " + why);

@@ -36,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "trainer/attention/inputs.h"
+
 namespace eaglekit::trainer {
 
 namespace tiles {
@@ -46,17 +48,15 @@ struct HostKeys;
 // `why` is given, the reason in one sentence.
 bool ttt_fused_available(std::string* why = nullptr);
 
-// The same arguments, semantics and result as ttt_attention_local / ttt_attention_flash: q
+// The same inputs (trainer/attention/inputs.h), semantics and result as ttt_attention_local /
+// ttt_attention_flash: q
 // [B, heads, L, D], k_blocks / v_blocks [B, kv_heads, L, D] for blocks 0..step, key_valid
 // [B, L] bool, document_ids [B, L] or undefined. A query with no visible key gets 0 and
 // finite gradients. The kernels compute in the inputs' dtype (float32 accumulation); the
 // merge is float32; returns q's dtype. Differentiable in q and every k and v block. host:
 // key_valid and document_ids already read on the host (tiles::host_keys, trainer/attention/ttt_tiles.h);
 // null: this call reads them.
-at::Tensor ttt_attention_fused(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids = {},
-                               const tiles::HostKeys* host = nullptr);
+at::Tensor ttt_attention_fused(const TttAttentionInputs& in, const tiles::HostKeys* host = nullptr);
 
 namespace fused {
 

@@ -5,7 +5,7 @@
 // log-sum-exp. Never more than one query tile x key tile of scores is alive. Internal: the
 // kernel under ttt_attention_flash (trainer/attention/ttt_flash.h: one pair, the whole sequence at
 // offset 0) and under the CP ring's block-0 pairs (trainer/parallel/ring_attention.h,
-// RingPairKernel::kTiled; docs/context-parallel.md, "Pair kernels").
+// RingOptions::pair_kernel TttAttention::kTiled; docs/context-parallel.md, "Pair kernels").
 //
 // The pair: queries at global positions [qo, qo + nq), keys at [ko, ko + nk). Query q sees
 // key j iff j <= q - step, key j is valid, and (packed rows) both have the same document.
@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <memory>
 #include <vector>
+
+#include "trainer/attention/inputs.h"
 
 namespace eaglekit::trainer::tiles {
 
@@ -114,10 +116,8 @@ at::Tensor finite_or_lowest(const at::Tensor& m);
 // (row q then holds the key of position q - shift); shift_up is its adjoint.
 at::Tensor shift_down(const at::Tensor& x, std::int64_t shift, std::int64_t dim);
 at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim);
-// The shapes of a TTT attention call (trainer/unroll/ttt.h's arguments), or UsageError naming `who`.
-void check_attention_args(const char* who, const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                          const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                          const at::Tensor& document_ids, std::int64_t step);
+// The shapes of a TTT attention call (trainer/attention/inputs.h), or UsageError naming `who`.
+void check_attention_args(const char* who, const TttAttentionInputs& in);
 
 // [B, heads, n, D] -> [B, kv_heads, n, rep, D] and [B, heads, n] -> [B, kv_heads, n, rep]
 // (contiguous copies), and back.

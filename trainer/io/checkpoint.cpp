@@ -501,7 +501,10 @@ namespace {
 SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found,
                                      const ExportCheckpointOptions& o, std::vector<std::string>& notes,
                                      std::vector<std::string>& warnings) {
-  if (o.speculative_tokens < 0) throw UsageError("--speculative-tokens must be at least 1");
+  // 0 is "not given": the count is derived below.
+  if (o.speculative_tokens < 0)
+    throw UsageError("--speculative-tokens must be at least 1 (0: the --ttt-steps the draft was trained with), not " +
+                     std::to_string(o.speculative_tokens));
   SpeculatorsInfo info;
   const auto run = run_options_of(source);
   if (o.speculative_tokens > 0) {

@@ -166,19 +166,25 @@ std::string VocabReport::to_json() const {
 opt::Groups VocabOptions::groups() {
   opt::Group own{"Vocabulary",
                  {opt::field("base", "DIR", base, "Base model folder (its config.json gives vocab_size)"),
-                  opt::note(opt::field("vocab_size", "N", vocab_size, "Target vocabulary size, instead of --base"),
+                  opt::note(opt::at_least(opt::field("vocab_size", "N", vocab_size, "Target vocabulary size, instead of --base"), 0),
                             "the base's"),
-                  opt::field("draft_vocab_size", "N", draft_vocab_size, "Draft vocabulary size Vd"),
+                  opt::refusal(opt::positive(opt::field("draft_vocab_size", "N", draft_vocab_size,
+                                                        "Draft vocabulary size Vd")),
+                               "is required and must be positive"),
                   opt::field("out", "FILE", out, "d2t file to write (e.g. d2t.pt)"),
-                  opt::field("jobs", "N", jobs, "Threads (0: all cores)")}};
-  return {data_options(*this), own};
+                  opt::at_least(opt::field("jobs", "N", jobs, "Threads (0: all cores)"), 0)}};
+  return {split_data_options(*this), own};
+}
+
+void VocabOptions::check() const {
+  if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
+  if (out.empty()) throw UsageError("--out is required (the d2t.pt to write)");
+  opt::check_bounds(const_cast<VocabOptions&>(*this).groups());  // reads only
 }
 
 VocabReport build_vocab(const VocabOptions& o) {
   const auto t0 = Clock::now();
-  if (o.index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
-  if (o.out.empty()) throw UsageError("--out is required (the d2t.pt to write)");
-  if (o.draft_vocab_size <= 0) throw UsageError("--draft-vocab-size is required and must be positive");
+  o.check();
   std::int64_t v = o.vocab_size;
   if (v <= 0) {
     if (o.base.empty()) throw UsageError("give --base (its config.json has vocab_size) or --vocab-size");

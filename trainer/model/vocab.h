@@ -67,6 +67,8 @@ struct VocabOptions : DataSelection {
   std::string out;                  // d2t.pt
   int jobs = 0;
   opt::Groups groups();
+  // UsageError for a missing --index or --out, then for a value outside its row's bound.
+  void check() const;
 };
 struct VocabReport {
   std::int64_t vocab_size = 0;

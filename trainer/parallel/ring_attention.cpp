@@ -97,7 +97,7 @@ KeyMeta gather_key_meta(const dist::Group& cp, const std::vector<std::int64_t>& 
 // The softmax attention of this rank's query rows (global rows [q_begin, q_begin + nq))
 // against one chunk of keys (global rows [k_begin, k_begin + nk) of every block 0..step),
 // with the TTT mask: block 0 densely (j <= q - s), blocks i >= 1 as the one key per query
-// at q - (s - i). With block0 false, the chain keys alone (RingPairKernel::kTiled computes
+// at q - (s - i). With block0 false, the chain keys alone (TttAttention::kTiled computes
 // block 0 by tiles). nullopt when the mask leaves nothing in this pair. Differentiable.
 std::optional<AttentionPartial> pair_partial(const at::Tensor& q, const std::vector<at::Tensor>& ks,
                                              const std::vector<at::Tensor>& vs,
@@ -254,7 +254,7 @@ std::optional<AttentionPartial> pair_partial_chunked(const at::Tensor& q, const 
   return AttentionPartial{at::cat(outs, 2), at::cat(lses, 2)};
 }
 
-// The dense pair (RingPairKernel::kDense): block 0 and the chain keys in one partial.
+// The dense pair (TttAttention::kLocal): block 0 and the chain keys in one partial.
 std::optional<AttentionPartial> dense_from_packed(const RingGeometry& g, const at::Tensor& q,
                                                   const at::Tensor& packed, int src) {
   const std::int64_t blocks = g.step + 1;
@@ -265,7 +265,7 @@ std::optional<AttentionPartial> dense_from_packed(const RingGeometry& g, const a
                               g.begins[s], g.length, g.step, g.scale, g.options.query_chunk_rows);
 }
 
-// The chain keys (blocks 1..s) of a pair alone, for RingPairKernel::kTiled: O(rows * s).
+// The chain keys (blocks 1..s) of a pair alone, for TttAttention::kTiled: O(rows * s).
 std::optional<AttentionPartial> chain_from_packed(const RingGeometry& g, const at::Tensor& q,
                                                   const at::Tensor& packed, int src) {
   if (g.step == 0) return std::nullopt;
@@ -277,7 +277,7 @@ std::optional<AttentionPartial> chain_from_packed(const RingGeometry& g, const a
                       g.step, g.scale, /*block0=*/false);
 }
 
-// RingPairKernel::kTiled (trainer/attention/ttt_tiles.h): the step and tile sizes.
+// TttAttention::kTiled (trainer/attention/ttt_tiles.h): the step and tile sizes.
 tiles::TileShape tile_shape(const RingGeometry& g) {
   const TttFlashTiles& t = g.options.tiles;
   return {g.step, t.query_rows > 0 ? t.query_rows : kTttFlashQueryRows,
@@ -298,7 +298,7 @@ std::optional<tiles::TileKeys> tile_keys_of(const RingGeometry& g, const at::Ten
                           g.meta.docs.empty() ? at::Tensor() : g.meta.docs[s], g.begins[s], g.meta.host[s]);
 }
 
-// RingPairKernel::kFused: src's block 0 against this rank's queries, or nullopt when no query
+// TttAttention::kFused: src's block 0 against this rank's queries, or nullopt when no query
 // reaches it.
 std::optional<fused::Pair> fused_pair_of(const RingGeometry& g, const at::Tensor& q, const at::Tensor& packed,
                                          int src) {
@@ -314,9 +314,9 @@ std::optional<fused::Pair> fused_pair_of(const RingGeometry& g, const at::Tensor
 // One pair's partial with the configured kernel (tq: defined for kTiled). Without autograd.
 std::optional<AttentionPartial> pair_from_packed(const RingGeometry& g, const at::Tensor& q,
                                                  const tiles::TileQueries& tq, const at::Tensor& packed, int src) {
-  if (g.options.pair_kernel == RingPairKernel::kDense) return dense_from_packed(g, q, packed, src);
+  if (g.options.pair_kernel == TttAttention::kLocal) return dense_from_packed(g, q, packed, src);
   std::optional<AttentionPartial> acc;
-  if (g.options.pair_kernel == RingPairKernel::kFused) {
+  if (g.options.pair_kernel == TttAttention::kFused) {
     if (const auto pair = fused_pair_of(g, q, packed, src)) {
       fused::Partial b0 = fused::block0_forward(*pair, g.step, g.scale);
       acc = AttentionPartial{std::move(b0.out), std::move(b0.lse)};
@@ -347,7 +347,7 @@ at::Tensor gathered_chunk(const RingGeometry& g, const at::Tensor& all, int src)
 // Forward without autograd: out [B, heads, n, D] float32 and lse [B, heads, n].
 AttentionPartial ring_forward(const RingGeometry& g, const at::Tensor& q, const at::Tensor& packed) {
   std::optional<AttentionPartial> acc;
-  const tiles::TileQueries tq = g.options.pair_kernel == RingPairKernel::kTiled
+  const tiles::TileQueries tq = g.options.pair_kernel == TttAttention::kTiled
                                     ? tile_queries_of(g, q, packed.size(2))
                                     : tiles::TileQueries{};
   if (g.options.exchange == KvExchange::kAllGather) {
@@ -378,7 +378,7 @@ AttentionPartial ring_forward(const RingGeometry& g, const at::Tensor& q, const 
   return *acc;
 }
 
-// Recomputes one pair with autograd (kDense: the whole pair; kTiled: its chain keys, block 0
+// Recomputes one pair with autograd (kLocal: the whole pair; kTiled: its chain keys, block 0
 // is TiledBackward's) and returns (dq, dpacked) of the final output's gradient through it.
 // The final output is sum_p w_p out_p over disjoint partials p with w_p = exp(lse_p - lse),
 // so d/d out_p = w_p dO and d/d lse_p = w_p <dO, out_p - out>.
@@ -389,7 +389,7 @@ std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at:
   c10::AutoGradMode grad_on(true);
   const at::Tensor qq = q.detach().requires_grad_(true);
   const at::Tensor kv = packed.detach().requires_grad_(true);
-  const auto part = g.options.pair_kernel == RingPairKernel::kDense ? dense_from_packed(g, qq, kv, src)
+  const auto part = g.options.pair_kernel == TttAttention::kLocal ? dense_from_packed(g, qq, kv, src)
                                                                      : chain_from_packed(g, qq, kv, src);
   if (!part) return {};
   const at::Tensor w = at::where(at::isinf(part->lse), at::zeros_like(lse), at::exp(part->lse.detach() - lse));
@@ -401,7 +401,7 @@ std::pair<at::Tensor, at::Tensor> pair_backward(const RingGeometry& g, const at:
   return {grads[0], grads[1]};
 }
 
-// The block-0 gradients of RingPairKernel::kTiled, pair by pair: the flash backward of
+// The block-0 gradients of TttAttention::kTiled, pair by pair: the flash backward of
 // trainer/attention/ttt_tiles.h against the final (merged) out and lse, which recomputes each tile
 // (docs/context-parallel.md, "Pair kernels").
 struct TiledBackward {
@@ -447,12 +447,12 @@ struct RingAttentionBackward : public Node {
     at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     at::Tensor dkv;
     std::optional<TiledBackward> tiled;
-    if (g.options.pair_kernel == RingPairKernel::kTiled) tiled.emplace(g, q, packed.size(2), d_out, out, lse);
+    if (g.options.pair_kernel == TttAttention::kTiled) tiled.emplace(g, q, packed.size(2), d_out, out, lse);
     // One visible pair: its block-0 tiles (kTiled) or fused kernels (kFused), and its
     // autograd-recomputed part.
     auto pair_grads = [&](const at::Tensor& chunk, int src, at::Tensor& into) {
       if (tiled) tiled->pair(g, chunk, src, into);
-      if (g.options.pair_kernel == RingPairKernel::kFused) {
+      if (g.options.pair_kernel == TttAttention::kFused) {
         if (const auto pair = fused_pair_of(g, q, chunk, src)) {
           at::Tensor dk = into.select(0, 0), dv = into.select(0, g.step + 1);
           fused::block0_backward(*pair, g.step, g.scale, d_out, out, lse, dq, dk, dv);
@@ -511,9 +511,13 @@ struct RingAttentionBackward : public Node {
   }
 };
 
-void check_ring_inputs(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                       const at::Tensor& document_ids, std::int64_t step) {
+void check_ring_inputs(const TttAttentionInputs& in) {
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
   if (q.dim() != 4) throw UsageError("ring attention: q must be [B, heads, n, D]");
   if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 ||
       v_blocks.size() != k_blocks.size())
@@ -606,20 +610,25 @@ TttBatch shard_batch(const TttBatch& full, int cp_size, int cp_rank) {
   return b;
 }
 
-RingPairKernel ring_pair_kernel(TttAttention attention) {
+TttAttention ring_pair_kernel(TttAttention attention) {
   const bool fused = attention == TttAttention::kFused || (attention == TttAttention::kAuto && ttt_fused_available());
-  return fused ? RingPairKernel::kFused : RingPairKernel::kTiled;
+  return fused ? TttAttention::kFused : TttAttention::kTiled;
 }
 
-at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const at::Tensor& q,
-                              const std::vector<at::Tensor>& k_blocks,
-                              const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                              std::int64_t step, double scale, const at::Tensor& document_ids,
+at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const TttAttentionInputs& in,
                               const RingOptions& options) {
-  check_ring_inputs(q, k_blocks, v_blocks, key_valid, document_ids, step);
+  check_ring_inputs(in);
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   RingGeometry g;
   g.cp = cp;
   g.options = options;
+  if (options.pair_kernel == TttAttention::kAuto) g.options.pair_kernel = ring_pair_kernel(TttAttention::kAuto);
   g.step = step;
   g.length = length;
   g.scale = scale;
@@ -738,12 +747,10 @@ at::Tensor RingContext::shift_left(const at::Tensor& x) {
   return cp_shift(cp_, x, -1);
 }
 
-at::Tensor RingContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                                  const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                                  std::int64_t step, double scale, const at::Tensor& document_ids) {
-  if (cp_.size() == 1) return local_.attention(q, k_blocks, v_blocks, key_valid, step, scale, document_ids);
-  chunk_rows(q.size(2));
-  return ring_ttt_attention(cp_, length_, q, k_blocks, v_blocks, key_valid, step, scale, document_ids, options_);
+at::Tensor RingContext::attention(const TttAttentionInputs& in) {
+  if (cp_.size() == 1) return local_.attention(in);
+  chunk_rows(in.q.size(2));
+  return ring_ttt_attention(cp_, length_, in, options_);
 }
 
 at::Tensor RingContext::sum_across(const at::Tensor& x) {

@@ -14,11 +14,11 @@
 // after the rank's own) are skipped, and rows with no visible key produce 0, never NaN.
 // Backward recomputes each pair (nothing O(L^2) is saved) and sends the key/value gradients
 // around the ring back to their owners. Block 0 of a pair (the shifted causal part) goes
-// through the tiles of ttt_attention_flash (trainer/attention/ttt_tiles.h, RingPairKernel::kTiled, the
+// through the tiles of ttt_attention_flash (trainer/attention/ttt_tiles.h, TttAttention::kTiled, the
 // default): memory per rank is the saved q/k/v/out/lse of its own chunk and the chunk in
-// flight, O(L/C), plus one query tile x key tile of scores at a time. RingPairKernel::kFused
+// flight, O(L/C), plus one query tile x key tile of scores at a time. TttAttention::kFused
 // runs it on LibTorch's fused kernels instead (trainer/attention/ttt_fused.h, fused::block0_forward /
-// block0_backward; LibTorch >= 2.5), also O(L/C). RingPairKernel::kDense keeps the per-pair
+// block0_backward; LibTorch >= 2.5), also O(L/C). TttAttention::kLocal keeps the per-pair
 // score matrix, O(heads * (L/C)^2), as the reference (docs/context-parallel.md, "Pair kernels").
 //
 // Thread safety: a RingContext serves one training loop; every rank of the cp group must
@@ -56,37 +56,33 @@ enum class KvExchange {
   kAllGather,  // every rank gathers all chunks at once: fewer, larger messages, O(L) memory
 };
 
-// How one (query chunk, key chunk) pair computes its block-0 scores; the chain keys of
-// blocks 1..s are per-row dot products either way (docs/context-parallel.md, "Pair kernels").
-enum class RingPairKernel {
-  kTiled,  // tiled online softmax, flash backward (trainer/attention/ttt_tiles.h): O(L/C) memory (default)
-  kDense,  // one masked score matrix per pair, autograd backward: O(heads * (L/C)^2), the reference
-  kFused,  // LibTorch's fused kernels per pair (trainer/attention/ttt_fused.h; LibTorch >= 2.5): O(L/C)
-};
 // The pair kernel that carries out --ttt-attention on a cp group: fused for fused, and for
-// auto where this build has the kernels; tiled otherwise (local's O(L^2) scores per pair are
-// never what a context-parallel run wants).
-RingPairKernel ring_pair_kernel(TttAttention attention);
+// auto where this build has the kernels; tiled otherwise, local included (local's O(L^2)
+// scores per pair are never what a context-parallel run wants). Never kAuto or kLocal.
+TttAttention ring_pair_kernel(TttAttention attention);
 
 struct RingOptions {
   KvExchange exchange = KvExchange::kRing;
-  RingPairKernel pair_kernel = RingPairKernel::kTiled;
+  // How one (query chunk, key chunk) pair computes its block-0 scores; the chain keys of
+  // blocks 1..s are per-row dot products either way (docs/context-parallel.md, "Pair kernels"):
+  //   kTiled  tiled online softmax, flash backward (trainer/attention/ttt_tiles.h): O(L/C) memory
+  //   kLocal  one masked score matrix per pair, autograd backward: O(heads * (L/C)^2), the reference
+  //   kFused  LibTorch's fused kernels per pair (trainer/attention/ttt_fused.h; LibTorch >= 2.5): O(L/C)
+  //   kAuto   ring_pair_kernel(kAuto): kFused where this build has the kernels, else kTiled
+  TttAttention pair_kernel = TttAttention::kTiled;
   // kTiled: the tile sizes (0: kTttFlashQueryRows x kTttFlashKeyRows, as ttt_attention_flash).
   TttFlashTiles tiles;
-  // kDense: the diagonal pair (this rank's queries against its own keys) is computed in
+  // kLocal: the diagonal pair (this rank's queries against its own keys) is computed in
   // chunks of this many query rows, each against only the keys it can see; 0:
   // ttt_query_chunk_rows of the rank's rows. kTiled skips tiles past the diagonal instead.
   std::int64_t query_chunk_rows = 0;
 };
 
 // TTT attention of step `step` for this rank's query rows against every rank's chunks of
-// the step blocks 0..step (arguments as SequenceContext::attention, all local rows; the
+// the step blocks 0..step (inputs as SequenceContext::attention, all local rows; the
 // sequence is `length` rows long in all, laid out by cp_chunk). Differentiable in q,
 // k_blocks and v_blocks; returns [B, heads, n, D] in q's dtype.
-at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const at::Tensor& q,
-                              const std::vector<at::Tensor>& k_blocks,
-                              const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                              std::int64_t step, double scale, const at::Tensor& document_ids = {},
+at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const TttAttentionInputs& in,
                               const RingOptions& options = {});
 
 // y[:, t] = x[:, t - shift] over the global sequence (shift = +1: right, -1: left), zero
@@ -114,9 +110,7 @@ class RingContext final : public SequenceContext {
   std::int64_t global_length(std::int64_t local_length) const override;
   at::Tensor shift_right(const at::Tensor& x) override;
   at::Tensor shift_left(const at::Tensor& x) override;
-  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                       std::int64_t step, double scale, const at::Tensor& document_ids) override;
+  at::Tensor attention(const TttAttentionInputs& in) override;
   at::Tensor sum_across(const at::Tensor& x) override;
 
   const dist::Group& cp() const { return cp_; }

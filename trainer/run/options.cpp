@@ -185,14 +185,12 @@ opt::Groups EvaluateOptions::groups() {
                  {opt::field("draft", "DIR", draft,
                              "Draft folder: an export, a checkpoint, or a run folder (its newest checkpoint)"),
                   opt::note(opt::field("max_batches", "N", max_batches, "Stop after N batches"), "the whole split")}};
-  // Evaluate takes what it always took: any --loss-decay, and an --eval-fraction that the
-  // split itself checks (lib/dataset.h split_dataset: 1 makes every sample eval).
+  // Train's bounds, but --eval-fraction may be 1 (every sample eval), which train refuses
+  // for leaving it nothing to train on.
   return {own,
-          data_options(*this).unbounded({"eval_fraction"}),
+          split_data_options(*this),
           batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
-          model_options(*this)
-              .only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"})
-              .unbounded({"loss_decay"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"}),
           run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
 }
 

@@ -192,9 +192,14 @@ AttentionPartial merge_partials(const AttentionPartial& a, const AttentionPartia
   return r;
 }
 
-at::Tensor ttt_attention_dense(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids) {
+at::Tensor ttt_attention_dense(const TttAttentionInputs& in) {
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   check_qkv(q, k_blocks, v_blocks, step);
   const std::int64_t l = q.size(2);
   const at::Tensor k = at::cat(k_blocks, 2), v = at::cat(v_blocks, 2);
@@ -215,10 +220,14 @@ std::int64_t ttt_query_chunk_rows(std::int64_t length) {
   return (length + chunks - 1) / chunks;
 }
 
-at::Tensor ttt_attention_local(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids,
-                               TttMaskCache* cache, std::int64_t query_chunk_rows) {
+at::Tensor ttt_attention_local(const TttAttentionInputs& in, TttMaskCache* cache, std::int64_t query_chunk_rows) {
+  const at::Tensor& q = in.q;
+  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
+  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
+  const at::Tensor& key_valid = in.key_valid;
+  const std::int64_t step = in.step;
+  const at::Tensor& document_ids = in.document_ids;
+  const double scale = in.scale;
   check_qkv(q, k_blocks, v_blocks, step);
   const std::int64_t b = q.size(0), heads = q.size(1), l = q.size(2), d = q.size(3);
   const std::int64_t kv_heads = k_blocks[0].size(1), rep = heads / kv_heads;
@@ -315,22 +324,17 @@ at::Tensor SingleRankContext::shift_left(const at::Tensor& x) {
   return at::cat({x.narrow(1, 1, n - 1), at::zeros_like(x.narrow(1, 0, 1))}, 1);
 }
 
-at::Tensor SingleRankContext::attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                                        const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                                        std::int64_t step, double scale, const at::Tensor& document_ids) {
+at::Tensor SingleRankContext::attention(const TttAttentionInputs& in) {
   // docs/ttt.md, "Two implementations" and "Fused kernels": auto is the fused kernels where
   // this build has them; else, on the CPU, the O(L)-memory tiles from the length where
   // bench/bench_ttt_attention measures them no slower than the local path; not on a GPU,
   // where their tile loop has not been measured.
   if (kind_ == TttAttention::kFused || (kind_ == TttAttention::kAuto && ttt_fused_available()))
-    return ttt_attention_fused(q, k_blocks, v_blocks, key_valid, step, scale, document_ids,
-                               host_keys(key_valid, document_ids).get());
+    return ttt_attention_fused(in, host_keys(in.key_valid, in.document_ids).get());
   const bool tiled = kind_ == TttAttention::kTiled ||
-                     (kind_ == TttAttention::kAuto && q.device().is_cpu() && q.size(2) >= kTttFlashMinLength);
-  if (tiled)
-    return ttt_attention_flash(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, {},
-                               host_keys(key_valid, document_ids).get());
-  return ttt_attention_local(q, k_blocks, v_blocks, key_valid, step, scale, document_ids, &masks_);
+                     (kind_ == TttAttention::kAuto && in.q.device().is_cpu() && in.q.size(2) >= kTttFlashMinLength);
+  if (tiled) return ttt_attention_flash(in, {}, host_keys(in.key_valid, in.document_ids).get());
+  return ttt_attention_local(in, &masks_);
 }
 
 std::shared_ptr<const tiles::HostKeys> SingleRankContext::host_keys(const at::Tensor& key_valid,
@@ -626,7 +630,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       k_blocks[li].push_back(qkv.k);
       v_blocks[li].push_back(qkv.v);
       scope.begin("ttt.attention");
-      const at::Tensor attn = cx.attention(qkv.q, k_blocks[li], v_blocks[li], key_valid, s, scale, docs);
+      const at::Tensor attn = cx.attention({qkv.q, k_blocks[li], v_blocks[li], key_valid, s, scale, docs});
       scope.begin("ttt.layer");
       if (recompute_layers) {
         out = recompute(under_autocast([draft, layer](const std::vector<at::Tensor>& x) {

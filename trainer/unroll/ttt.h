@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "trainer/attention/inputs.h"
 #include "trainer/attention/kind.h"
 #include "trainer/model/base_model.h"
 #include "trainer/model/draft_model.h"
@@ -78,18 +79,14 @@ AttentionPartial merge_partials(const AttentionPartial& a, const AttentionPartia
 // for every block) and, for packed rows, document_ids [B, L] (a query sees only keys of its
 // own document; undefined: one document per row). O(L^2 (s+1)); the reference the fast
 // path is tested against. Returns q's dtype.
-at::Tensor ttt_attention_dense(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids = {});
+at::Tensor ttt_attention_dense(const TttAttentionInputs& in);
 // The same result computed as block 0 (dense, shifted causal) plus one key per query in
 // each block i >= 1 (the diagonal q - (s - i)): O(L^2 + L s), one fused softmax per chunk of
 // query_chunk_rows query rows (0: ttt_query_chunk_rows(L)), each against only the block-0
 // keys its rows can see, so about half of the L x L scores are never computed. Returns q's
 // dtype.
-at::Tensor ttt_attention_local(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids = {},
-                               TttMaskCache* cache = nullptr, std::int64_t query_chunk_rows = 0);
+at::Tensor ttt_attention_local(const TttAttentionInputs& in, TttMaskCache* cache = nullptr,
+                               std::int64_t query_chunk_rows = 0);
 // The query chunk ttt_attention_local uses for sequences of `length` rows: 1 to 8 chunks of
 // at least 128 rows (one chunk up to 128).
 std::int64_t ttt_query_chunk_rows(std::int64_t length);
@@ -107,13 +104,11 @@ class SequenceContext {
   virtual at::Tensor shift_right(const at::Tensor& x) = 0;
   // y[:, t] = x[:, t + 1], y[:, L - 1] = 0 (global t); differentiable.
   virtual at::Tensor shift_left(const at::Tensor& x) = 0;
-  // TTT attention of step s for the local query rows: q [B, heads, n, D]; k_blocks[i],
-  // v_blocks[i] [B, kv_heads, n, D] are the local rows of block i = 0..s; key_valid [B, n]
-  // bool marks real (non-padding) key positions; document_ids [B, n] (packed rows) or
-  // undefined. Returns [B, heads, n, D].
-  virtual at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                               const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                               std::int64_t step, double scale, const at::Tensor& document_ids) = 0;
+  // TTT attention of step s for the local query rows (trainer/attention/inputs.h): q
+  // [B, heads, n, D]; k_blocks[i], v_blocks[i] [B, kv_heads, n, D] are the local rows of
+  // block i = 0..s; key_valid [B, n] and document_ids [B, n] (packed rows) or undefined
+  // likewise. Returns [B, heads, n, D].
+  virtual at::Tensor attention(const TttAttentionInputs& in) = 0;
   // Sum of a small tensor (mask counts) over every rank whose tokens share one loss
   // normalizer; not differentiable. Identity on a single rank.
   virtual at::Tensor sum_across(const at::Tensor& x) = 0;
@@ -132,9 +127,7 @@ class SingleRankContext final : public SequenceContext {
   std::int64_t global_length(std::int64_t local_length) const override { return local_length; }
   at::Tensor shift_right(const at::Tensor& x) override;
   at::Tensor shift_left(const at::Tensor& x) override;
-  at::Tensor attention(const at::Tensor& q, const std::vector<at::Tensor>& k_blocks,
-                       const std::vector<at::Tensor>& v_blocks, const at::Tensor& key_valid,
-                       std::int64_t step, double scale, const at::Tensor& document_ids) override;
+  at::Tensor attention(const TttAttentionInputs& in) override;
   at::Tensor sum_across(const at::Tensor& x) override { return x; }
   const TttMaskCache& masks() const { return masks_; }
 
