@@ -17,6 +17,7 @@
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "lib/index.h"
 
 namespace eaglekit {
@@ -473,7 +474,9 @@ Dataset match_dataset(const std::vector<Conversation>& conversations, const Data
   if (conversations.empty()) throw Error("no conversations to train on: the data holds none");
   if (index.size() == 0)
     throw Error("no records to train on: the index " + index.path() + " (built from " + roots +
-                ") holds none; expected .pt/.ckpt/.safetensors/HDF5/.eks record files there");
+                ") holds none; expected record files there (" +
+                format_list(&FormatRow::name, [](const FormatRow& r) { return !r.noun.empty(); }, ", ", " or ") +
+                ")");
   std::string msg = "none of the " + std::to_string(conversations.size()) +
                     " conversations matched a usable record in the index " + index.path() +
                     " (" + std::to_string(index.size()) + " records from " + roots + "): " +

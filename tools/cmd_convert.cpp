@@ -15,6 +15,20 @@
 
 namespace eaglekit::tools {
 
+namespace {
+
+// The --format spellings of the formats convert writes (lib/convert.h convert_writes):
+// format_spellings offers every format with a writer, pt.gz's among them, which convert
+// refused after offering it.
+std::vector<std::pair<Format, std::string_view>> convert_spellings() {
+  std::vector<std::pair<Format, std::string_view>> out;
+  for (const auto& spelling : format_spellings())
+    if (convert_writes(*format_row(spelling.first))) out.push_back(spelling);
+  return out;
+}
+
+}  // namespace
+
 int run_convert(int argc, char** argv) {
   ConvertOptions o;
   Format format = Format::kUnknown;  // kUnknown: from DST's extension, else pt
@@ -22,7 +36,7 @@ int run_convert(int argc, char** argv) {
   bool json = false;
   const opt::Groups groups{opt::Group{
       "Convert",
-      {opt::note(opt::choice_of("format", format, format_spellings(), "Output format"),
+      {opt::note(opt::choice_of("format", format, convert_spellings(), "Output format"),
                  "DST's extension, else pt"),
        opt::choice_of("codec", codec, kEksCodecNames, "eks codec"),
        opt::field("level", "N", o.writer.level, "eks zstd level"),

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "lib/inspect.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
@@ -21,8 +22,10 @@ int run_inspect(int argc, char** argv) {
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " FILE[#conversation_id] [OPTIONS]",
       "Show a record file's format, conversation id, codec and each tensor's dtype and shape. "
-      "FILE#conversation_id picks one record of a multi-record file (HDF5, .eks); without it "
-      "such a file lists its records.", 1);
+      "FILE#conversation_id picks one record of a multi-record file (" +
+          format_list(&FormatRow::name, [](const FormatRow& r) { return !r.one_record; }, ", ", " or ") +
+          "); without it such a file lists its records.",
+      1);
   if (!cl) return 0;
   if (cl->positionals.empty()) throw UsageError("FILE is required (see --help)");
   cl->apply();

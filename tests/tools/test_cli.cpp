@@ -96,6 +96,7 @@ TEST_CASE("cli: --help exits 0 and bad usage exits 2 with one clear line") {
       {"inspect a b", "eaglekit inspect: unexpected argument 'b' (see --help)\n"},
       {"convert onlyone", "eaglekit convert: SRC and DST are required (see --help)\n"},
       {"convert a b --format zip", "eaglekit convert: --format: unknown format 'zip' (pt, safetensors, hdf5, eks)\n"},
+      {"convert a b --format pt.gz", "eaglekit convert: --format: unknown format 'pt.gz' (pt, safetensors, hdf5, eks)\n"},
       {"synth --conversations 3", "eaglekit synth: --out DIR is required (see --help)\n"},
       {"synth --out x --dtype int8", "eaglekit synth: --dtype must be bf16, fp16 or fp32, not int8\n"},
       // The loader commands and vocab judge their options by the rows' bounds, as train does,
