@@ -215,13 +215,7 @@ class TttFlashFunction : public torch::autograd::Function<TttFlashFunction> {
 
 at::Tensor ttt_attention_flash(const TttAttentionInputs& in, TttFlashTiles tiles, const tiles::HostKeys* host) {
   tiles::check_attention_args("TTT flash attention", in);
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
-  const double scale = in.scale;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   const std::int64_t query_rows = tiles.query_rows > 0 ? tiles.query_rows : kTttFlashQueryRows;
   const std::int64_t key_rows = tiles.key_rows > 0 ? tiles.key_rows : kTttFlashKeyRows;
   const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };

@@ -415,13 +415,7 @@ class TttFusedFunction : public torch::autograd::Function<TttFusedFunction> {
 
 at::Tensor ttt_attention_fused(const TttAttentionInputs& in, const tiles::HostKeys* host) {
   tiles::check_attention_args("TTT fused attention", in);
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
-  const double scale = in.scale;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   return TttFusedFunction::apply(q, at::TensorList(k_blocks), at::TensorList(v_blocks), key_valid, opt(document_ids),
                                  host ? opt(host->valid) : c10::nullopt, host ? opt(host->docs) : c10::nullopt, step,

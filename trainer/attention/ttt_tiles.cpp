@@ -102,12 +102,7 @@ at::Tensor shift_up(const at::Tensor& x, std::int64_t shift, std::int64_t dim) {
 }
 
 void check_attention_args(const char* who, const TttAttentionInputs& in) {
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   if (q.dim() != 4) throw UsageError(std::string(who) + ": q must be [B, heads, L, D]");
   if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 || v_blocks.size() != k_blocks.size())
     throw UsageError(std::string(who) + ": step " + std::to_string(step) + " needs " + std::to_string(step + 1) +

@@ -512,12 +512,7 @@ struct RingAttentionBackward : public Node {
 };
 
 void check_ring_inputs(const TttAttentionInputs& in) {
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   if (q.dim() != 4) throw UsageError("ring attention: q must be [B, heads, n, D]");
   if (step < 0 || static_cast<std::int64_t>(k_blocks.size()) != step + 1 ||
       v_blocks.size() != k_blocks.size())
@@ -618,13 +613,7 @@ TttAttention ring_pair_kernel(TttAttention attention) {
 at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const TttAttentionInputs& in,
                               const RingOptions& options) {
   check_ring_inputs(in);
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
-  const double scale = in.scale;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   RingGeometry g;
   g.cp = cp;
   g.options = options;

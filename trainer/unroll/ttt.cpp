@@ -193,13 +193,7 @@ AttentionPartial merge_partials(const AttentionPartial& a, const AttentionPartia
 }
 
 at::Tensor ttt_attention_dense(const TttAttentionInputs& in) {
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
-  const double scale = in.scale;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   check_qkv(q, k_blocks, v_blocks, step);
   const std::int64_t l = q.size(2);
   const at::Tensor k = at::cat(k_blocks, 2), v = at::cat(v_blocks, 2);
@@ -221,13 +215,7 @@ std::int64_t ttt_query_chunk_rows(std::int64_t length) {
 }
 
 at::Tensor ttt_attention_local(const TttAttentionInputs& in, TttMaskCache* cache, std::int64_t query_chunk_rows) {
-  const at::Tensor& q = in.q;
-  const std::vector<at::Tensor>& k_blocks = in.k_blocks;
-  const std::vector<at::Tensor>& v_blocks = in.v_blocks;
-  const at::Tensor& key_valid = in.key_valid;
-  const std::int64_t step = in.step;
-  const at::Tensor& document_ids = in.document_ids;
-  const double scale = in.scale;
+  const auto& [q, k_blocks, v_blocks, key_valid, step, scale, document_ids] = in;
   check_qkv(q, k_blocks, v_blocks, step);
   const std::int64_t b = q.size(0), heads = q.size(1), l = q.size(2), d = q.size(3);
   const std::int64_t kv_heads = k_blocks[0].size(1), rep = heads / kv_heads;
