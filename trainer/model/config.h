@@ -66,8 +66,7 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
 
 // An exported draft's config.json (ours or a published one). The architecture is the row
 // that claims it (architecture_of_config: UnsupportedError for a variant none computes). Aux
-// layer ids are read from
-// the top-level `eagle_aux_hidden_state_layer_ids`, else from
+// layer ids are read from the top-level `eagle_aux_hidden_state_layer_ids`, else from
 // `eagle_config.eagle_aux_hidden_state_layer_ids` plus one.
 DraftConfig parse_draft_config(const std::string& json_text, const std::string& where);
 DraftConfig load_draft_config(const std::string& path);  // config.json or its folder

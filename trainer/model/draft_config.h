@@ -14,8 +14,8 @@
 
 namespace eaglekit::trainer {
 
-// The draft (docs/draft.md): a first Llama decoder layer over cat(emb, h) with 2H-wide
-// q/k/v, then num_hidden_layers - 1 plain decoder layers on H.
+// The draft's sizes (docs/draft.md). For EAGLE-3: a first Llama decoder layer over
+// cat(emb, h) with 2H-wide q/k/v, then num_hidden_layers - 1 plain decoder layers on H.
 struct DraftConfig {
   // The row of trainer/model/architecture.h that computes it: "eagle3" for a fresh draft;
   // read from config.json by the row that claims it.

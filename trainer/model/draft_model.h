@@ -25,8 +25,8 @@ namespace eaglekit::trainer {
 
 class DraftModel {
  public:
-  // A fresh draft of config.architecture (UsageError when no row has that name). Linear weights ~ N(0, 0.02) drawn on the CPU from `seed` (so equal on
-  // every device), norms 1. lm_head starts as the rows i + d2t[i] of `base_lm_head`
+  // A fresh draft of config.architecture (UsageError when no row has that name). Linear
+  // weights ~ N(0, 0.02) drawn on the CPU from `seed` (so equal on every device), norms 1. lm_head starts as the rows i + d2t[i] of `base_lm_head`
   // [V, H] when that is defined, else random. d2t: [Vd] int64 (docs/draft.md). The
   // model lives on the CPU in float32 until to().
   DraftModel(const DraftConfig& config, const at::Tensor& d2t, const at::Tensor& base_lm_head,
