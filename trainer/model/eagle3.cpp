@@ -1,191 +1,16 @@
 #include "trainer/model/eagle3.h"
 
-#include <torch/torch.h>
-
 #include <nlohmann/json.hpp>
 
 #include "formats/error.h"
-#include "trainer/model/cpu_kernels.h"
 #include "trainer/model/draft_config.h"
-#include "trainer/model/draft_net.h"
+
+// EAGLE-3's row without LibTorch (what the config readers and the fuzz build need); its
+// network and make_net are in eagle3_net.cpp.
 
 namespace eaglekit::trainer {
 
 namespace {
-
-namespace F = torch::nn::functional;
-
-// Llama's RMSNorm: normalize in float32, scale in the input dtype (as Hugging Face does).
-struct RmsNormImpl : torch::nn::Module {
-  RmsNormImpl(std::int64_t n, double eps) : eps(eps) {
-    weight = register_parameter("weight", torch::ones({n}));
-  }
-  at::Tensor forward(const at::Tensor& x) const {
-    if (cpu_kernels::takes(x) && cpu_kernels::takes(weight)) return cpu_kernels::rms_norm(x, weight, eps);
-    const auto in_dtype = x.scalar_type();
-    at::Tensor xf = x.to(at::kFloat);
-    xf = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return weight * xf.to(in_dtype);
-  }
-  at::Tensor weight;
-  double eps;
-};
-
-torch::nn::Linear linear(std::int64_t in, std::int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
-
-struct AttentionImpl : torch::nn::Module {
-  AttentionImpl(const DraftConfig& c, std::int64_t in) {
-    q_proj = register_module("q_proj", linear(in, c.num_attention_heads * c.head_dim));
-    k_proj = register_module("k_proj", linear(in, c.num_key_value_heads * c.head_dim));
-    v_proj = register_module("v_proj", linear(in, c.num_key_value_heads * c.head_dim));
-    o_proj = register_module("o_proj", linear(c.num_attention_heads * c.head_dim, c.hidden_size));
-  }
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-};
-
-struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const DraftConfig& c) {
-    gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size));
-    up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size));
-    down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    if (cpu_kernels::takes(x) && cpu_kernels::takes(gate_proj->weight)) {
-      // Both projections as one matmul, then silu(gate) * up in one pass.
-      const at::Tensor w = torch::cat({gate_proj->weight, up_proj->weight}, 0);
-      const at::Tensor gate_up = at::matmul(x, w.t());
-      if (cpu_kernels::takes(gate_up)) return down_proj(cpu_kernels::swiglu(gate_up));
-      // Under autocast the matmul ran in bf16: the composite on its two halves.
-      const std::int64_t i = gate_proj->weight.size(0);
-      return down_proj(F::silu(gate_up.narrow(-1, 0, i)) * gate_up.narrow(-1, i, i));
-    }
-    return down_proj(F::silu(gate_proj(x)) * up_proj(x));
-  }
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-};
-
-// One decoder layer. The first (`first`) reads cat(input_layernorm(emb), hidden_norm(h)) with
-// 2H-wide q/k/v; the others are plain Llama layers on H (no hidden_norm), docs/draft.md.
-// Registration order is the export order.
-struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const DraftConfig& c, bool first) {
-    input_layernorm = register_module("input_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    if (first)
-      hidden_norm = register_module("hidden_norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    self_attn = register_module("self_attn",
-                                std::make_shared<AttentionImpl>(c, first ? 2 * c.hidden_size : c.hidden_size));
-    post_attention_layernorm = register_module(
-        "post_attention_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    mlp = register_module("mlp", std::make_shared<MlpImpl>(c));
-  }
-  std::shared_ptr<RmsNormImpl> input_layernorm, hidden_norm, post_attention_layernorm;
-  std::shared_ptr<AttentionImpl> self_attn;
-  std::shared_ptr<MlpImpl> mlp;
-};
-
-// A one-layer draft names its layer "midlayer" (the name both engines load); deeper drafts
-// use "layers.{i}" (vLLM's names; docs/export.md).
-struct DraftModuleImpl : torch::nn::Module {
-  explicit DraftModuleImpl(const DraftConfig& c) {
-    fc = register_module("fc", linear(c.aux_width(), c.hidden_size));
-    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
-      layers.push_back(std::make_shared<DecoderLayerImpl>(c, i == 0));
-    if (c.num_hidden_layers == 1) {
-      register_module("midlayer", layers[0]);
-    } else {
-      torch::nn::ModuleList list;
-      for (const auto& l : layers) list->push_back(l);
-      register_module("layers", list);
-    }
-    norm = register_module("norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
-    lm_head = register_module("lm_head", linear(c.hidden_size, c.draft_vocab_size));
-  }
-  torch::nn::Linear fc{nullptr};
-  std::vector<std::shared_ptr<DecoderLayerImpl>> layers;
-  std::shared_ptr<RmsNormImpl> norm;
-  torch::nn::Linear lm_head{nullptr};
-};
-
-// The decoder layer `layer`, or UsageError.
-const DecoderLayerImpl& layer_at(const DraftModuleImpl& m, std::int64_t layer) {
-  if (layer < 0 || layer >= static_cast<std::int64_t>(m.layers.size()))
-    throw UsageError("the draft has no decoder layer " + std::to_string(layer));
-  return *m.layers[static_cast<std::size_t>(layer)];
-}
-
-class Eagle3Net final : public DraftNet {
- public:
-  explicit Eagle3Net(const DraftConfig& c) : config_(c), module_(std::make_shared<DraftModuleImpl>(c)) {}
-
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& p : module_->named_parameters()) out.emplace_back(p.key(), p.value());
-    return out;
-  }
-  void to(c10::Device device, c10::ScalarType dtype) override { module_->to(device, dtype); }
-  void train(bool on) override { module_->train(on); }
-  std::int64_t num_layers() const override { return config_.num_hidden_layers; }
-  at::Tensor fc(const at::Tensor& aux) const override { return module_->fc(aux); }
-  at::Tensor norm_embeddings(const at::Tensor& emb) const override {
-    return module_->layers[0]->input_layernorm->forward(emb);
-  }
-  Qkv qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope,
-          std::int64_t layer) const override;
-  at::Tensor finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer) const override;
-  at::Tensor final_norm(const at::Tensor& layer_out) const override { return module_->norm->forward(layer_out); }
-  const at::Tensor& lm_head_weight() const override { return module_->lm_head->weight; }
-
- private:
-  DraftConfig config_;
-  std::shared_ptr<DraftModuleImpl> module_;
-};
-
-// Layer 0: q/k/v of cat(emb_normed, hidden_norm(h)) (ModelOpt form:
-// hidden_norm(input_layernorm(h))). Layer i > 0: q/k/v of input_layernorm(hidden), and
-// emb_normed is not used.
-Qkv Eagle3Net::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const RotaryTable& rope,
-                   std::int64_t layer) const {
-  const auto& c = config_;
-  const DecoderLayerImpl& l = layer_at(*module_, layer);
-  at::Tensor x;
-  if (layer == 0) {
-    const at::Tensor h = c.modelopt_norm ? l.input_layernorm->forward(hidden) : hidden;
-    x = torch::cat({emb_normed.to(h.scalar_type()), l.hidden_norm->forward(h)}, -1);
-  } else {
-    x = l.input_layernorm->forward(hidden);
-  }
-  const std::int64_t b = x.size(0), n = x.size(1);
-  auto heads = [&](const at::Tensor& t, std::int64_t count) {
-    return t.view({b, n, count, c.head_dim}).transpose(1, 2);
-  };
-  Qkv out;
-  if (cpu_kernels::takes(x) && cpu_kernels::takes(l.self_attn->q_proj->weight)) {
-    // The three projections as one matmul (trainer/model/cpu_kernels.h), split by views.
-    const at::Tensor w = torch::cat({l.self_attn->q_proj->weight, l.self_attn->k_proj->weight,
-                                     l.self_attn->v_proj->weight}, 0);
-    const at::Tensor y = at::matmul(x, w.t());
-    const std::int64_t nq = c.num_attention_heads * c.head_dim, nkv = c.num_key_value_heads * c.head_dim;
-    out.q = apply_rope(heads(y.narrow(-1, 0, nq), c.num_attention_heads), rope);
-    out.k = apply_rope(heads(y.narrow(-1, nq, nkv), c.num_key_value_heads), rope);
-    out.v = heads(y.narrow(-1, nq + nkv, nkv), c.num_key_value_heads);
-    return out;
-  }
-  out.q = apply_rope(heads(l.self_attn->q_proj(x), c.num_attention_heads), rope);
-  out.k = apply_rope(heads(l.self_attn->k_proj(x), c.num_key_value_heads), rope);
-  out.v = heads(l.self_attn->v_proj(x), c.num_key_value_heads);
-  return out;
-}
-
-// o_proj(attn) + hidden, then the MLP block: the layer's output (the residual stream).
-at::Tensor Eagle3Net::finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer) const {
-  const DecoderLayerImpl& l = layer_at(*module_, layer);
-  const std::int64_t b = attn.size(0), n = attn.size(2);
-  const at::Tensor merged = attn.transpose(1, 2).reshape({b, n, attn.size(1) * attn.size(3)});
-  const at::Tensor residual = hidden + l.self_attn->o_proj(merged.to(hidden.scalar_type()));
-  return residual + l.mlp->forward(l.post_attention_layernorm->forward(residual));
-}
 
 bool is_true(const nlohmann::json& config, const char* key) {
   const auto it = config.find(key);
@@ -197,12 +22,6 @@ bool is_false(const nlohmann::json& config, const char* key) {
 }
 
 }  // namespace
-
-std::shared_ptr<DraftNet> make_eagle3_net(const DraftConfig& config) { return std::make_shared<Eagle3Net>(config); }
-
-std::shared_ptr<DraftNet> Eagle3Architecture::make_net(const DraftConfig& config) const {
-  return make_eagle3_net(config);
-}
 
 bool Eagle3Architecture::claims(const nlohmann::json& config) const {
   return !is_true(config, "fc_norm") && !is_false(config, "norm_output");
