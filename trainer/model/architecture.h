@@ -9,7 +9,10 @@
 // The rows are listed and looked up in trainer/model/architecture_rows.h. Adding an
 // architecture is one file (a DraftArchitecture and its DraftNet) and one row in kBuiltIn
 // (architecture_rows.cpp); tests/trainer/test_architecture.cpp adds EAGLE 3.1's fc-norm that
-// way, through register_draft_architecture, and trains, exports and reloads it.
+// way, through register_draft_architecture, and trains, exports and reloads it. A built-in
+// row also builds in the config fuzzer, without LibTorch: its answers go in one file (as
+// eagle3.cpp), its network in another (eagle3_net.cpp), and tests/fuzz/no_networks.cpp
+// refuses its make_net there.
 //
 // Thread safety: a row is immutable.
 #pragma once
