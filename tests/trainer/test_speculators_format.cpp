@@ -107,6 +107,8 @@ TEST_CASE("speculators: refused variants and missing keys") {
   // SpecForge's flat variant keys: no built-in architecture claims them.
   CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"fc_norm": true})"), "c.json"), UnsupportedError);
   CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"norm_output": false})"), "c.json"), UnsupportedError);
+  // A variant key of another type is refused as such, never read as EAGLE-3.
+  CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"fc_norm": "true"})"), "c.json"), FormatError);
   CHECK(architecture_of_config(json::parse(R"({"norm_output": true, "fc_norm": false})"), "c.json").name() == "eagle3");
   CHECK_THROWS_AS(speculators_config_json(sample(), SpeculatorsInfo{}, "bfloat16"), UsageError);
 }

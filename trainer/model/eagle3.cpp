@@ -21,13 +21,22 @@ bool is_false(const nlohmann::json& config, const char* key) {
   return it != config.end() && it->is_boolean() && !it->get<bool>();
 }
 
+// fc_norm set to anything but false (or null) is not EAGLE-3's: a typed true is a variant, a
+// value of another type is refused as such in explain_unclaimed.
+bool plain_fc(const nlohmann::json& config) {
+  const auto it = config.find("fc_norm");
+  return it == config.end() || it->is_null() || (it->is_boolean() && !it->get<bool>());
+}
+
 }  // namespace
 
 bool Eagle3Architecture::claims(const nlohmann::json& config) const {
-  return !is_true(config, "fc_norm") && !is_false(config, "norm_output");
+  return plain_fc(config) && !is_false(config, "norm_output");
 }
 
 void Eagle3Architecture::explain_unclaimed(const nlohmann::json& config, const std::string& where) const {
+  if (!plain_fc(config) && !config.at("fc_norm").is_boolean())
+    throw FormatError(where, std::nullopt, "fc_norm", "expected true/false, got " + config.at("fc_norm").dump());
   if (is_true(config, "fc_norm")) {
     throw UnsupportedError(where, std::nullopt, "fc_norm",
                            "true (an RMSNorm per aux layer before fc): a variant of the draft eaglekit does not compute");
