@@ -12,14 +12,15 @@
 # loading is EXCLUDED on both sides: Python times batches already in memory, and eaglekit's
 # time is its step time minus the time it waited for the loader (its loader threads' CPU
 # still counts in its CPU time, which favours Python). OMP_WAIT_POLICY=passive on both
-# sides unless set. Prints the medians over runs, the ratio, the step-1 loss of both (equal
+# sides unless set; --as-shipped leaves both as their users get them (eaglekit waits passively
+# by itself, lib/wait_policy.h; PyTorch's OpenMP runtime spins first). Prints the medians over runs, the ratio, the step-1 loss of both (equal
 # up to float rounding: the same computation), eaglekit's data-wait share (loader_wait_ms /
 # step_ms from OUT/metrics.jsonl) and its end-to-end tokens/s (waits included).
 #
 # usage: bench/bench_train.sh [--hidden 128] [--vocab 2048] [--draft-vocab 1024]
 #                             [--max-length 256] [--batch-size 4] [--steps 8] [--warmup 2]
 #                             [--runs 3] [--threads N] [--jobs 2] [--dir DIR]
-#                             [--busy N] [--adapt-threads] [--json FILE]
+#                             [--busy N] [--adapt-threads] [--as-shipped] [--json FILE]
 #   --threads defaults to min(nproc, 2); --jobs is eaglekit's loader threads; --busy N runs N
 #   busy loops (one process each) beside both sides for all their runs; --adapt-threads is
 #   passed to eaglekit train; --json FILE also writes the medians as JSON.
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.."
 
 THREADS=$(nproc)
 [ "$THREADS" -gt 2 ] && THREADS=2
-HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3 BUSY=0 ADAPT=() JSON_OUT=""
+HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3 BUSY=0 ADAPT=() JSON_OUT="" AS_SHIPPED=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --hidden) HIDDEN=$2; shift 2 ;;
@@ -45,6 +46,7 @@ while [ $# -gt 0 ]; do
     --dir) DIR=$2; shift 2 ;;
     --busy) BUSY=$2; shift 2 ;;
     --adapt-threads) ADAPT=(--adapt-threads); shift ;;
+    --as-shipped) AS_SHIPPED=1; shift ;;
     --json) JSON_OUT=$2; shift 2 ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "bench_train.sh: unknown option $1" >&2; exit 2 ;;
@@ -54,7 +56,11 @@ done
 PY=/usr/bin/python3
 # Both sides run LibTorch on libgomp: sleeping, not spinning, OpenMP waits (spinning threads
 # on a shared machine cost up to 30x the CPU; bench/bench_train_step shows it).
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+if [ "$AS_SHIPPED" = 1 ]; then
+  unset OMP_WAIT_POLICY GOMP_SPINCOUNT KMP_BLOCKTIME EAGLEKIT_OMP_WAIT_POLICY
+else
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+fi
 BUILD=${EAGLEKIT_BUILD_DIR:-build}
 if [ ! -x "$BUILD/bin/eaglekit" ]; then
   [ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja >/dev/null

@@ -6,6 +6,10 @@
 // (TORCH_COMMAND below) by exec'ing `eaglekit-torch` from its own folder with the same
 // arguments: same process id, signals and exit code, so callers cannot tell the difference,
 // except that `eaglekit index` no longer pays ~0.8 CPU-s to load LibTorch.
+//
+// Both start LibTorch's OpenMP threads waiting passively unless the user chose how they wait
+// (lib/wait_policy.h): `eaglekit` sets the environment before its exec, and eaglekit-torch run
+// directly execs itself once with it set.
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,6 +21,7 @@
 #include "formats/error.h"
 #include "formats/registry.h"
 #include "lib/convert.h"
+#include "lib/wait_policy.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -60,6 +65,7 @@ namespace {
 // Replaces this process with eaglekit-torch, from this binary's folder, given the arguments
 // this one got. Returns only on failure, with the exit code.
 int exec_torch_binary(char** argv) {
+  default_passive_wait();
   std::string path;
   try {
     path = own_executable();
@@ -94,6 +100,9 @@ void print_usage(std::ostream& os) {
 int main(int argc, char** argv) {
   using namespace eaglekit;
   using namespace eaglekit::tools;
+#if !defined(EAGLEKIT_FRONT)
+  reexec_with_passive_wait(argv);
+#endif
   int first = 1;
   while (first < argc && argv[first][0] == '-') {
     const std::string a = argv[first];

@@ -1,0 +1,68 @@
+// OpenMP waiting (lib/wait_policy.h): a run of eaglekit's LibTorch commands starts with its
+// OpenMP threads waiting passively unless the user chose otherwise, whether it is started as
+// `eaglekit` or as `eaglekit-torch`, and the plan says which policy applies and where it came
+// from. The plan reads the environment the process was started with (/proc/self/environ), which
+// is what libgomp read when it loaded: a variable set after the start could not pass here.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+#include "tests/support.h"
+
+using namespace eaglekit;
+
+namespace {
+
+// Every variable through which a user chooses, and eaglekit's marker, removed.
+const std::string kClean = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u KMP_BLOCKTIME -u EAGLEKIT_OMP_WAIT_POLICY ";
+
+nlohmann::json decision(const std::string& plan_json, const std::string& name) {
+  const nlohmann::json plan = nlohmann::json::parse(plan_json);  // kept: the loop reads into it
+  for (const auto& d : plan["decisions"])
+    if (d["name"] == name) return d;
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("wait policy: train starts passive by default, as eaglekit or eaglekit-torch, and says why") {
+  test::TempDir dir("wait-policy");
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "data") +
+                          " --conversations 12 --hidden 16 --vocab 32 --min-tokens 8 --max-tokens 16 --dtype fp32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(dir / "data") + " --out " + test::quote(dir / "index.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string args = " train --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
+                           test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base") + " --out " +
+                           test::quote(dir / "out") + " --max-length 16 --batch-size 2 --dry-run --json";
+  const std::string front = test::quote(test::eaglekit_path());
+  std::string torch = test::eaglekit_path();
+  torch = test::quote(torch.substr(0, torch.rfind('/')) + "/eaglekit-torch");
+
+  for (const std::string& bin : {front, torch}) {
+    CAPTURE(bin);
+    r = test::run(kClean + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["omp_wait_policy"] == "passive");
+    const auto d = decision(r.out, "openmp waiting");
+    REQUIRE(d.is_object());
+    CHECK(d["value"] == "passive");
+    CHECK(d["why"].get<std::string>().rfind("eaglekit's default", 0) == 0);
+
+    // The user's choice is kept and named, whichever variable it is in.
+    r = test::run(kClean + "OMP_WAIT_POLICY=ACTIVE " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "openmp waiting")["value"] == "active");
+    CHECK(decision(r.out, "openmp waiting")["why"] == "OMP_WAIT_POLICY in the environment");
+    r = test::run(kClean + "GOMP_SPINCOUNT=1000 " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "openmp waiting")["value"] == "GOMP_SPINCOUNT=1000");
+    // A marker inherited from an eaglekit parent does not speak for a policy the user changed.
+    r = test::run(kClean + "EAGLEKIT_OMP_WAIT_POLICY=default OMP_WAIT_POLICY=active " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "openmp waiting")["value"] == "active");
+  }
+}
