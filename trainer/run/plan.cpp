@@ -24,6 +24,7 @@
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/threads.h"
+#include "lib/wait_policy.h"
 
 namespace eaglekit::trainer {
 
@@ -171,6 +172,9 @@ void plan_threads(RunPlan& p, const RunOptions& o, bool can_adapt) {
            "(not bit-reproducible)";
   }
   p.decisions.push_back({"threads", value, why});
+  const WaitPolicy w = current_wait_policy();
+  p.wait_policy = w.value;
+  p.decisions.push_back({"openmp waiting", w.value, w.why});
 }
 
 // A loader of dp rank 0 that reads nothing but the first record's metadata (and, in longest
@@ -653,6 +657,7 @@ std::string RunPlan::to_json() const {
   j["cp_size"] = cp_size;
   j["threads"] = threads;
   j["adapt_threads"] = adapt_threads;
+  j["omp_wait_policy"] = wait_policy;
   j["rows_per_step"] = rows_per_step;
   j["steps_per_epoch"] = steps_per_epoch;
   j["total_steps"] = total_steps;
