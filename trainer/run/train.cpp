@@ -495,7 +495,8 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
   say("draft: " + std::to_string(run->parameter_count) + " parameters, hidden " + std::to_string(dc.hidden_size) +
       ", draft vocab " + std::to_string(dc.draft_vocab_size) + "; " + std::to_string(plan.total_steps) +
       " optimizer steps of " + std::to_string(plan.rows_per_step) + " rows on " + std::to_string(mesh.world_size()) +
-      " rank(s), " + std::to_string(at::get_num_threads()) + " threads (OpenMP waiting " + plan.wait_policy + "), device " + run->device.str() +
+      " rank(s), " + std::to_string(at::get_num_threads()) + " threads (OpenMP waiting " + plan.wait_policy +
+      "), device " + run->device.str() +
       ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
       (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
   if (plan.resume_step < 0) say("learning rate: " + plan.schedule);
