@@ -1,10 +1,9 @@
 // The draft-architecture seam (trainer/model/architecture.h, trainer/model/draft_net.h):
-// EAGLE-3's row lists exactly the parameters its network holds and the plan counts them from
-// it; names are checked; and EAGLE 3.1's fc-norm (an RMSNorm per aux layer before fc, the
-// speculators/SpecForge key fc_norm: true) is added the way the seam promises, as one file
-// (this one: its network and its row) and one row (registered here as a tree adds it to
-// kBuiltIn), then trained, exported in both layouts, checkpointed and loaded back with no
-// other file knowing it.
+// EAGLE-3's and EAGLE 3.1's rows list exactly the parameters their network holds and the plan
+// counts them from it; names are checked; EAGLE 3.1's norms (fc_norm, norm_before_fc,
+// norm_output, as vLLM 0.32 reads them) and norm_before_residual train, change the function,
+// export in both layouts, checkpoint and load back; and a row registered at run time (one
+// file, one row) trains, exports and loads as itself with no other file knowing it.
 #include "tests/torch_doctest.h"
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>  // c10::NoGradGuard: LibTorch 2.x ATen.h no longer declares c10::NoGradGuard
@@ -32,80 +31,26 @@ using namespace eaglekit::trainer;
 
 namespace {
 
-// ---- EAGLE 3.1's fc-norm: the one new file an architecture is ----------------------------
+// ---- a registered row: what a tree adds as one file and one row -----------------------------
 
-// EAGLE-3's network with a learned RMSNorm on each aux layer's slice of the fc input.
-class FcNormNet final : public DraftNet {
+// EAGLE-3 under another name, registered at run time as a tree would add it to kBuiltIn.
+class TwinArchitecture final : public Eagle3Architecture {
  public:
-  explicit FcNormNet(const DraftConfig& c) : c_(c), inner_(make_eagle3_net(c)) {
-    for (std::int64_t i = 0; i < c.num_aux_layers; ++i)
-      norms_.push_back(at::ones({c.target_hidden_size}).requires_grad_());
-  }
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const override {
-    auto out = inner_->named_parameters();
-    for (std::size_t i = 0; i < norms_.size(); ++i) out.emplace_back("fc_norm." + std::to_string(i) + ".weight", norms_[i]);
-    return out;
-  }
-  void to(c10::Device device, c10::ScalarType dtype) override {
-    inner_->to(device, dtype);
-    c10::NoGradGuard no_grad;
-    for (auto& w : norms_) w = w.to(device, dtype).detach().requires_grad_();
-  }
-  void train(bool on) override { inner_->train(on); }
-  std::int64_t num_layers() const override { return inner_->num_layers(); }
-  at::Tensor fc(const at::Tensor& aux) const override {
-    std::vector<at::Tensor> parts;
-    for (std::int64_t i = 0; i < c_.num_aux_layers; ++i) {
-      const at::Tensor x = aux.narrow(-1, i * c_.target_hidden_size, c_.target_hidden_size).to(at::kFloat);
-      const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + c_.rms_norm_eps);
-      parts.push_back(norms_[static_cast<std::size_t>(i)] * normed.to(aux.scalar_type()));
-    }
-    return inner_->fc(at::cat(parts, -1));
-  }
-  at::Tensor norm_embeddings(const at::Tensor& emb) const override { return inner_->norm_embeddings(emb); }
-  Qkv qkv(const at::Tensor& e, const at::Tensor& h, const RotaryTable& rope, std::int64_t layer) const override {
-    return inner_->qkv(e, h, rope, layer);
-  }
-  at::Tensor finish_layer(const at::Tensor& h, const at::Tensor& attn, std::int64_t layer) const override {
-    return inner_->finish_layer(h, attn, layer);
-  }
-  at::Tensor final_norm(const at::Tensor& x) const override { return inner_->final_norm(x); }
-  const at::Tensor& lm_head_weight() const override { return inner_->lm_head_weight(); }
-
- private:
-  DraftConfig c_;
-  std::shared_ptr<DraftNet> inner_;
-  std::vector<at::Tensor> norms_;
-};
-
-class FcNormArchitecture final : public Eagle3Architecture {
- public:
-  std::string_view name() const override { return "eagle3-fc-norm"; }
-  std::string_view title() const override { return "EAGLE 3.1 (fc-norm)"; }
-  bool claims(const nlohmann::json& j) const override {
-    return j.contains("fc_norm") && j["fc_norm"] == true && !(j.contains("norm_output") && j["norm_output"] == false);
-  }
-  std::vector<ParameterShape> parameters(const DraftConfig& c) const override {
-    auto out = Eagle3Architecture::parameters(c);
-    for (std::int64_t i = 0; i < c.num_aux_layers; ++i)
-      out.push_back({"fc_norm." + std::to_string(i) + ".weight", {c.target_hidden_size}});
-    return out;
-  }
+  std::string_view name() const override { return "eagle3-twin"; }
+  std::string_view title() const override { return "EAGLE-3 (twin)"; }
+  bool claims(const nlohmann::json& j) const override { return j.contains("eaglekit_twin"); }
   nlohmann::ordered_json served_config(const DraftConfig& c, const std::string& weights_dtype) const override {
     nlohmann::ordered_json j = Eagle3Architecture::served_config(c, weights_dtype);
-    j["fc_norm"] = true;
+    j["eaglekit_twin"] = true;
     return j;
   }
-  std::shared_ptr<DraftNet> make_net(const DraftConfig& c) const override { return std::make_shared<FcNormNet>(c); }
 };
 
-// ---- the one row --------------------------------------------------------------------------
-
-const FcNormArchitecture kFcNorm;
+const TwinArchitecture kTwin;
 
 struct Registered {
-  Registered() { register_draft_architecture(kFcNorm); }
-  ~Registered() { unregister_draft_architecture(kFcNorm.name()); }
+  Registered() { register_draft_architecture(kTwin); }
+  ~Registered() { unregister_draft_architecture(kTwin.name()); }
 };
 
 // ---- helpers --------------------------------------------------------------------------------
@@ -153,95 +98,168 @@ TEST_CASE("architecture: an unknown name is refused with the known ones; a taken
     DraftModel d(c, fixtures::spread_d2t(c), at::Tensor());
     FAIL("accepted an unknown architecture");
   } catch (const UsageError& e) {
-    CHECK(std::string(e.what()).find("unknown draft architecture 'medusa' (known: eagle3)") != std::string::npos);
+    CHECK(std::string(e.what()).find("unknown draft architecture 'medusa' (known: eagle3.1, eagle3)") !=
+          std::string::npos);
   }
   CHECK_THROWS_AS(draft_config_json(c), UsageError);
   const Eagle3Architecture twin;
   CHECK_THROWS_AS(register_draft_architecture(twin), UsageError);
 }
 
-TEST_CASE("architecture: EAGLE 3.1's fc-norm, one file and one row, trains, exports, checkpoints and loads") {
+// EAGLE 3.1 as vLLM 0.32 and speculators 0.9 define it (docs/draft.md): `variant` names the
+// norms set on top of the plain config.
+DraftConfig eagle31(bool fc_norm, bool norm_before_fc, bool norm_output, bool norm_before_residual = false) {
+  DraftConfig c = fixtures::tiny_config();
+  c.architecture = "eagle3.1";
+  c.fc_norm = fc_norm;
+  c.norm_before_fc = norm_before_fc;
+  c.norm_output = norm_output;
+  c.norm_before_residual = norm_before_residual;
+  c.check();
+  return c;
+}
+
+TEST_CASE("architecture: EAGLE 3.1 is built in: its norms train, change the function, export both ways and load back") {
   test::TempDir dir("arch");
   const DraftConfig plain = fixtures::tiny_config();
   const BaseModel base = fixtures::random_base(plain, 70);
   const TttBatch batch = fixtures::random_batch(plain, 2, 10, {10, 8}, 71);
 
-  // Before the row exists, a folder that says fc_norm: true is refused, naming the key.
-  {
-    DraftModel d(plain, fixtures::spread_d2t(plain), base.lm_head, 72);
-    export_draft(d, dir / "plain");
-    nlohmann::json cfg = read_json(dir / "plain/config.json");
-    cfg["fc_norm"] = true;
-    std::ofstream(dir / "plain/config.json") << cfg.dump(2);
-    try {
-      load_draft(dir / "plain");
-      FAIL("loaded an fc_norm draft with no architecture for it");
-    } catch (const UnsupportedError& e) {
-      CHECK(std::string(e.what()).find("fc_norm") != std::string::npos);
-    }
-  }
+  struct Variant {
+    const char* name;
+    DraftConfig config;
+    std::vector<std::string> extra;  // parameters beyond EAGLE-3's
+  };
+  const std::vector<Variant> variants = {
+      {"fc_norm + norm_output", eagle31(true, false, true), {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}},
+      {"norm_before_fc + norm_output + norm_before_residual", eagle31(false, true, true, true), {"input_norm.weight"}},
+      {"fc_norm alone", eagle31(true, false, false), {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}},
+      {"norm_output alone", eagle31(false, false, true), {}},
+  };
+  std::int64_t plain_numel = 0;
+  for (const auto& p : draft_architecture("eagle3").parameters(plain)) plain_numel += p.numel();
 
-  const Registered row;
-  DraftConfig c = plain;
-  c.architecture = "eagle3-fc-norm";
-  check_list_matches_net(c);
-  DraftModel d(c, fixtures::spread_d2t(c), base.lm_head, 72);
-
-  // The unroll trains it: the norms get gradients and change the function.
-  {
-    TttUnroll u(base, d, TttOptions{3, 0.8, std::nullopt});
-    const TttResult r = u.forward(batch);
-    r.loss.backward();
-    CHECK(std::isfinite(r.loss.item<float>()));
+  for (const Variant& v : variants) {
+    CAPTURE(v.name);
+    const DraftConfig& c = v.config;
+    check_list_matches_net(c);
+    DraftModel d(c, fixtures::spread_d2t(c), base.lm_head, 72);
+    // The extra parameters lead the list (the fc input's norms come before fc), by vLLM's names.
     const auto params = d.named_parameters();
-    const at::Tensor norm0 = params[params.size() - 3].second;
-    REQUIRE(params[params.size() - 3].first == "fc_norm.0.weight");
-    REQUIRE(norm0.grad().defined());
-    CHECK(norm0.grad().abs().sum().item<float>() > 0);
-    const float before = loss_of(base, d, batch);
-    d.load_parameter("fc_norm.1.weight", at::full({c.target_hidden_size}, 3.0f));
-    CHECK(loss_of(base, d, batch) != before);
-  }
+    for (std::size_t i = 0; i < v.extra.size(); ++i) CHECK(params[i].first == v.extra[i]);
+    std::int64_t numel = 0;
+    for (const auto& p : draft_architecture("eagle3.1").parameters(c)) numel += p.numel();
+    CHECK(numel == plain_numel + (c.fc_norm ? 3 * c.target_hidden_size : 0) +
+                       (c.norm_before_fc ? 3 * c.target_hidden_size : 0));
 
-  // The plan counts its parameters from the row.
-  std::int64_t numel = 0;
-  for (const auto& [name, t] : d.named_parameters()) numel += t.numel();
-  std::int64_t listed = 0;
-  for (const auto& p : kFcNorm.parameters(c)) listed += p.numel();
-  CHECK(listed == numel);
-  CHECK(listed == [&] {
-    std::int64_t n = 0;
-    for (const auto& p : draft_architecture("eagle3").parameters(plain)) n += p.numel();
-    return n;
-  }() + 3 * c.target_hidden_size);
-
-  // Export in both layouts and load back: the architecture, the weights and the loss return.
-  export_draft(d, dir / "ours");
-  CHECK(read_json(dir / "ours/config.json")["fc_norm"] == true);
-  ExportOptions spec;
-  spec.format = ExportFormat::kSpeculators;
-  spec.speculators.speculative_tokens = 3;
-  spec.speculators.verifier = "base";
-  export_draft(d, dir / "spec", spec);
-  CHECK(read_json(dir / "spec/config.json")["fc_norm"] == true);
-  for (const char* layout : {"ours", "spec"}) {
-    CAPTURE(layout);
-    const DraftModel back = load_draft(dir / layout);
-    CHECK(back.config().architecture == "eagle3-fc-norm");
-    const auto a = d.named_parameters(), b = back.named_parameters();
-    REQUIRE(a.size() == b.size());
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      CHECK(a[i].first == b[i].first);
-      CHECK(at::equal(a[i].second, b[i].second));
+    // The unroll trains it: each norm gets a gradient, and each flag changes the function
+    // against EAGLE-3 with the same weights (the shared ones copied over).
+    {
+      TttUnroll u(base, d, TttOptions{3, 0.8, std::nullopt});
+      const TttResult r = u.forward(batch);
+      r.loss.backward();
+      CHECK(std::isfinite(r.loss.item<float>()));
+      for (std::size_t i = 0; i < v.extra.size(); ++i) {
+        REQUIRE(params[i].second.grad().defined());
+        CHECK(params[i].second.grad().abs().sum().item<float>() > 0);
+      }
     }
-    CHECK(loss_of(base, back, batch) == loss_of(base, d, batch));
-  }
+    DraftModel same_as_eagle3(plain, fixtures::spread_d2t(plain), base.lm_head, 72);
+    for (const auto& [name, t] : same_as_eagle3.named_parameters()) d.load_parameter(name, t.detach().clone());
+    // With unit norm weights fc_norm/input_norm still normalise, so the function differs from
+    // EAGLE-3's wherever a flag is set; norm_output changes steps 1 and later only.
+    CHECK(loss_of(base, d, batch) != loss_of(base, same_as_eagle3, batch));
 
-  // A checkpoint resumes it as itself.
-  Checkpoint ckpt;
-  ckpt.options_json = "{}";
-  const std::string saved = save_checkpoint(dir / "run", d, ckpt);
-  const LoadedCheckpoint loaded = load_checkpoint(saved);
-  CHECK(loaded.draft.config().architecture == "eagle3-fc-norm");
-  CHECK(loss_of(base, loaded.draft, batch) == loss_of(base, d, batch));
+    // Export in both layouts and load back: the architecture, the flags, the weights and the
+    // loss return.
+    const std::string name = std::string("v") + std::to_string(&v - variants.data());
+    export_draft(d, dir / (name + "-ours"));
+    const nlohmann::json ours = read_json(dir / (name + "-ours/config.json"));
+    CHECK(ours["fc_norm"] == c.fc_norm);
+    CHECK(ours["norm_before_fc"] == c.norm_before_fc);
+    CHECK(ours["norm_output"] == c.norm_output);
+    CHECK(ours["norm_before_residual"] == c.norm_before_residual);
+    ExportOptions spec;
+    spec.format = ExportFormat::kSpeculators;
+    spec.speculators.speculative_tokens = 3;
+    spec.speculators.verifier = "base";
+    export_draft(d, dir / (name + "-spec"), spec);
+    const nlohmann::json sj = read_json(dir / (name + "-spec/config.json"));
+    CHECK(sj["fc_norm"] == c.fc_norm);
+    CHECK(sj["norm_before_fc"] == c.norm_before_fc);
+    CHECK(sj["norm_output"] == c.norm_output);
+    CHECK(sj["norm_before_residual"] == c.norm_before_residual);
+    for (const std::string layout : {"-ours", "-spec"}) {
+      CAPTURE(layout);
+      const DraftModel back = load_draft(dir / (name + layout));
+      CHECK(back.config().architecture == "eagle3.1");
+      CHECK(back.config().fc_norm == c.fc_norm);
+      CHECK(back.config().norm_before_fc == c.norm_before_fc);
+      CHECK(back.config().norm_output == c.norm_output);
+      CHECK(back.config().norm_before_residual == c.norm_before_residual);
+      const auto a = d.named_parameters(), b = back.named_parameters();
+      REQUIRE(a.size() == b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        CHECK(a[i].first == b[i].first);
+        CHECK(at::equal(a[i].second, b[i].second));
+      }
+      CHECK(loss_of(base, back, batch) == loss_of(base, d, batch));
+    }
+
+    // A checkpoint resumes it as itself.
+    Checkpoint ckpt;
+    ckpt.options_json = "{}";
+    const std::string saved = save_checkpoint(dir / (name + "-run"), d, ckpt);
+    const LoadedCheckpoint loaded = load_checkpoint(saved);
+    CHECK(loaded.draft.config().architecture == "eagle3.1");
+    CHECK(loss_of(base, loaded.draft, batch) == loss_of(base, d, batch));
+  }
+}
+
+TEST_CASE("architecture: norm_before_residual changes EAGLE-3's first layer, and EAGLE 3.1's flags are its own") {
+  const DraftConfig plain = fixtures::tiny_config();
+  const BaseModel base = fixtures::random_base(plain, 80);
+  const TttBatch batch = fixtures::random_batch(plain, 2, 10, {10, 8}, 81);
+  DraftConfig nbr = plain;
+  nbr.norm_before_residual = true;
+  CHECK(std::string(architecture_of_config(nlohmann::json::parse(draft_config_json(nbr)), "c.json").name()) ==
+        "eagle3");
+  const DraftModel a(plain, fixtures::spread_d2t(plain), base.lm_head, 82);
+  DraftModel b(nbr, fixtures::spread_d2t(nbr), base.lm_head, 83);
+  for (const auto& [name, t] : a.named_parameters()) b.load_parameter(name, t.detach().clone());
+  CHECK(loss_of(base, a, batch) != loss_of(base, b, batch));
+
+  // The row names and the flags agree, or check() says which.
+  DraftConfig wrong = plain;
+  wrong.fc_norm = true;
+  CHECK_THROWS_WITH_AS(wrong.check(), doctest::Contains("EAGLE 3.1's (architecture eagle3.1)"), UsageError);
+  wrong = plain;
+  wrong.architecture = "eagle3.1";
+  CHECK_THROWS_WITH_AS(wrong.check(), doctest::Contains("needs fc_norm, norm_before_fc or norm_output"), UsageError);
+  wrong.fc_norm = wrong.norm_before_fc = true;
+  CHECK_THROWS_WITH_AS(wrong.check(), doctest::Contains("exclusive"), UsageError);
+
+  // The keys vLLM 0.32 reads decide the row; mistyped ones are refused, never read as EAGLE-3.
+  auto row = [](const char* text) { return std::string(architecture_of_config(nlohmann::json::parse(text), "c.json").name()); };
+  CHECK(row(R"({"fc_norm": true})") == "eagle3.1");
+  CHECK(row(R"({"norm_output": true})") == "eagle3.1");
+  CHECK(row(R"({"norm_before_fc": true})") == "eagle3.1");
+  CHECK(row(R"({"eagle_config": {"norm_before_fc": true}})") == "eagle3.1");
+  CHECK(row(R"({"fc_norm": false, "norm_output": false, "norm_before_fc": false})") == "eagle3");
+  CHECK_THROWS_AS(architecture_of_config(nlohmann::json::parse(R"({"norm_output": "yes"})"), "c.json"), FormatError);
+}
+
+TEST_CASE("architecture: a registered row is one file and one row: trains, exports and loads as itself") {
+  test::TempDir dir("arch-twin");
+  const Registered row;
+  DraftConfig c = fixtures::tiny_config();
+  c.architecture = "eagle3-twin";
+  check_list_matches_net(c);
+  const BaseModel base = fixtures::random_base(c, 90);
+  const TttBatch batch = fixtures::random_batch(c, 2, 10, {10, 8}, 91);
+  DraftModel d(c, fixtures::spread_d2t(c), base.lm_head, 92);
+  export_draft(d, dir / "twin");
+  const DraftModel back = load_draft(dir / "twin");
+  CHECK(back.config().architecture == "eagle3-twin");
+  CHECK(loss_of(base, back, batch) == loss_of(base, d, batch));
 }

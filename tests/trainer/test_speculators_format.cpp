@@ -83,14 +83,23 @@ TEST_CASE("speculators: refused variants and missing keys") {
       CHECK_MESSAGE(std::string(e.what()).find(detail) != std::string::npos, e.what());
     }
   };
+  // The norms vLLM reads are read as vLLM reads them: an absent norm_before_residual is true
+  // (EAGLE-3's other first-layer form), norm_output and fc_norm make it EAGLE 3.1's.
+  auto read = [](const json& j) { return parse_draft_config(speculators_to_draft_config(j.dump(), "c.json"), "c.json"); };
   json j = good;
-  j.erase("norm_before_residual");  // vLLM reads it as true: the other form
-  refused(j, "norm_before_residual");
+  j.erase("norm_before_residual");
+  CHECK(read(j).norm_before_residual);
+  CHECK(read(j).architecture == "eagle3");
   j = good;
   j["norm_output"] = true;
-  refused(j, "norm_output");
+  CHECK(read(j).architecture == "eagle3.1");
+  CHECK(read(j).norm_output);
+  j["fc_norm"] = true;
+  CHECK(read(j).fc_norm);
+  j["norm_before_fc"] = true;  // speculators refuses both; so does check()
+  refused(j, "exclusive");
   j = good;
-  j["fc_norm"] = true;  // read by the architecture that claims it: none built in
+  j["fc_norm"] = "true";
   refused(j, "fc_norm");
   j = good;
   j["speculators_model_type"] = "eagle";
@@ -104,11 +113,8 @@ TEST_CASE("speculators: refused variants and missing keys") {
   // The twin: the unchanged config is accepted.
   CHECK_NOTHROW(parse_draft_config(speculators_to_draft_config(good.dump(), "c.json"), "c.json"));
 
-  // SpecForge's flat variant keys: no built-in architecture claims them.
-  CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"fc_norm": true})"), "c.json"), UnsupportedError);
-  CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"norm_output": false})"), "c.json"), UnsupportedError);
   // A variant key of another type is refused as such, never read as EAGLE-3.
   CHECK_THROWS_AS(architecture_of_config(json::parse(R"({"fc_norm": "true"})"), "c.json"), FormatError);
-  CHECK(architecture_of_config(json::parse(R"({"norm_output": true, "fc_norm": false})"), "c.json").name() == "eagle3");
+  CHECK(architecture_of_config(json::parse(R"({"norm_output": false, "fc_norm": false})"), "c.json").name() == "eagle3");
   CHECK_THROWS_AS(speculators_config_json(sample(), SpeculatorsInfo{}, "bfloat16"), UsageError);
 }

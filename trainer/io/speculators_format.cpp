@@ -15,7 +15,8 @@ using nlohmann::ordered_json;
 // transformer_layer_config rather than in it (vLLM's eagle3 updater reads them there).
 bool top_level_key(const std::string& key) {
   return key == "architectures" || key == "draft_vocab_size" || key == "target_hidden_size" ||
-         key == "norm_before_residual" || key == "fc_norm" || key == "eagle_aux_hidden_state_layer_ids" ||
+         key == "norm_before_residual" || key == "fc_norm" || key == "norm_before_fc" || key == "norm_output" ||
+         key == "eagle_aux_hidden_state_layer_ids" ||
          key.rfind("eaglekit_", 0) == 0;
 }
 
@@ -81,10 +82,10 @@ std::string speculators_config_json(const DraftConfig& config, const Speculators
   j["draft_vocab_size"] = flat.at("draft_vocab_size");
   j["target_hidden_size"] = flat.at("target_hidden_size");
   // vLLM's speculators path reads an absent norm_before_residual as true: always write it.
-  j["norm_before_residual"] = false;
-  j["norm_before_fc"] = false;
-  j["fc_norm"] = flat.contains("fc_norm") && flat["fc_norm"] == true;
-  j["norm_output"] = false;
+  j["norm_before_residual"] = config.norm_before_residual;
+  j["norm_before_fc"] = config.norm_before_fc;
+  j["fc_norm"] = config.fc_norm;
+  j["norm_output"] = config.norm_output;
   j["embed_requires_grad"] = false;
   j["eagle_aux_hidden_state_layer_ids"] = flat.at("eagle_aux_hidden_state_layer_ids");
   j["torch_dtype"] = flat.at("torch_dtype");
@@ -121,24 +122,17 @@ std::string speculators_to_draft_config(const std::string& json_text, const std:
     throw UnsupportedError(where, std::nullopt, "transformer_layer_config.model_type",
                            "only Llama decoder layers are read, got " + mt->dump());
   }
-  for (const char* variant : {"norm_before_fc", "norm_output"}) {
-    if (flag(j, variant, where, variant)) {
-      throw UnsupportedError(where, std::nullopt, variant,
-                             "true: a variant of the draft eaglekit does not compute");
-    }
-  }
-  // fc_norm (an RMSNorm per aux layer before fc) is SpecForge's flat key too: the draft
-  // architecture that claims it reads it (trainer/model/architecture.h), or none does and
-  // parse_draft_config says so.
-  if (flag(j, "fc_norm", where, "fc_norm")) flat["fc_norm"] = true;
+  // EAGLE 3.1's norms (trainer/model/draft_config.h), as vLLM's eagle3 updater copies them:
+  // the architecture row that claims them reads them from the flat config.
+  for (const char* key : {"fc_norm", "norm_before_fc", "norm_output"})
+    if (flag(j, key, where, key)) flat[key] = true;
   // draft_vocab_size: speculators' class default (32000) and vLLM's (the vocabulary) differ,
   // so an absent one is not guessed.
   const auto vd = j.find("draft_vocab_size");
   if (vd == j.end() || vd->is_null()) throw FormatError(where, std::nullopt, "draft_vocab_size", "missing");
   flat["draft_vocab_size"] = *vd;
   if (const auto t = j.find("target_hidden_size"); t != j.end() && !t->is_null()) flat["target_hidden_size"] = *t;
-  // vLLM's eagle3 updater reads an absent norm_before_residual as true; parse_draft_config
-  // then refuses it as another form than the one trained here.
+  // vLLM's eagle3 updater reads an absent norm_before_residual as true, and so does this.
   const auto nbr = j.find("norm_before_residual");
   flat["norm_before_residual"] = nbr == j.end() || nbr->is_null() ? ordered_json(true) : *nbr;
   if (const auto ids = j.find("eagle_aux_hidden_state_layer_ids"); ids != j.end() && !ids->is_null())

@@ -35,7 +35,8 @@ struct SpeculatorsInfo {
 // speculators_model_type "eagle3", speculators_config (algorithm, one greedy proposal method
 // with info.speculative_tokens, default_proposal_method, verifier), transformer_layer_config
 // (the draft's Llama config as draft_config_json writes it, num_aux_hidden_states included),
-// draft_vocab_size, target_hidden_size, norm_before_residual false, the aux ids as HF
+// draft_vocab_size, target_hidden_size, the norm flags (norm_before_residual, norm_before_fc,
+// fc_norm, norm_output: the draft's, always written), the aux ids as HF
 // hidden_states indices, torch_dtype = `weights_dtype`, and eaglekit's own keys. Throws
 // UsageError as draft_config_json does, or when speculative_tokens < 1 or verifier is empty.
 std::string speculators_config_json(const DraftConfig& config, const SpeculatorsInfo& info,
@@ -52,9 +53,9 @@ bool is_speculators_config(const std::string& json_text);
 // The flat config a speculators config stands for: transformer_layer_config with the
 // top-level draft_vocab_size, target_hidden_size, norm_before_residual (true when absent,
 // as vLLM reads it), eagle_aux_hidden_state_layer_ids and eaglekit's keys laid over it.
-// `info` (optional) gets the proposal and verifier. Throws UnsupportedError for another
-// algorithm than eagle3, a decoder layer other than Llama's, or the variants norm_before_fc,
-// fc_norm, norm_output; FormatError for a missing key.
+// `info` (optional) gets the proposal and verifier; fc_norm, norm_before_fc and norm_output
+// are copied when true (the eagle3.1 row claims them). Throws UnsupportedError for another
+// algorithm than eagle3 or a decoder layer other than Llama's; FormatError for a missing key.
 std::string speculators_to_draft_config(const std::string& json_text, const std::string& where,
                                         SpeculatorsInfo* info = nullptr);
 

@@ -11,7 +11,8 @@ namespace {
 
 // The built-in rows: one per architecture in this tree.
 const Eagle3Architecture kEagle3;
-const DraftArchitecture* const kBuiltIn[] = {&kEagle3};
+const Eagle31Architecture kEagle31;
+const DraftArchitecture* const kBuiltIn[] = {&kEagle31, &kEagle3};
 
 std::vector<const DraftArchitecture*>& registered() {
   static std::vector<const DraftArchitecture*> rows;

@@ -372,6 +372,11 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
   if (d.aux_layer_ids.empty() && d.num_aux_layers == 3 && base.num_hidden_layers >= 6)
     d.aux_layer_ids = default_aux_layer_ids(base.num_hidden_layers);
   d.modelopt_norm = options.modelopt_norm;
+  d.architecture = options.architecture;
+  d.fc_norm = options.fc_norm;
+  d.norm_before_fc = options.norm_before_fc;
+  d.norm_output = options.norm_output;
+  d.norm_before_residual = options.norm_before_residual;
   d.torch_dtype = options.torch_dtype.empty() ? base.torch_dtype : options.torch_dtype;
   d.check();
   return d;
@@ -420,10 +425,14 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
               d.aux_layer_ids.empty() ? 3 : static_cast<std::int64_t>(d.aux_layer_ids.size()));
   d.num_aux_layers = get_int(j, "eaglekit_num_aux_layers", where, k_default);
   d.modelopt_norm = get_bool(j, "eaglekit_modelopt_norm", where, false);
-  if (get_bool(j, "norm_before_residual", where, false)) {
-    throw UnsupportedError(where, std::nullopt, "norm_before_residual",
-                           "true (hidden_norm applied before the residual) is not the form eaglekit trains");
-  }
+  // The norms as vLLM 0.32 reads them (trainer/model/draft_config.h); norm_before_fc from
+  // eagle_config first, as vLLM does.
+  d.fc_norm = get_bool(j, "fc_norm", where, false);
+  d.norm_output = get_bool(j, "norm_output", where, false);
+  d.norm_before_residual = get_bool(j, "norm_before_residual", where, false);
+  d.norm_before_fc = get_bool(j, "norm_before_fc", where, false);
+  if (const auto ec = field(j, "eagle_config"); ec && ec->is_object() && field(*ec, "norm_before_fc"))
+    d.norm_before_fc = get_bool(*ec, "norm_before_fc", where, false);
   // Our checkpoints store float32 weights for a draft served in the base's dtype.
   if (const auto serving = field(j, "eaglekit_serving_dtype"); serving && serving->is_string())
     d.torch_dtype = serving->get<std::string>();

@@ -53,6 +53,10 @@ struct DraftOptions {
   // Empty: default_aux_layer_ids(base.num_hidden_layers) when num_aux_layers == 3.
   std::vector<std::int64_t> aux_layer_ids;
   bool modelopt_norm = false;
+  // The architecture row and its norms (trainer/model/draft_config.h); draft_config_from_base
+  // copies them and check() refuses a combination the row does not compute.
+  std::string architecture = "eagle3";
+  bool fc_norm = false, norm_before_fc = false, norm_output = false, norm_before_residual = false;
   std::string torch_dtype;  // empty: the base's
 };
 

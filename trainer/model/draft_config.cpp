@@ -50,6 +50,16 @@ void DraftConfig::check() const {
       if (i > 0 && aux_layer_ids[i] <= aux_layer_ids[i - 1]) fail("aux layer ids must increase");
     }
   }
+  if (fc_norm && norm_before_fc)
+    fail("fc_norm and norm_before_fc are exclusive (a norm per aux layer or one over all of them; speculators "
+         "refuses both)");
+  const bool v31 = fc_norm || norm_before_fc || norm_output;
+  if (architecture == "eagle3" && v31)
+    fail("fc_norm, norm_before_fc and norm_output are EAGLE 3.1's (architecture eagle3.1), not EAGLE-3's");
+  if (architecture == "eagle3.1" && !v31)
+    fail("EAGLE 3.1 (architecture eagle3.1) needs fc_norm, norm_before_fc or norm_output");
+  if (modelopt_norm && (fc_norm || norm_before_fc || norm_output || norm_before_residual))
+    fail("ModelOpt's norm form does not combine with fc_norm, norm_before_fc, norm_output or norm_before_residual");
 }
 
 }  // namespace eaglekit::trainer

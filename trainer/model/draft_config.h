@@ -39,6 +39,19 @@ struct DraftConfig {
   std::vector<std::int64_t> aux_layer_ids;
   // ModelOpt's form: input_layernorm is also applied to h before hidden_norm.
   bool modelopt_norm = false;
+  // The norms vLLM (0.32) and speculators (0.9) name by these config keys (docs/draft.md,
+  // EAGLE 3.1). Any of the first three makes the draft EAGLE 3.1's (the "eagle3.1" row):
+  // - fc_norm: one learned RMSNorm per aux layer's slice of the fc input (fc_norm.{i}.weight,
+  //   [target_hidden_size] each), the EAGLE 3.1 paper's;
+  // - norm_before_fc: one learned RMSNorm over the whole fc input (input_norm.weight,
+  //   [k * target_hidden_size]); speculators' form, exclusive with fc_norm there;
+  // - norm_output: the next TTT step (the engine's next draft token) takes the final norm's
+  //   output instead of the last layer's residual stream.
+  // norm_before_residual (EAGLE-3's too): the first layer's residual is hidden_norm(h), not h.
+  bool fc_norm = false;
+  bool norm_before_fc = false;
+  bool norm_output = false;
+  bool norm_before_residual = false;
   // The dtype the draft is served in: the base's torch_dtype (bf16 when it names none).
   // Kept apart from the dtype of stored weights (float32 in checkpoints): config.json
   // carries it as eaglekit_serving_dtype beside torch_dtype.

@@ -2,7 +2,8 @@
 // the interface the unroll talks to. A row of trainer/model/architecture.h makes one; the
 // draft model (trainer/model/draft_model.h) holds it with the config and d2t.
 //
-// One TTT step: hidden = fc(aux hidden states) at step 0 (the previous step's output after),
+// One TTT step: hidden = fc(aux hidden states) at step 0 (the previous step's output after:
+// the last layer's, or its final_norm when norm_output()),
 // then for each decoder layer qkv() -> the unroll's attention over the layer's kept keys and
 // values of every step -> finish_layer(); the last layer's output goes through final_norm()
 // and lm_head. The unroll owns the attention, so context parallelism and the fused kernels
@@ -57,6 +58,9 @@ class DraftNet {
   // two halves.
   virtual at::Tensor final_norm(const at::Tensor& layer_out) const = 0;
   virtual const at::Tensor& lm_head_weight() const = 0;  // [Vd, H], the parameter itself
+  // What the next TTT step takes as its hidden input: false, the last layer's output (the
+  // residual stream, EAGLE-3); true, final_norm of it (EAGLE 3.1's norm_output).
+  virtual bool norm_output() const { return false; }
 
   // lm_head(final_norm(x)): [B, L, Vd].
   at::Tensor logits(const at::Tensor& layer_out) const;

@@ -16,42 +16,80 @@ bool is_true(const nlohmann::json& config, const char* key) {
   const auto it = config.find(key);
   return it != config.end() && it->is_boolean() && it->get<bool>();
 }
-bool is_false(const nlohmann::json& config, const char* key) {
+
+// A flag key is absent, null or a boolean; anything else is neither row's (explain_unclaimed
+// refuses it as such).
+bool typed(const nlohmann::json& config, const char* key) {
   const auto it = config.find(key);
-  return it != config.end() && it->is_boolean() && !it->get<bool>();
+  return it == config.end() || it->is_null() || it->is_boolean();
 }
 
-// fc_norm set to anything but false (or null) is not EAGLE-3's: a typed true is a variant, a
-// value of another type is refused as such in explain_unclaimed.
-bool plain_fc(const nlohmann::json& config) {
-  const auto it = config.find("fc_norm");
-  return it == config.end() || it->is_null() || (it->is_boolean() && !it->get<bool>());
+const nlohmann::json* eagle_config(const nlohmann::json& config) {
+  const auto it = config.find("eagle_config");
+  return it != config.end() && it->is_object() ? &*it : nullptr;
+}
+
+// The keys vLLM 0.32 reads for EAGLE 3.1: fc_norm, norm_output, and norm_before_fc at the top
+// or (first) in eagle_config. All typed: a mistyped one is claimed by no row.
+bool all_typed(const nlohmann::json& config) {
+  const nlohmann::json* ec = eagle_config(config);
+  return typed(config, "fc_norm") && typed(config, "norm_output") && typed(config, "norm_before_fc") &&
+         typed(config, "norm_before_residual") && (ec == nullptr || typed(*ec, "norm_before_fc"));
+}
+bool any_31_key(const nlohmann::json& config) {
+  const nlohmann::json* ec = eagle_config(config);
+  return is_true(config, "fc_norm") || is_true(config, "norm_output") || is_true(config, "norm_before_fc") ||
+         (ec != nullptr && is_true(*ec, "norm_before_fc"));
+}
+
+void refuse_mistyped(const nlohmann::json& config, const std::string& where) {
+  for (const char* key : {"fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"})
+    if (!typed(config, key))
+      throw FormatError(where, std::nullopt, key, "expected true/false, got " + config.at(key).dump());
+  if (const nlohmann::json* ec = eagle_config(config); ec != nullptr && !typed(*ec, "norm_before_fc"))
+    throw FormatError(where, std::nullopt, "eagle_config.norm_before_fc",
+                      "expected true/false, got " + ec->at("norm_before_fc").dump());
 }
 
 }  // namespace
 
 bool Eagle3Architecture::claims(const nlohmann::json& config) const {
-  return plain_fc(config) && !is_false(config, "norm_output");
+  return all_typed(config) && !any_31_key(config);
 }
 
 void Eagle3Architecture::explain_unclaimed(const nlohmann::json& config, const std::string& where) const {
-  if (!plain_fc(config) && !config.at("fc_norm").is_boolean())
-    throw FormatError(where, std::nullopt, "fc_norm", "expected true/false, got " + config.at("fc_norm").dump());
-  if (is_true(config, "fc_norm")) {
-    throw UnsupportedError(where, std::nullopt, "fc_norm",
-                           "true (an RMSNorm per aux layer before fc): a variant of the draft eaglekit does not compute");
-  }
-  if (is_false(config, "norm_output")) {
-    throw UnsupportedError(where, std::nullopt, "norm_output",
-                           "false (lm_head without the final norm): a variant of the draft eaglekit does not compute");
-  }
+  refuse_mistyped(config, where);
+}
+
+bool Eagle31Architecture::claims(const nlohmann::json& config) const {
+  return all_typed(config) && any_31_key(config);
+}
+
+void Eagle31Architecture::explain_unclaimed(const nlohmann::json& config, const std::string& where) const {
+  refuse_mistyped(config, where);
+}
+
+std::vector<std::string> Eagle31Architecture::serving_warnings(const DraftConfig& c) const {
+  std::vector<std::string> out = Eagle3Architecture::serving_warnings(c);
+  out.push_back(
+      "an EAGLE 3.1 draft (" + std::string(c.fc_norm ? "fc_norm" : c.norm_before_fc ? "norm_before_fc" : "") +
+      (c.norm_output ? std::string(c.fc_norm || c.norm_before_fc ? ", " : "") + "norm_output" : "") +
+      ") is served as trained by vLLM 0.32 and later; older vLLM versions and SGLang do not compute these norms "
+      "(docs/export.md)");
+  return out;
 }
 
 // fc; per decoder layer input_layernorm, (layer 0) hidden_norm, q/k/v/o, post_attention_layernorm
 // and the MLP, in the module's registration order; the final norm and lm_head.
 std::vector<ParameterShape> Eagle3Architecture::parameters(const DraftConfig& c) const {
   const std::int64_t h = c.hidden_size, qd = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
-  std::vector<ParameterShape> out{{"fc.weight", {h, c.aux_width()}}};
+  std::vector<ParameterShape> out;
+  // EAGLE 3.1's norms on the fc input come first, as the network registers them.
+  if (c.norm_before_fc) out.push_back({"input_norm.weight", {c.aux_width()}});
+  if (c.fc_norm)
+    for (std::int64_t i = 0; i < c.num_aux_layers; ++i)
+      out.push_back({"fc_norm." + std::to_string(i) + ".weight", {c.target_hidden_size}});
+  out.push_back({"fc.weight", {h, c.aux_width()}});
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = c.num_hidden_layers == 1 ? "midlayer." : "layers." + std::to_string(i) + ".";
     const std::int64_t in = i == 0 ? 2 * h : h;
@@ -120,8 +158,13 @@ nlohmann::ordered_json Eagle3Architecture::served_config(const DraftConfig& c, c
   j["tie_word_embeddings"] = false;
   j["torch_dtype"] = weights_dtype.empty() ? c.torch_dtype : weights_dtype;
   j["num_aux_hidden_states"] = c.num_aux_layers;
-  // vLLM's other form (hidden_norm before the residual) is not the one trained here.
-  j["norm_before_residual"] = false;
+  // Written always: vLLM's speculators path reads an absent norm_before_residual as true.
+  j["norm_before_residual"] = c.norm_before_residual;
+  if (c.architecture != "eagle3") {
+    j["fc_norm"] = c.fc_norm;
+    j["norm_before_fc"] = c.norm_before_fc;
+    j["norm_output"] = c.norm_output;
+  }
   j["eagle_aux_hidden_state_layer_ids"] = c.aux_layer_ids;
   j["eagle_config"] = {{"eagle_aux_hidden_state_layer_ids", sglang_ids},
                        {"use_aux_hidden_state", true}};

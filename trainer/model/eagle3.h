@@ -7,8 +7,12 @@
 // "midlayer.self_attn.q_proj.weight", ...; "layers.{i}.*" instead of "midlayer.*" when there
 // is more than one layer). Served as LlamaForCausalLMEagle3 by vLLM and SGLang.
 //
-// The class is here, LibTorch-free, for variants to derive from (EAGLE 3.1's fc-norm in
-// tests/trainer/test_architecture.cpp); make_eagle3_net gives them the network to wrap.
+// EAGLE 3.1 (the "eagle3.1" row) is the same network with the norms vLLM 0.32 and speculators
+// 0.9 name fc_norm, norm_before_fc and norm_output (DraftConfig); both rows take
+// norm_before_residual. One network computes both (eagle3_net.cpp), from the config's flags.
+//
+// The class is here, LibTorch-free, for variants to derive from; make_eagle3_net gives them
+// the network to wrap.
 //
 // Thread safety: immutable. Errors: as DraftArchitecture's.
 #pragma once
@@ -23,8 +27,8 @@ class Eagle3Architecture : public DraftArchitecture {
  public:
   std::string_view name() const override { return "eagle3"; }
   std::string_view title() const override { return "EAGLE-3"; }
-  // Every draft config.json without a variant key (SpecForge's fc_norm: true or
-  // norm_output: false): EAGLE-3 is what every layout read here holds.
+  // Every draft config.json without an EAGLE 3.1 key set (fc_norm, norm_before_fc at the top
+  // or in eagle_config, norm_output: true, as vLLM 0.32 reads them).
   bool claims(const nlohmann::json& config) const override;
   void explain_unclaimed(const nlohmann::json& config, const std::string& where) const override;
   std::vector<ParameterShape> parameters(const DraftConfig& config) const override;
@@ -36,7 +40,19 @@ class Eagle3Architecture : public DraftArchitecture {
   std::shared_ptr<DraftNet> make_net(const DraftConfig& config) const override;
 };
 
-// EAGLE-3's network for `config` (weights not initialised).
+// EAGLE 3.1: EAGLE-3 with fc_norm (the EAGLE 3.1 paper's per-layer norm), or norm_before_fc
+// (speculators' one norm over the concatenation), and/or norm_output. Served by vLLM 0.32 and
+// later only (older versions and SGLang do not compute these norms).
+class Eagle31Architecture final : public Eagle3Architecture {
+ public:
+  std::string_view name() const override { return "eagle3.1"; }
+  std::string_view title() const override { return "EAGLE 3.1"; }
+  bool claims(const nlohmann::json& config) const override;
+  void explain_unclaimed(const nlohmann::json& config, const std::string& where) const override;
+  std::vector<std::string> serving_warnings(const DraftConfig& config) const override;
+};
+
+// EAGLE-3's (and EAGLE 3.1's) network for `config` (weights not initialised).
 std::shared_ptr<DraftNet> make_eagle3_net(const DraftConfig& config);
 
 }  // namespace eaglekit::trainer

@@ -90,6 +90,17 @@ struct DecoderLayerImpl : torch::nn::Module {
 // use "layers.{i}" (vLLM's names; docs/export.md).
 struct DraftModuleImpl : torch::nn::Module {
   explicit DraftModuleImpl(const DraftConfig& c) {
+    // EAGLE 3.1's norms on the fc input (DraftConfig::norm_before_fc, fc_norm), vLLM's names.
+    if (c.norm_before_fc)
+      input_norm = register_module("input_norm", std::make_shared<RmsNormImpl>(c.aux_width(), c.rms_norm_eps));
+    if (c.fc_norm) {
+      torch::nn::ModuleList list;
+      for (std::int64_t i = 0; i < c.num_aux_layers; ++i) {
+        fc_norm.push_back(std::make_shared<RmsNormImpl>(c.target_hidden_size, c.rms_norm_eps));
+        list->push_back(fc_norm.back());
+      }
+      register_module("fc_norm", list);
+    }
     fc = register_module("fc", linear(c.aux_width(), c.hidden_size));
     for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
       layers.push_back(std::make_shared<DecoderLayerImpl>(c, i == 0));
@@ -103,6 +114,8 @@ struct DraftModuleImpl : torch::nn::Module {
     norm = register_module("norm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
     lm_head = register_module("lm_head", linear(c.hidden_size, c.draft_vocab_size));
   }
+  std::shared_ptr<RmsNormImpl> input_norm;
+  std::vector<std::shared_ptr<RmsNormImpl>> fc_norm;
   torch::nn::Linear fc{nullptr};
   std::vector<std::shared_ptr<DecoderLayerImpl>> layers;
   std::shared_ptr<RmsNormImpl> norm;
@@ -128,7 +141,7 @@ class Eagle3Net final : public DraftNet {
   void to(c10::Device device, c10::ScalarType dtype) override { module_->to(device, dtype); }
   void train(bool on) override { module_->train(on); }
   std::int64_t num_layers() const override { return config_.num_hidden_layers; }
-  at::Tensor fc(const at::Tensor& aux) const override { return module_->fc(aux); }
+  at::Tensor fc(const at::Tensor& aux) const override;
   at::Tensor norm_embeddings(const at::Tensor& emb) const override {
     return module_->layers[0]->input_layernorm->forward(emb);
   }
@@ -137,11 +150,28 @@ class Eagle3Net final : public DraftNet {
   at::Tensor finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer) const override;
   at::Tensor final_norm(const at::Tensor& layer_out) const override { return module_->norm->forward(layer_out); }
   const at::Tensor& lm_head_weight() const override { return module_->lm_head->weight; }
+  bool norm_output() const override { return config_.norm_output; }
 
  private:
   DraftConfig config_;
   std::shared_ptr<DraftModuleImpl> module_;
 };
+
+// fc over the aux hidden states, after EAGLE 3.1's norms: one over the whole input
+// (norm_before_fc), then one per aux layer's slice (fc_norm), in vLLM's order.
+at::Tensor Eagle3Net::fc(const at::Tensor& aux) const {
+  at::Tensor x = aux;
+  if (module_->input_norm) x = module_->input_norm->forward(x);
+  if (!module_->fc_norm.empty()) {
+    const std::int64_t w = config_.target_hidden_size;
+    std::vector<at::Tensor> parts;
+    parts.reserve(module_->fc_norm.size());
+    for (std::size_t i = 0; i < module_->fc_norm.size(); ++i)
+      parts.push_back(module_->fc_norm[i]->forward(x.narrow(-1, static_cast<std::int64_t>(i) * w, w).contiguous()));
+    x = torch::cat(parts, -1);
+  }
+  return module_->fc(x);
+}
 
 // Layer 0: q/k/v of cat(emb_normed, hidden_norm(h)) (ModelOpt form:
 // hidden_norm(input_layernorm(h))). Layer i > 0: q/k/v of input_layernorm(hidden), and
@@ -179,12 +209,15 @@ Qkv Eagle3Net::qkv(const at::Tensor& emb_normed, const at::Tensor& hidden, const
   return out;
 }
 
-// o_proj(attn) + hidden, then the MLP block: the layer's output (the residual stream).
+// o_proj(attn) + hidden, then the MLP block: the layer's output (the residual stream). With
+// norm_before_residual the first layer's residual is hidden_norm(hidden) (vLLM's
+// _norm_before_residual; recomputed here, as cheap as keeping it).
 at::Tensor Eagle3Net::finish_layer(const at::Tensor& hidden, const at::Tensor& attn, std::int64_t layer) const {
   const DecoderLayerImpl& l = layer_at(*module_, layer);
   const std::int64_t b = attn.size(0), n = attn.size(2);
   const at::Tensor merged = attn.transpose(1, 2).reshape({b, n, attn.size(1) * attn.size(3)});
-  const at::Tensor residual = hidden + l.self_attn->o_proj(merged.to(hidden.scalar_type()));
+  const at::Tensor skip = layer == 0 && config_.norm_before_residual ? l.hidden_norm->forward(hidden) : hidden;
+  const at::Tensor residual = skip + l.self_attn->o_proj(merged.to(hidden.scalar_type()));
   return residual + l.mlp->forward(l.post_attention_layernorm->forward(residual));
 }
 

@@ -77,6 +77,54 @@ void check_draft_layers(const TrainOptions& o, const DraftConfig& c, const std::
   }
 }
 
+namespace {
+
+// A fresh draft's architecture and norms from --draft-arch, --fc-norm, --norm-output and
+// --norm-before-residual (options.h): the arch's defaults where auto; a combination that is
+// not the arch asked for is refused with what to pass.
+void fresh_architecture(const TrainOptions& o, DraftOptions& d) {
+  bool v31 = o.draft_arch == DraftArch::kEagle31;
+  const bool auto_arch = o.draft_arch == DraftArch::kAuto;
+  const FcNorm fc = o.fc_norm != FcNorm::kAuto ? o.fc_norm : (v31 ? FcNorm::kPerLayer : FcNorm::kNone);
+  const bool out = o.norm_output != Switch::kAuto ? o.norm_output == Switch::kOn : v31;
+  d.fc_norm = fc == FcNorm::kPerLayer;
+  d.norm_before_fc = fc == FcNorm::kConcat;
+  d.norm_output = out;
+  d.norm_before_residual = o.norm_before_residual;
+  const bool has31 = d.fc_norm || d.norm_before_fc || d.norm_output;
+  if (o.draft_arch == DraftArch::kEagle3 && has31)
+    throw UsageError("--fc-norm " + std::string(name_in(kFcNormNames, fc)) + ", --norm-output " +
+                     (out ? "on" : "off") + ": those norms are EAGLE 3.1's; pass --draft-arch eagle3.1, or drop them");
+  if (v31 && !has31)
+    throw UsageError("--draft-arch eagle3.1 with --fc-norm none and --norm-output off is EAGLE-3: pass --draft-arch "
+                     "eagle3, or keep one of EAGLE 3.1's norms");
+  if (auto_arch && has31) v31 = true;  // --fc-norm or --norm-output alone asked for EAGLE 3.1's norms
+  d.architecture = v31 ? "eagle3.1" : "eagle3";
+}
+
+// A draft read from a folder keeps its architecture and norms (they are in its weights): an
+// option that asks for other ones is refused, naming the draft's.
+void check_draft_architecture(const TrainOptions& o, const DraftConfig& c, const std::string& source) {
+  const std::string is = c.architecture + " (fc_norm " + (c.fc_norm ? "true" : "false") + ", norm_before_fc " +
+                         (c.norm_before_fc ? "true" : "false") + ", norm_output " + (c.norm_output ? "true" : "false") +
+                         ", norm_before_residual " + (c.norm_before_residual ? "true" : "false") + ")";
+  auto refuse = [&](const std::string& flag) {
+    throw UsageError(flag + " differs from the draft in " + source + ", which is " + is +
+                     " (a draft keeps its architecture; drop " + flag + ", or start a fresh draft)");
+  };
+  if (o.draft_arch != DraftArch::kAuto && name_in(kDraftArchNames, o.draft_arch) != c.architecture)
+    refuse("--draft-arch " + std::string(name_in(kDraftArchNames, o.draft_arch)));
+  if (o.fc_norm != FcNorm::kAuto) {
+    const FcNorm has = c.fc_norm ? FcNorm::kPerLayer : c.norm_before_fc ? FcNorm::kConcat : FcNorm::kNone;
+    if (has != o.fc_norm) refuse("--fc-norm " + std::string(name_in(kFcNormNames, o.fc_norm)));
+  }
+  if (o.norm_output != Switch::kAuto && (o.norm_output == Switch::kOn) != c.norm_output)
+    refuse("--norm-output " + std::string(name_in(kSwitchNames, o.norm_output)));
+  if (o.norm_before_residual && !c.norm_before_residual) refuse("--norm-before-residual");
+}
+
+}  // namespace
+
 DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init) {
   DraftSource source;
   init.emplace(load_draft(dir, &source));
@@ -96,6 +144,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
   if (origin.kind == DraftOrigin::Kind::kResume) {
     d.config = *origin.config;
     check_draft_layers(o, d.config, origin.dir);
+    check_draft_architecture(o, d.config, origin.dir);
     d.source = "resume " + origin.dir;
     d.aux_layer_ids_source = "the resumed checkpoint's draft";
   } else if (origin.kind == DraftOrigin::Kind::kInit) {
@@ -120,6 +169,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
       d.config_changed = true;
     }
     check_draft_layers(o, c, origin.dir);
+    check_draft_architecture(o, c, origin.dir);
     if (o.draft_vocab_size > 0 && o.draft_vocab_size != c.draft_vocab_size) {
       throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from --init-draft's (" +
                        std::to_string(c.draft_vocab_size) + ")");
@@ -137,6 +187,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     dopts.num_aux_layers = aux_layers;
     dopts.aux_layer_ids = o.aux_layer_ids;
     dopts.modelopt_norm = o.modelopt_norm;
+    fresh_architecture(o, dopts);
     dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
     d.config = draft_config_from_base(bc, dopts);
     d.count_d2t = o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;

@@ -28,6 +28,20 @@ opt::Group model_options(ModelOptions& m) {
               note(field("aux_layer_ids", "IDS", m.aux_layer_ids,
                          "Aux layers of the dump, as HF hidden_states indices (e.g. 2,16,29)"),
                    "the data's, else 2,N/2,N-3 for 3 layers"),
+              opt::choice_of("draft_arch", m.draft_arch, kDraftArchNames,
+                             "Draft architecture (docs/draft.md): eagle3, or eagle3.1 (EAGLE-3 with a learned norm "
+                             "on the fc input and the final norm's output fed to the next step; served by vLLM >= "
+                             "0.32); auto: eagle3 for a fresh draft, else the --init-draft's or checkpoint's"),
+              opt::choice_of("fc_norm", m.fc_norm, kFcNormNames,
+                             "EAGLE 3.1's norm on the fc input: per-layer (one RMSNorm per aux layer, fc_norm), "
+                             "concat (one over all of them, norm_before_fc), none; auto: per-layer for eagle3.1, "
+                             "none for eagle3"),
+              opt::choice_of("norm_output", m.norm_output, kSwitchNames,
+                             "EAGLE 3.1's norm_output: the next TTT step takes the final norm's output instead of "
+                             "the last layer's; auto: on for eagle3.1, off for eagle3"),
+              field("norm_before_residual", "", m.norm_before_residual,
+                    "The first layer's residual is hidden_norm(h) instead of h (vLLM's and speculators' "
+                    "norm_before_residual)"),
               field("modelopt_norm", "", m.modelopt_norm,
                     "ModelOpt's form: input_layernorm also applied to the hidden input (no serving engine "
                     "computes it)"),

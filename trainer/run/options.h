@@ -38,6 +38,20 @@ enum class HiddenStatesNorm { kPost, kPre, kAuto };
 inline constexpr NameTable<HiddenStatesNorm, 3> kHiddenStatesNormNames{
     {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}, {HiddenStatesNorm::kAuto, "auto"}}};
 
+// --draft-arch: the draft architecture row of a fresh draft (trainer/model/architecture.h);
+// auto: EAGLE-3 for a fresh draft, else the --init-draft's or the checkpoint's.
+enum class DraftArch { kAuto, kEagle3, kEagle31 };
+inline constexpr NameTable<DraftArch, 3> kDraftArchNames{
+    {{DraftArch::kAuto, "auto"}, {DraftArch::kEagle3, "eagle3"}, {DraftArch::kEagle31, "eagle3.1"}}};
+// --fc-norm: EAGLE 3.1's norm on the fc input (DraftConfig::fc_norm, norm_before_fc); auto:
+// per-layer for eagle3.1, none for eagle3.
+enum class FcNorm { kAuto, kPerLayer, kConcat, kNone };
+inline constexpr NameTable<FcNorm, 4> kFcNormNames{
+    {{FcNorm::kAuto, "auto"}, {FcNorm::kPerLayer, "per-layer"}, {FcNorm::kConcat, "concat"}, {FcNorm::kNone, "none"}}};
+// --norm-output (DraftConfig::norm_output); auto: on for eagle3.1, off for eagle3.
+enum class Switch { kAuto, kOn, kOff };
+inline constexpr NameTable<Switch, 3> kSwitchNames{{{Switch::kAuto, "auto"}, {Switch::kOn, "on"}, {Switch::kOff, "off"}}};
+
 // --keep-best: which checkpoint OUT/best/ holds (trainer/io/checkpoint.h): none, or the one
 // with the highest eval est_ar.
 enum class KeepBest { kNone, kEstAr };
@@ -50,6 +64,10 @@ struct ModelOptions {
   std::string d2t;                           // d2t.pt (eaglekit vocab); "" count over the train split
   std::vector<std::int64_t> aux_layer_ids;   // as dumped (HF hidden_states indices)
   bool modelopt_norm = false;
+  DraftArch draft_arch = DraftArch::kAuto;   // a fresh draft's row; else must match the draft's
+  FcNorm fc_norm = FcNorm::kAuto;
+  Switch norm_output = Switch::kAuto;
+  bool norm_before_residual = false;         // the first layer's residual is hidden_norm(h)
   bool allow_unservable = false;             // train (and write final/ for) a draft no engine computes
   std::int64_t ttt_steps = 3;
   double loss_decay = 0.9;

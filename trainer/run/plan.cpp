@@ -215,6 +215,32 @@ std::string draft_vocab_why(const RunPlan& p) {
   return "the base's whole vocabulary (no --draft-vocab-size or --d2t)";
 }
 
+// The draft's architecture row and its norms, in words ("EAGLE 3.1: fc_norm per aux layer,
+// norm_output; 1 decoder layer").
+std::string architecture_text(const DraftConfig& c) {
+  std::string norms;
+  auto add = [&norms](const std::string& n) { norms += (norms.empty() ? "" : ", ") + n; };
+  if (c.fc_norm) add("fc_norm per aux layer");
+  if (c.norm_before_fc) add("norm_before_fc (one norm over the fc input)");
+  if (c.norm_output) add("norm_output");
+  if (c.norm_before_residual) add("norm_before_residual");
+  if (c.modelopt_norm) add("ModelOpt's norm form");
+  return std::string(draft_architecture(c.architecture).title()) + (norms.empty() ? "" : ": " + norms) + "; " +
+         std::to_string(c.num_hidden_layers) + " decoder layer" + (c.num_hidden_layers == 1 ? "" : "s");
+}
+
+std::string architecture_why(const RunPlan& p) {
+  const TrainOptions& o = p.options;
+  if (p.draft_kind != DraftOrigin::Kind::kFresh) return "the draft's own (" + p.draft.source + ")";
+  if (o.draft_arch != DraftArch::kAuto)
+    return "--draft-arch " + std::string(name_in(kDraftArchNames, o.draft_arch)) +
+           (o.fc_norm != FcNorm::kAuto || o.norm_output != Switch::kAuto ? " with --fc-norm/--norm-output as given"
+                                                                          : " and its default norms");
+  if (o.fc_norm != FcNorm::kAuto || o.norm_output != Switch::kAuto)
+    return "--fc-norm/--norm-output ask for EAGLE 3.1's norms";
+  return "EAGLE-3, the default for a fresh draft (--draft-arch eagle3.1 trains EAGLE 3.1)";
+}
+
 // The draft's config as the figures and decisions show it.
 void describe_draft(RunPlan& p, const std::string& draft_why) {
   const DraftConfig& c = p.draft.config;
@@ -228,6 +254,8 @@ void describe_draft(RunPlan& p, const std::string& draft_why) {
   }
   p.parameters = draft_parameters(c);
   p.decisions.push_back({"draft", p.draft.source, draft_why});
+  p.decisions.push_back({"architecture", architecture_text(c) + ", " + std::to_string(p.parameters) + " parameters",
+                         architecture_why(p)});
   p.decisions.push_back({"aux ids", ids_text(c.aux_layer_ids), p.draft.aux_layer_ids_source});
   p.decisions.push_back({"draft vocab", std::to_string(c.draft_vocab_size) + " of " + std::to_string(c.vocab_size),
                          draft_vocab_why(p)});
@@ -615,8 +643,8 @@ std::string RunPlan::to_text() const {
      << " train tokens per epoch\n";
   os << "dump:        hidden " << hidden << ", " << aux_layers << " aux layers\n";
   const DraftConfig& c = draft.config;
-  os << "draft:       " << draft.source << "; " << c.num_hidden_layers << " decoder layer"
-     << (c.num_hidden_layers == 1 ? "" : "s") << ", " << parameters << " trainable parameters, draft vocab "
+  os << "draft:       " << draft.source << "; " << draft_architecture(c.architecture).title() << ", "
+     << c.num_hidden_layers << " decoder layer" << (c.num_hidden_layers == 1 ? "" : "s") << ", " << parameters << " trainable parameters, draft vocab "
      << c.draft_vocab_size << " of " << c.vocab_size << "\n";
   os << "aux ids:     " << ids_text(c.aux_layer_ids) << " (" << draft.aux_layer_ids_source << ")\n";
   os << "rope:        " << rope << "\n";
@@ -652,6 +680,7 @@ std::string RunPlan::to_json() const {
   j["vocab_size"] = draft.config.vocab_size;
   j["parameters"] = parameters;
   j["draft_layers"] = draft.config.num_hidden_layers;
+  j["draft_architecture"] = draft.config.architecture;
   j["world_size"] = world_size;
   j["dp_size"] = dp_size;
   j["cp_size"] = cp_size;

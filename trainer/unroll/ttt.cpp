@@ -632,23 +632,24 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     scope.begin("ttt.lm_head_loss");
     // Draft position t predicts the target at t + 1, from step s on (docs/ttt.md: logp[:, s:L-1]).
     const at::Tensor weight = loss_weight * (positions >= s).to(at::kFloat);
+    const at::Tensor normed = net.final_norm(out);
     at::Tensor draft_argmax;
     if (loss_chunk > 0) {
       // lm_head and the loss a chunk of rows at a time, never the step's whole logits.
-      const SoftCeResult r = chunked_soft_ce(net.final_norm(out).reshape({b * n, c.hidden_size}),
+      const SoftCeResult r = chunked_soft_ce(normed.reshape({b * n, c.hidden_size}),
                                              net.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
                                              weight.reshape({b * n}), loss_chunk, compute_dtype);
       ce.push_back(r.ce_sum);
       draft_argmax = r.argmax.view({b, n});
     } else if (compute_dtype == at::kFloat && cpu_kernels::takes(out) && cpu_kernels::takes(net.lm_head_weight())) {
       // The same loss in one pass per direction over the logits (trainer/model/cpu_kernels.h).
-      const SoftCeResult r = cpu_kernels::soft_ce(net.final_norm(out).reshape({b * n, c.hidden_size}),
+      const SoftCeResult r = cpu_kernels::soft_ce(normed.reshape({b * n, c.hidden_size}),
                                                   net.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),
                                                   weight.reshape({b * n}));
       ce.push_back(r.ce_sum);
       draft_argmax = r.argmax.view({b, n});
     } else {
-      const at::Tensor logits = net.logits(out).to(at::kFloat);
+      const at::Tensor logits = at::linear(normed, net.lm_head_weight()).to(at::kFloat);
       const at::Tensor logp = at::log_softmax(logits, -1);
       ce.push_back(-(weight * (p_target * logp).sum(-1)).sum());
       at::NoGradGuard no_grad;
@@ -666,7 +667,8 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       // The chain starting at base position u is at t = u + s in step s.
       chain_ok = cx.shift_right(chain_ok & right);
     }
-    prev_out = out;
+    // The next step's hidden input (EAGLE 3.1's norm_output: the final norm's output).
+    prev_out = net.norm_output() ? normed : out;
   }
   autocast.reset();
   scope.begin("ttt.stats");
