@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""The competitor of bench/bench_train.sh: the same EAGLE-3 draft, TTT unroll, loss,
+"""The competitor of bench/bench_train.sh: the same EAGLE-3 draft (or EAGLE 3.1's, as the
+draft's config.json says: fc_norm, norm_before_fc, norm_output, norm_before_residual), TTT unroll, loss,
 AdamW and gradient clipping as `eaglekit train`, written the way Python trainers
 (SpecForge, ModelOpt) write it in PyTorch: block-0 attention as one masked matmul, the
 later TTT blocks as one diagonal dot product each (O(L^2 + L*S)), float32.
@@ -116,6 +117,12 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks, attenti
         # In float32 and back to x's dtype (bf16 under autocast), as eaglekit's apply_rope.
         return (x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin).to(x.dtype)
 
+    # EAGLE 3.1's norms on the fc input (docs/draft.md): one over all of it, or one per aux layer.
+    if cfg.get("norm_before_fc"):
+        aux = rms_norm(aux, w("input_norm.weight"), eps)
+    if cfg.get("fc_norm"):
+        k = cfg["num_aux_hidden_states"]
+        aux = torch.cat([rms_norm(c, w(f"fc_norm.{i}.weight"), eps) for i, c in enumerate(aux.chunk(k, -1))], -1)
     h = F.linear(aux, w("fc.weight"))
     emb_n = rms_norm(emb, w("midlayer.input_layernorm.weight"), eps)
     ks, vs = [], []
@@ -148,7 +155,10 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks, attenti
             out = F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2),
                                                  attn_mask=torch.cat(allowed, -1)[:, None])
             prev = block_rest(model, out, h, B, L, nh, hd, eps)
-            logits = F.linear(rms_norm(prev, w("norm.weight"), eps), w("lm_head.weight"))
+            normed = rms_norm(prev, w("norm.weight"), eps)
+            logits = F.linear(normed, w("lm_head.weight"))
+            if cfg.get("norm_output"):  # EAGLE 3.1: the next step takes the final norm's output
+                prev = normed
             logp = torch.log_softmax(logits.float(), -1)[:, s:L - 1]
             m = lm[:, 1 + s:]
             loss_s = -(m * (p[:, 1 + s:] * logp).sum(-1)).sum() / (m.sum() + 1e-5)
@@ -170,13 +180,14 @@ def ttt_loss(model, base_embed, target_head, batch, steps, decay, masks, attenti
         for n, vd in enumerate(diag_v):
             out = out + att[..., L + n:L + n + 1] * vd
         out = block_rest(model, out, h, B, L, nh, hd, eps)
-        logits = F.linear(rms_norm(out, w("norm.weight"), eps), w("lm_head.weight"))
+        normed = rms_norm(out, w("norm.weight"), eps)
+        logits = F.linear(normed, w("lm_head.weight"))
         logp = torch.log_softmax(logits.float(), -1)[:, s:L - 1]
         m = lm[:, 1 + s:]
         loss_s = -(m * (p[:, 1 + s:] * logp).sum(-1)).sum() / (m.sum() + 1e-5)
         losses.append(loss_s)
         total = total + decay ** s * loss_s
-        prev = out
+        prev = normed if cfg.get("norm_output") else out
     return total
 
 
@@ -184,6 +195,8 @@ def block_rest(model, attn, h, B, L, nh, hd, eps):
     """o_proj + residual, then the MLP block: the layer's output."""
     w = model.w
     o = F.linear(attn.transpose(1, 2).reshape(B, L, nh * hd), w("midlayer.self_attn.o_proj.weight"))
+    if model.cfg.get("norm_before_residual"):
+        h = rms_norm(h, w("midlayer.hidden_norm.weight"), model.cfg["rms_norm_eps"])
     r = h + o
     y = rms_norm(r, w("midlayer.post_attention_layernorm.weight"), eps)
     mlp = F.linear(F.silu(F.linear(y, w("midlayer.mlp.gate_proj.weight"))) * F.linear(y, w("midlayer.mlp.up_proj.weight")),

@@ -20,17 +20,18 @@
 # usage: bench/bench_train.sh [--hidden 128] [--vocab 2048] [--draft-vocab 1024]
 #                             [--max-length 256] [--batch-size 4] [--steps 8] [--warmup 2]
 #                             [--runs 3] [--threads N] [--jobs 2] [--dir DIR]
-#                             [--busy N] [--adapt-threads] [--as-shipped] [--json FILE]
+#                             [--busy N] [--adapt-threads] [--as-shipped] [--draft-arch A] [--json FILE]
 #   --threads defaults to min(nproc, 2); --jobs is eaglekit's loader threads; --busy N runs N
 #   busy loops (one process each) beside both sides for all their runs; --adapt-threads is
-#   passed to eaglekit train; --json FILE also writes the medians as JSON.
+#   passed to eaglekit train; --draft-arch eagle3.1 makes the shared starting draft EAGLE 3.1's
+#   (both sides then train it); --json FILE also writes the medians as JSON.
 # The build dir is $EAGLEKIT_BUILD_DIR (default build/); eaglekit is built if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 THREADS=$(nproc)
 [ "$THREADS" -gt 2 ] && THREADS=2
-HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3 BUSY=0 ADAPT=() JSON_OUT="" AS_SHIPPED=0
+HIDDEN=128 VOCAB=2048 DVOCAB=1024 LEN=256 BATCH=4 STEPS=8 JOBS=2 DIR="" WARMUP=2 RUNS=3 BUSY=0 ADAPT=() JSON_OUT="" AS_SHIPPED=0 ARCH=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --hidden) HIDDEN=$2; shift 2 ;;
@@ -47,8 +48,9 @@ while [ $# -gt 0 ]; do
     --busy) BUSY=$2; shift 2 ;;
     --adapt-threads) ADAPT=(--adapt-threads); shift ;;
     --as-shipped) AS_SHIPPED=1; shift ;;
+    --draft-arch) ARCH=(--draft-arch "$2"); shift 2 ;;
     --json) JSON_OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "bench_train.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -89,7 +91,7 @@ COMMON=(--data "$DIR/data/conversations.jsonl" --index "$DIR/index.eki" --base "
         --schedule constant --lr 1e-3 --grad-clip 1.0 --threads "$THREADS" --jobs "$JOBS"
         --eval-every -1 --log-every 1 --no-progress)
 # The shared starting point: a fresh draft saved before any real update (lr ~ 0).
-"$EK" train "${COMMON[@]}" --out "$DIR/init" --max-steps 1 --lr 1e-30 --export-dtype float32 >/dev/null 2>&1
+"$EK" train "${COMMON[@]}" "${ARCH[@]}" --out "$DIR/init" --max-steps 1 --lr 1e-30 --export-dtype float32 >/dev/null 2>&1
 INIT="$DIR/init/final"
 
 # The load, when asked: started after the data and the starting draft, so both sides meet the
