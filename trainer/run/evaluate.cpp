@@ -61,6 +61,7 @@ std::string EvaluateReport::to_json() const {
   nlohmann::ordered_json j = stats_json(stats, loss_decay);
   j["steps"] = stats.steps();
   j["loss_decay"] = loss_decay;
+  j["loss_fn"] = loss_fn;
   j["samples"] = samples;
   j["seconds"] = seconds;
   return j.dump();
@@ -100,6 +101,7 @@ EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* me
   Progress progress("evaluate", run->loader->steps_in_epoch(), options.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;
   report.loss_decay = plan.options.loss_decay;
+  report.loss_fn = loss_spec_text(plan.ttt.loss_terms);
   report.summary = plan.summary + "\ndraft: " + plan.draft.source;
   for (const auto& w : plan.norm.warnings) report.summary += "\nwarning: " + w;
   report.summary += "\n" + plan.norm.said;

@@ -43,6 +43,7 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
 struct EvaluateReport {
   TttStats stats;
   double loss_decay = 0.9;
+  std::string loss_fn = "kl";  // the loss the figures are of (trainer/unroll/losses.h)
   std::int64_t samples = 0;
   double seconds = 0;
   std::string summary;  // what matched

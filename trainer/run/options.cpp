@@ -4,6 +4,7 @@
 
 #include "formats/error.h"
 #include "trainer/io/checkpoint.h"
+#include "trainer/unroll/losses.h"
 
 namespace eaglekit::trainer {
 
@@ -49,6 +50,12 @@ opt::Group model_options(ModelOptions& m) {
                     "Train and write final/ for a draft vLLM and SGLang do not compute (--modelopt-norm)"),
               at_least(field("ttt_steps", "S", m.ttt_steps, "Training-time test steps (docs/ttt.md)"), 1),
               opt::positive(field("loss_decay", "X", m.loss_decay, "Weight of TTT step s is X^s")),
+              note(field("loss", "SPEC", m.loss,
+                         "Per-position loss, as speculators 0.9 defines them: kl (forward KL, computed as the soft "
+                         "cross-entropy), rkl, js, tv, nla, lk-hybrid, ce (hard labels), or a weighted mix "
+                         "tv:0.9,ce:0.1 (trainer/unroll/losses.h); losses other than kl take each step's whole "
+                         "logits"),
+                   "kl"),
               opt::choice_of("hidden_states_norm", m.hidden_states_norm, kHiddenStatesNormNames,
                              "Whether the dump's hidden_states come after the base's final norm (post: HF "
                              "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
@@ -178,6 +185,7 @@ void TrainOptions::check() const {
   if (out.empty()) throw UsageError("--out is required (the output folder)");
   opt::check_bounds(const_cast<TrainOptions&>(*this).groups());  // reads only
   check_ttt_attention(ttt_attention);
+  parse_loss_spec(loss);
   if (keep_best != KeepBest::kNone) {
     if (eval_every < 0)
       throw UsageError("--keep-best est_ar needs evaluation, which --eval-every " + std::to_string(eval_every) +
@@ -204,7 +212,7 @@ opt::Groups EvaluateOptions::groups() {
   return {own,
           split_data_options(*this),
           batch_options(*this).only({"batch_size", "max_length", "mode", "pad_multiple", "jobs", "prefetch"}),
-          model_options(*this).only({"base", "ttt_steps", "loss_decay", "hidden_states_norm", "ttt_attention"}),
+          model_options(*this).only({"base", "ttt_steps", "loss_decay", "loss", "hidden_states_norm", "ttt_attention"}),
           run_options(*this).only({"device", "compute_dtype", "threads", "cp_size", "timeout", "progress"})};
 }
 
@@ -214,6 +222,7 @@ void EvaluateOptions::check() const {
   if (index.empty()) throw UsageError("--index is required (build one with eaglekit index)");
   opt::check_bounds(const_cast<EvaluateOptions&>(*this).groups());  // reads only
   check_ttt_attention(ttt_attention);
+  parse_loss_spec(loss);
 }
 
 // --- names -----------------------------------------------------------------------------

@@ -71,6 +71,7 @@ struct ModelOptions {
   bool allow_unservable = false;             // train (and write final/ for) a draft no engine computes
   std::int64_t ttt_steps = 3;
   double loss_decay = 0.9;
+  std::string loss;                          // trainer/unroll/losses.h spec; "": kl (soft CE)
   HiddenStatesNorm hidden_states_norm = HiddenStatesNorm::kAuto;
   TttAttention ttt_attention = TttAttention::kAuto;
 };

@@ -497,6 +497,12 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
 
   p.ttt.steps = o.ttt_steps;
   p.ttt.loss_decay = o.loss_decay;
+  p.ttt.loss_terms = parse_loss_spec(o.loss);
+  p.decisions.push_back({"loss", loss_spec_text(p.ttt.loss_terms),
+                         o.loss.empty() ? "kl, the default: forward KL to the base's distribution, computed as the soft "
+                                          "cross-entropy (the same gradient; the reported loss includes the targets' "
+                                          "entropy); --loss chooses another (rkl, js, tv, nla, lk-hybrid, ce or a mix)"
+                                        : "--loss " + o.loss});
   p.ttt.autocast = autocast_type(o.compute_dtype);
   p.ttt.prenorm_hidden_states = p.norm.default_pre;
   p.ttt.loss_chunk_rows = o.loss_chunk_tokens;
@@ -593,6 +599,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
 
   p.ttt.steps = o.ttt_steps;
   p.ttt.loss_decay = o.loss_decay;
+  p.ttt.loss_terms = parse_loss_spec(o.loss);
   p.ttt.autocast = autocast_type(o.compute_dtype);
   p.ttt.prenorm_hidden_states = p.norm.default_pre;
   p.ttt.attention = o.ttt_attention;

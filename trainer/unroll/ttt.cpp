@@ -535,6 +535,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   }
   at::Tensor emb;
   at::Tensor p_target, target_argmax, loss_weight;
+  at::Tensor target_logits_kept;  // for a loss other than the soft cross-entropy
   {
     at::NoGradGuard no_grad;
     emb = at::embedding(impl_->embed_tokens, cx.shift_left(ids)).to(dtype);
@@ -565,6 +566,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     const at::Tensor target_logits =
         at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
     p_target = at::softmax(target_logits, -1);
+    if (!is_soft_ce(impl_->options.loss_terms)) target_logits_kept = target_logits;
     target_argmax = target_logits.argmax(-1);
     loss_weight = cx.shift_left(batch.loss_mask.to(device).to(at::kFloat));
     if (packed) loss_weight = loss_weight * next_same_doc.to(at::kFloat);
@@ -634,7 +636,16 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     const at::Tensor weight = loss_weight * (positions >= s).to(at::kFloat);
     const at::Tensor normed = net.final_norm(out);
     at::Tensor draft_argmax;
-    if (loss_chunk > 0) {
+    if (target_logits_kept.defined()) {
+      // --loss other than kl (trainer/unroll/losses.h): the step's whole logits, in float32.
+      const at::Tensor logits = at::linear(normed, net.lm_head_weight()).to(at::kFloat);
+      const at::Tensor per = per_position_loss(logits.reshape({b * n, c.draft_vocab_size}),
+                                               target_logits_kept.reshape({b * n, c.draft_vocab_size}),
+                                               impl_->options.loss_terms);
+      ce.push_back((weight.reshape({b * n}) * per).sum());
+      at::NoGradGuard no_grad;
+      draft_argmax = logits.argmax(-1);
+    } else if (loss_chunk > 0) {
       // lm_head and the loss a chunk of rows at a time, never the step's whole logits.
       const SoftCeResult r = chunked_soft_ce(normed.reshape({b * n, c.hidden_size}),
                                              net.lm_head_weight(), p_target.reshape({b * n, c.draft_vocab_size}),

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "trainer/unroll/losses.h"
 #include "trainer/attention/inputs.h"
 #include "trainer/attention/kind.h"
 #include "trainer/model/base_model.h"
@@ -187,12 +188,15 @@ struct TttOptions {
   // The attention kernel of the unroll's own SingleRankContext (forward with context null,
   // as on every rank of a --cp 1 run; --cp > 1 runs the ring's pair attention). --ttt-attention.
   TttAttention attention = TttAttention::kAuto;
+  // The loss of each step (trainer/unroll/losses.h, train --loss); empty: kl, computed as the
+  // soft cross-entropy. Other losses take each step's whole logits (no chunking).
+  std::vector<LossTerm> loss_terms{};
 };
 
 // Poolable sums over the masked positions of one or many batches; add them up over a split
 // or all-reduce to_tensor() across ranks, then read the metrics. Per step s:
 struct TttStats {
-  std::vector<double> ce_sum;        // sum of m * cross-entropy
+  std::vector<double> ce_sum;        // sum of m * the loss (the soft cross-entropy unless --loss)
   std::vector<double> mask_sum;      // sum of m
   std::vector<double> correct;       // masked positions with argmax(draft) == argmax(target)
   std::vector<double> cond_correct;  // ... among positions whose chain was right at steps < s
