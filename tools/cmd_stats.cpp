@@ -23,7 +23,7 @@ int run_stats(int argc, char** argv) {
   bool json = false;
   using opt::field;
   const opt::Groups groups{
-      data_options(data).only({"data", "index"}),
+      data_options(data).only({"index"}),
       opt::Group{"Stats",
                  {field("plan_conversations", "N", o.plan_conversations,
                         "Estimate the disk a dump of N conversations takes"),
@@ -38,6 +38,8 @@ int run_stats(int argc, char** argv) {
                  {field("plan_dump", "", planning,
                         "Print the tokens of --data and the bytes a dump of them takes raw (bf16), as .eks zstd "
                         "and as .eks fp8, and suggest one"),
+                  field("data", "PATH", plan.conversations,
+                        "The conversations to dump: a .jsonl file, a folder of them, or a JSON array file"),
                   field("base", "DIR", plan.base, "The base's folder (its config.json gives the hidden size)"),
                   field("aux_layers", "K", plan.aux_layers, "Aux layers the dump captures (EAGLE-3: 3)"),
                   opt::note(field("text_bytes_per_token", "X", plan.text_bytes_per_token,
@@ -58,7 +60,6 @@ int run_stats(int argc, char** argv) {
     for (const char* only : {"plan_conversations", "plan_tokens", "skip_padding"})
       if (cl->given(only))
         throw UsageError(std::string("--") + only + " is for a dump that exists; --plan-dump plans from --data");
-    plan.conversations = data.data;
     if (!disk.empty()) plan.disk_bytes = static_cast<double>(parse_bytes(disk));
     std::optional<DatasetIndex> sample;
     if (cl->given("index")) sample = DatasetIndex::load(data.index);
