@@ -18,6 +18,7 @@
 #include "formats/byte_source.h"
 #include "formats/error.h"
 #include "formats/registry.h"
+#include "lib/conversation_text.h"
 #include "lib/index.h"
 
 namespace eaglekit {
@@ -38,6 +39,7 @@ class IdSax final : public nlohmann::json_sax<nlohmann::json> {
   std::string bad_type[3];
   const char* top_kind = nullptr;  // what the top-level value is, when not an object
   std::string parse_error_text;
+  std::uint64_t text_bytes = 0;  // every string value but the ids (conversation_text_bytes)
 
   bool null() override {
     if (at_id_value()) set(State::kAbsent, {}, {});  // null counts as absent (reference)
@@ -61,6 +63,7 @@ class IdSax final : public nlohmann::json_sax<nlohmann::json> {
   }
   bool string(string_t& v) override {
     if (at_id_value()) set(State::kValue, std::move(v), {});
+    else text_bytes += v.size();
     return scalar("a string");
   }
   bool binary(binary_t&) override { return scalar("binary"); }
@@ -140,6 +143,7 @@ struct Piece {
 struct Parsed {
   std::string id;
   std::string error;  // non-empty: this piece is bad
+  std::uint64_t text_bytes = 0;
 };
 
 Parsed parse_piece(const char* text, std::size_t size) {
@@ -150,6 +154,7 @@ Parsed parse_piece(const char* text, std::size_t size) {
     out.error = tidy_parse_error(sax.parse_error_text);
     return out;
   }
+  out.text_bytes = sax.text_bytes;
   if (!sax.is_object()) {
     out.error = std::string("expected a JSON object (one conversation), got ") +
                 (sax.top_kind ? sax.top_kind : "something else");
@@ -263,7 +268,7 @@ std::vector<Piece> split_json_array(const ByteSource& src, const std::string& pa
 }
 
 void read_conversation_file(const std::string& path, bool jsonl, std::vector<Conversation>& out,
-                            std::vector<BadConversation>* bad) {
+                            std::vector<BadConversation>* bad, std::vector<std::uint64_t>* text_bytes = nullptr) {
   const auto src = ByteSource::open_file(path);
   const std::vector<Piece> pieces = jsonl ? split_jsonl(*src) : split_json_array(*src, path);
   std::vector<Parsed> parsed(pieces.size());
@@ -282,6 +287,7 @@ void read_conversation_file(const std::string& path, bool jsonl, std::vector<Con
       continue;
     }
     out.push_back({std::move(parsed[i].id), path + ":" + std::to_string(pieces[i].line)});
+    if (text_bytes != nullptr) text_bytes->push_back(parsed[i].text_bytes);
   }
 }
 
@@ -298,9 +304,10 @@ std::string trim(const std::string& s) {
 
 }  // namespace
 
-std::vector<Conversation> load_conversations(const std::string& path) { return load_conversations(path, nullptr); }
+namespace {
 
-std::vector<Conversation> load_conversations(const std::string& path, std::vector<BadConversation>* bad) {
+std::vector<Conversation> read_conversations(const std::string& path, std::vector<BadConversation>* bad,
+                                             std::vector<std::uint64_t>* text_bytes) {
   std::vector<Conversation> out;
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
@@ -314,10 +321,26 @@ std::vector<Conversation> load_conversations(const std::string& path, std::vecto
       throw Error(path + ": no *.jsonl files in this folder (--data takes a .jsonl file, a "
                          "folder of them, or a JSON array file)");
     std::sort(files.begin(), files.end());
-    for (const auto& f : files) read_conversation_file(f, true, out, bad);
+    for (const auto& f : files) read_conversation_file(f, true, out, bad, text_bytes);
     return out;
   }
-  read_conversation_file(path, ends_with(path, ".jsonl"), out, bad);
+  read_conversation_file(path, ends_with(path, ".jsonl"), out, bad, text_bytes);
+  return out;
+}
+
+}  // namespace
+
+std::vector<Conversation> load_conversations(const std::string& path) { return load_conversations(path, nullptr); }
+
+std::vector<Conversation> load_conversations(const std::string& path, std::vector<BadConversation>* bad) {
+  return read_conversations(path, bad, nullptr);
+}
+
+std::vector<ConversationText> conversation_text_bytes(const std::string& path) {
+  std::vector<std::uint64_t> bytes;
+  std::vector<Conversation> c = read_conversations(path, nullptr, &bytes);
+  std::vector<ConversationText> out(c.size());
+  for (std::size_t i = 0; i < c.size(); ++i) out[i] = {std::move(c[i].id), bytes[i]};
   return out;
 }
 

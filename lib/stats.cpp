@@ -1,15 +1,21 @@
 #include "lib/stats.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "formats/dtype.h"
 #include "formats/error.h"
 #include "formats/format.h"
+#include "lib/conversation_text.h"
+#include "lib/dataset.h"
 #include "lib/index.h"
 #include "lib/progress.h"
 
@@ -223,6 +229,218 @@ std::string stats_to_text(const DatasetStats& s) {
        << " tokens = " << human_bytes(s.plan_bytes_raw) << " raw, about "
        << human_bytes(s.plan_bytes_on_disk) << " at this dataset's bytes per token\n";
   }
+  return os.str();
+}
+
+// --- stats --plan-dump ----------------------------------------------------------------
+
+namespace {
+
+// The few keys of a base's config.json a dump's size depends on, where transformers puts
+// them: top level, or `text_config` for multimodal configs (Llama-4, Gemma-3). The trainer's
+// load_base_config (trainer/model/config.h) reads the whole file; this side needs no LibTorch.
+struct BaseShape {
+  std::int64_t hidden_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::string path;
+};
+
+BaseShape read_base_shape(const std::string& base) {
+  namespace fs = std::filesystem;
+  BaseShape b;
+  std::error_code ec;
+  b.path = fs::is_directory(base, ec) ? (fs::path(base) / "config.json").string() : base;
+  std::ifstream in(b.path, std::ios::binary);
+  if (!in) throw IoError::from_errno(b.path, "cannot open", errno);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(b.path, std::nullopt, "config.json", std::string("invalid JSON: ") + e.what());
+  }
+  if (!j.is_object()) throw FormatError(b.path, std::nullopt, "config.json", "expected a JSON object");
+  auto find = [&](const char* key, std::string& where) -> const nlohmann::json* {
+    if (j.contains(key)) {
+      where = key;
+      return &j[key];
+    }
+    if (j.contains("text_config") && j["text_config"].is_object() && j["text_config"].contains(key)) {
+      where = std::string("text_config.") + key;
+      return &j["text_config"][key];
+    }
+    return nullptr;
+  };
+  std::string where;
+  const nlohmann::json* h = find("hidden_size", where);
+  if (h == nullptr)
+    throw FormatError(b.path, std::nullopt, "hidden_size", "missing (also under text_config)");
+  if (!h->is_number_integer() || h->get<std::int64_t>() <= 0)
+    throw FormatError(b.path, std::nullopt, where, "expected a positive integer, got " + h->dump());
+  b.hidden_size = h->get<std::int64_t>();
+  const nlohmann::json* n = find("num_hidden_layers", where);
+  if (n != nullptr && n->is_number_integer() && n->get<std::int64_t>() > 0) b.num_hidden_layers = n->get<std::int64_t>();
+  return b;
+}
+
+std::string fixed_text(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// The lossless .eks ratio when no sample measures it: bench/bench_codec.sh's one run
+// (docs/benchmarks.md, "Shard codecs"): about 30% smaller than the raw bf16 records.
+constexpr double kEksZstdEstimate = 0.70;
+
+}  // namespace
+
+DumpPlan plan_dump(const DumpPlanOptions& o, const DatasetIndex* sample) {
+  if (o.conversations.empty()) throw UsageError("stats --plan-dump: --data CONVERSATIONS is required");
+  if (o.base.empty()) throw UsageError("stats --plan-dump: --base DIR (the base's folder or its config.json) is required");
+  if (o.aux_layers < 1) throw UsageError("stats --plan-dump: --aux-layers must be >= 1");
+  if (!(o.text_bytes_per_token >= 0)) throw UsageError("stats --plan-dump: --text-bytes-per-token must be > 0");
+  if (!(o.disk_bytes >= 0)) throw UsageError("stats --plan-dump: --disk must be >= 0");
+  if (o.text_bytes_per_token == 0 && sample == nullptr)
+    throw UsageError(
+        "stats --plan-dump: the tokens need a ratio of text to tokens: pass --index SAMPLE (an index of "
+        "some of these conversations already dumped, to measure it) or --text-bytes-per-token X");
+  DumpPlan p;
+  const BaseShape base = read_base_shape(o.base);
+  p.base_config = base.path;
+  p.hidden_size = base.hidden_size;
+  p.num_hidden_layers = base.num_hidden_layers;
+  p.aux_layers = o.aux_layers;
+  const std::vector<ConversationText> texts = conversation_text_bytes(o.conversations);
+  p.conversations = texts.size();
+  for (const auto& t : texts) p.text_bytes += t.text_bytes;
+
+  DatasetStats sample_stats;
+  if (o.text_bytes_per_token > 0) {
+    p.text_bytes_per_token = o.text_bytes_per_token;
+    p.tokens_basis = "given (--text-bytes-per-token)";
+  }
+  if (sample != nullptr) {
+    StatsOptions so;
+    so.skip_padding = true;
+    sample_stats = compute_stats(*sample, so);
+    if (o.text_bytes_per_token == 0) {
+      std::vector<Conversation> conv(texts.size());
+      std::unordered_map<std::string, std::uint64_t> bytes_of;
+      for (std::size_t i = 0; i < texts.size(); ++i) {
+        conv[i].id = texts[i].id;
+        bytes_of.emplace(texts[i].id, texts[i].text_bytes);
+      }
+      const Dataset d = match_records(conv, *sample, {}, MatchBy::kAuto);
+      std::uint64_t text = 0;
+      std::int64_t tokens = 0;
+      for (const SampleRef& r : d.samples) {
+        const auto it = bytes_of.find(r.conversation_id);
+        if (it == bytes_of.end()) continue;
+        text += it->second;
+        tokens += r.tokens;
+      }
+      if (tokens == 0 || d.samples.empty())
+        throw UsageError("stats --plan-dump: the sample index matches none of the conversations of " +
+                         o.conversations + " (by id or by row), so it cannot measure their tokens; "
+                         "pass --text-bytes-per-token X instead");
+      p.text_bytes_per_token = static_cast<double>(text) / static_cast<double>(tokens);
+      p.tokens_basis = "measured on " + std::to_string(d.samples.size()) + " conversations of the sample (" +
+                       std::to_string(tokens) + " tokens, matched by " + d.matched_by + ")";
+    }
+  }
+  p.tokens = static_cast<double>(p.text_bytes) / p.text_bytes_per_token;
+
+  const double values = static_cast<double>(o.aux_layers + 1) * static_cast<double>(p.hidden_size);
+  const double raw = 8.0 + 2.0 * values;  // int64 id + bf16 hidden and aux
+  const std::string shape =
+      "(" + std::to_string(o.aux_layers) + " + 1) x " + std::to_string(p.hidden_size);  // aux layers + the last
+  DumpPlanFormat r{"raw-bf16", true, raw, 0,
+                   "8 (int64 id) + 2 x " + shape + " (bf16 aux and last hidden states) bytes: what a dumper "
+                   "writes (.pt, .safetensors, ...), before its container's few bytes"};
+  // A sample of one codec measures it: its bytes on disk per token over its raw bytes per
+  // token, applied to this base's raw figure.
+  const bool one_codec = sample_stats.records > 0 && sample_stats.per_codec.size() == 1 &&
+                         sample_stats.raw_bytes_per_token > 0;
+  const std::string codec = one_codec ? sample_stats.per_codec.begin()->first : "";
+  const double sample_ratio = one_codec ? sample_stats.bytes_per_token / sample_stats.raw_bytes_per_token : 0;
+  DumpPlanFormat z{"eks-zstd", true, raw * kEksZstdEstimate, 0,
+                   "an estimate: 0.70 of raw, the ratio bench/bench_codec.sh measured once on synthetic bf16 "
+                   "records (docs/benchmarks.md, Shard codecs); pack and index a sample for your dump's"};
+  if (codec == "zstd") {
+    z.bytes_per_token = raw * sample_ratio;
+    z.measured = true;
+    z.basis = "measured: the sample's .eks zstd records take " + fixed_text(sample_ratio, 3) + " of their raw bytes";
+  }
+  const double fp8 = 8.0 + values + 2.0 * 4.0;  // id + e4m3 codes + an f32 scale per token per tensor
+  DumpPlanFormat f{"eks-fp8", false, fp8, 0,
+                   "at most 8 (id) + " + shape + " (e4m3 codes) + 2 x 4 (f32 scales, one per token for hidden "
+                   "and aux) bytes, before zstd; lossy (docs/formats.md bounds it)"};
+  if (codec == "fp8") {
+    f.bytes_per_token = raw * sample_ratio;
+    f.measured = true;
+    f.basis = "measured: the sample's .eks fp8 records take " + fixed_text(sample_ratio, 3) +
+              " of their raw bytes; lossy (docs/formats.md bounds it)";
+  }
+  p.formats = {r, z, f};
+  for (auto& x : p.formats) x.bytes = x.bytes_per_token * p.tokens;
+
+  const DumpPlanFormat& zs = p.formats[1];
+  const DumpPlanFormat& fs8 = p.formats[2];
+  if (o.disk_bytes <= 0) {
+    p.suggestion = zs.name;
+    p.suggestion_why = "lossless, and index and train read it as they read the raw dump; fp8 takes less "
+                       "but rounds the hidden states (--disk SIZE chooses by the room you have)";
+  } else if (zs.bytes <= o.disk_bytes) {
+    p.suggestion = zs.name;
+    p.suggestion_why = "lossless, and it fits in " + human_bytes(o.disk_bytes) + " (" + human_bytes(zs.bytes) + ")";
+  } else if (fs8.bytes <= o.disk_bytes) {
+    p.suggestion = fs8.name;
+    p.suggestion_why = "the lossless .eks (" + human_bytes(zs.bytes) + ") does not fit in " + human_bytes(o.disk_bytes) +
+                       "; fp8 (" + human_bytes(fs8.bytes) + ") does, at the cost of e4m3 rounding of the hidden states";
+  } else {
+    p.suggestion_why = "none fits in " + human_bytes(o.disk_bytes) + ": fp8 needs " + human_bytes(fs8.bytes) +
+                       "; dump fewer conversations or find more disk";
+  }
+  return p;
+}
+
+std::string dump_plan_to_json(const DumpPlan& p) {
+  using json = nlohmann::ordered_json;
+  json formats = json::array();
+  for (const auto& f : p.formats)
+    formats.push_back({{"name", f.name},
+                       {"lossless", f.lossless},
+                       {"bytes_per_token", f.bytes_per_token},
+                       {"bytes", f.bytes},
+                       {"measured", f.measured},
+                       {"basis", f.basis}});
+  json j = {{"conversations", p.conversations},
+            {"text_bytes", p.text_bytes},
+            {"text_bytes_per_token", p.text_bytes_per_token},
+            {"tokens_basis", p.tokens_basis},
+            {"tokens", p.tokens},
+            {"base_config", p.base_config},
+            {"hidden_size", p.hidden_size},
+            {"num_hidden_layers", p.num_hidden_layers == 0 ? json(nullptr) : json(p.num_hidden_layers)},
+            {"aux_layers", p.aux_layers},
+            {"formats", formats},
+            {"suggestion", p.suggestion.empty() ? json(nullptr) : json(p.suggestion)},
+            {"suggestion_why", p.suggestion_why}};
+  return j.dump(2) + "\n";
+}
+
+std::string dump_plan_to_text(const DumpPlan& p) {
+  std::ostringstream os;
+  os << "conversations: " << p.conversations << ", " << human_bytes(static_cast<double>(p.text_bytes)) << " of text\n"
+     << "tokens: about " << static_cast<std::int64_t>(p.tokens + 0.5) << " (" << fixed_text(p.text_bytes_per_token, 2)
+     << " text bytes per token, " << p.tokens_basis << ")\n"
+     << "base: hidden " << p.hidden_size;
+  if (p.num_hidden_layers > 0) os << ", " << p.num_hidden_layers << " layers";
+  os << " (" << p.base_config << "); " << p.aux_layers << " aux layers + the last per token\n";
+  for (const auto& f : p.formats)
+    os << "  " << f.name << (f.lossless ? " (lossless)" : " (lossy)") << ": " << fixed_text(f.bytes_per_token, 0)
+       << " bytes per token, " << human_bytes(f.bytes) << " -- " << f.basis << "\n";
+  os << "suggest: " << (p.suggestion.empty() ? std::string("none") : p.suggestion) << ": " << p.suggestion_why << "\n";
   return os.str();
 }
 

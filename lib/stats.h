@@ -70,4 +70,53 @@ std::string stats_to_json(const DatasetStats& stats);
 // Text form with a histogram of bars.
 std::string stats_to_text(const DatasetStats& stats);
 
+// --- `stats --plan-dump`: what a dump will take, before it is made -----------------------
+//
+// From the conversations (their text) and the base's config.json (its hidden size): the
+// tokens, and the bytes of a dump in each format eaglekit reads, per token and in all, each
+// with how it was obtained (arithmetic, measured on a sample, or an estimate and from what),
+// and a suggested format. Tokens come from the text's UTF-8 bytes (every string value of a
+// conversation but its id) divided by text bytes per token: given, or measured on a sample
+// dump (an index of some of the same conversations already dumped, matched as train matches
+// them). The sample also gives the measured size of `.eks` records when it holds only one
+// codec. Nothing is dumped or read but the conversations, config.json and the sample's index.
+struct DumpPlanOptions {
+  std::string conversations;        // --data
+  std::string base;                 // the base's folder (its config.json) or the file itself
+  int aux_layers = 3;               // k: EAGLE-3 reads 3 (train's default aux ids)
+  double text_bytes_per_token = 0;  // > 0: given; 0: measured on the sample (required then)
+  double disk_bytes = 0;            // > 0: the disk the dump may take; the suggestion must fit it
+};
+
+struct DumpPlanFormat {
+  std::string name;           // "raw-bf16", "eks-zstd", "eks-fp8"
+  bool lossless = true;
+  double bytes_per_token = 0;
+  double bytes = 0;           // for all the planned tokens
+  std::string basis;          // how bytes_per_token was obtained, in words
+  bool measured = false;      // on the sample (else arithmetic or an estimate, said in basis)
+};
+
+struct DumpPlan {
+  std::size_t conversations = 0;
+  std::uint64_t text_bytes = 0;
+  double text_bytes_per_token = 0;
+  std::string tokens_basis;      // "given" or what it was measured on
+  double tokens = 0;             // text_bytes / text_bytes_per_token
+  std::int64_t hidden_size = 0;
+  std::int64_t num_hidden_layers = 0;  // 0 when config.json does not say
+  int aux_layers = 0;
+  std::string base_config;       // the config.json read
+  std::vector<DumpPlanFormat> formats;  // raw-bf16, eks-zstd, eks-fp8
+  std::string suggestion;        // a name of formats, or "" when none fits disk_bytes
+  std::string suggestion_why;
+};
+
+// Throws UsageError for bad options (neither text_bytes_per_token nor a sample; a sample
+// that matches none of the conversations), FormatError for a config.json without a hidden
+// size, and what load_conversations and DatasetIndex throw.
+DumpPlan plan_dump(const DumpPlanOptions& opts, const DatasetIndex* sample = nullptr);
+std::string dump_plan_to_json(const DumpPlan& plan);
+std::string dump_plan_to_text(const DumpPlan& plan);
+
 }  // namespace eaglekit

@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -136,4 +137,153 @@ TEST_CASE("stats: an empty index") {
   CHECK(s.histogram.empty());
   CHECK(s.bytes_per_token == 0);
   CHECK(stats_to_text(s).find("records: 0 in 0 files") != std::string::npos);
+}
+
+TEST_CASE("stats: plan_dump counts the text, reads the base's width, measures on a sample and suggests") {
+  test::TempDir dir("plan");
+  // Four conversations of 100, 200, 300 and 400 text bytes ("user" + the content); the ids
+  // are not text.
+  std::string jsonl;
+  for (int i = 0; i < 4; ++i)
+    jsonl += "{\"conversation_id\": \"c" + std::to_string(i) + "\", \"messages\": [{\"role\": \"user\", \"content\": \"" +
+             std::string(static_cast<std::size_t>(100 * (i + 1) - 4), 'x') + "\"}]}\n";
+  test::write_text(dir / "conversations.jsonl", jsonl);
+  std::filesystem::create_directories(dir / "base");
+  test::write_text(dir / "base/config.json", R"({"hidden_size": 64, "num_hidden_layers": 8})");
+
+  DumpPlanOptions o;
+  o.conversations = dir / "conversations.jsonl";
+  o.base = dir / "base";
+  o.text_bytes_per_token = 4;
+  DumpPlan p = plan_dump(o);
+  CHECK(p.conversations == 4);
+  CHECK(p.text_bytes == 1000);
+  CHECK(p.tokens == doctest::Approx(250));
+  CHECK(p.hidden_size == 64);
+  CHECK(p.num_hidden_layers == 8);
+  CHECK(p.base_config == dir / "base/config.json");
+  REQUIRE(p.formats.size() == 3);
+  // raw: int64 id + bf16 of (3 aux + the last) x 64; fp8: id + one byte a value + two f32 scales.
+  CHECK(p.formats[0].name == "raw-bf16");
+  CHECK(p.formats[0].bytes_per_token == 8 + 2 * 4 * 64);
+  CHECK(p.formats[0].bytes == doctest::Approx(250.0 * 520));
+  CHECK(p.formats[1].name == "eks-zstd");
+  CHECK_FALSE(p.formats[1].measured);
+  CHECK(p.formats[1].bytes_per_token == doctest::Approx(0.70 * 520));
+  CHECK(p.formats[1].basis.find("an estimate") == 0);
+  CHECK(p.formats[2].name == "eks-fp8");
+  CHECK_FALSE(p.formats[2].lossless);
+  CHECK(p.formats[2].bytes_per_token == 8 + 4 * 64 + 8);
+  CHECK(p.suggestion == "eks-zstd");
+  o.aux_layers = 1;
+  CHECK(plan_dump(o).formats[0].bytes_per_token == 8 + 2 * 2 * 64);
+  o.aux_layers = 3;
+
+  // --disk: the lossless .eks if it fits (364 x 250 = 91000), else fp8 (272 x 250 = 68000), else none.
+  o.disk_bytes = 91000;
+  CHECK(plan_dump(o).suggestion == "eks-zstd");
+  o.disk_bytes = 80000;
+  p = plan_dump(o);
+  CHECK(p.suggestion == "eks-fp8");
+  CHECK(p.suggestion_why.find("does not fit") != std::string::npos);
+  o.disk_bytes = 1000;
+  p = plan_dump(o);
+  CHECK(p.suggestion.empty());
+  CHECK(p.suggestion_why.find("none fits") == 0);
+  o.disk_bytes = 0;
+
+  // A sample: c0 and c1 dumped as raw .pt (25 and 50 tokens) measure 300 text bytes over 75
+  // tokens; c9 matches no conversation and counts for nothing.
+  {
+    std::vector<IndexedFile> files = {one(dir / "c0.pt", 25, 13000), one(dir / "c1.pt", 50, 26000),
+                                      one(dir / "c9.pt", 1000, 520000)};
+    for (auto& f : files) f.records[0].info.conversation_id = std::filesystem::path(f.path).stem().string();
+    write_index(dir / "raw.eki", {dir.path()}, files);
+  }
+  const DatasetIndex raw_sample = DatasetIndex::load(dir / "raw.eki");
+  o.text_bytes_per_token = 0;
+  p = plan_dump(o, &raw_sample);
+  CHECK(p.text_bytes_per_token == doctest::Approx(4.0));
+  CHECK(p.tokens == doctest::Approx(250));
+  CHECK(p.tokens_basis.find("measured on 2 conversations of the sample (75 tokens, matched by id)") == 0);
+  CHECK_FALSE(p.formats[1].measured);  // raw records measure no codec
+  // The same conversations packed into a zstd shard half their raw size: the codec's ratio.
+  {
+    IndexedFile shard;
+    shard.path = dir / "s.eks";
+    shard.size = 75 * 520 / 2;
+    shard.format = Format::kEks;
+    for (int i = 0; i < 2; ++i) {
+      IndexedRecord r;
+      r.record = static_cast<std::uint32_t>(i);
+      r.info.conversation_id = "c" + std::to_string(i);
+      r.info.tokens = 25 * (i + 1);
+      r.info.hidden_size = 64;
+      r.info.aux_width = 192;
+      r.info.hidden_dtype = DType::kBFloat16;
+      r.info.codec = "zstd";
+      shard.records.push_back(r);
+    }
+    write_index(dir / "eks.eki", {dir.path()}, {shard});
+  }
+  const DatasetIndex eks_sample = DatasetIndex::load(dir / "eks.eki");
+  p = plan_dump(o, &eks_sample);
+  CHECK(p.formats[1].measured);
+  CHECK(p.formats[1].bytes_per_token == doctest::Approx(0.5 * 520));
+  CHECK(p.formats[1].basis.find("measured") == 0);
+  CHECK_FALSE(p.formats[2].measured);
+  // Given and sampled: the given ratio wins, the sample still measures the codec.
+  o.text_bytes_per_token = 2;
+  p = plan_dump(o, &eks_sample);
+  CHECK(p.tokens == doctest::Approx(500));
+  CHECK(p.tokens_basis == "given (--text-bytes-per-token)");
+  CHECK(p.formats[1].measured);
+
+  const std::string text = dump_plan_to_text(p);
+  CHECK(text.find("conversations: 4, 1000 B of text\ntokens: about 500 (2.00 text bytes per token, given") == 0);
+  CHECK(text.find("  eks-fp8 (lossy): 272 bytes per token") != std::string::npos);
+  CHECK(text.find("suggest: eks-zstd: lossless") != std::string::npos);
+  const auto j = nlohmann::json::parse(dump_plan_to_json(p));
+  CHECK(j["tokens"] == 500);
+  CHECK(j["formats"][1]["name"] == "eks-zstd");
+  CHECK(j["formats"][1]["measured"] == true);
+  CHECK(j["suggestion"] == "eks-zstd");
+
+  // A multimodal config keeps its width under text_config.
+  test::write_text(dir / "mm.json", R"({"text_config": {"hidden_size": 32}})");
+  o.base = dir / "mm.json";
+  p = plan_dump(o);
+  CHECK(p.hidden_size == 32);
+  CHECK(p.num_hidden_layers == 0);
+
+  // Errors name what to pass, or the file and field.
+  auto message = [&](const DumpPlanOptions& x, const DatasetIndex* s = nullptr) {
+    try {
+      plan_dump(x, s);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  DumpPlanOptions none = o;
+  none.base = dir / "base";
+  none.text_bytes_per_token = 0;
+  CHECK(message(none).find("pass --index SAMPLE (an index of some of these conversations already dumped, to "
+                           "measure it) or --text-bytes-per-token X") != std::string::npos);
+  CHECK_THROWS_AS(plan_dump(none), UsageError);
+  {
+    std::vector<IndexedFile> files = {one(dir / "zz.pt", 25, 13000)};
+    files[0].records[0].info.conversation_id = "zz";
+    write_index(dir / "other.eki", {dir.path()}, files);
+  }
+  const DatasetIndex other = DatasetIndex::load(dir / "other.eki");
+  CHECK(message(none, &other).find("matches none of the conversations") != std::string::npos);
+  test::write_text(dir / "bad.json", R"({"hidden_size": "4096"})");
+  DumpPlanOptions bad = o;
+  bad.base = dir / "bad.json";
+  CHECK(message(bad) == dir / "bad.json" + ": hidden_size: expected a positive integer, got \"4096\"");
+  CHECK_THROWS_AS(plan_dump(bad), FormatError);
+  test::write_text(dir / "none.json", R"({"vocab_size": 10})");
+  bad.base = dir / "none.json";
+  CHECK(message(bad) == dir / "none.json" + ": hidden_size: missing (also under text_config)");
 }

@@ -216,7 +216,7 @@ TEST_CASE("config: draft consistency checks") {
 }
 
 // The published config.json of real bases (tests/data/base-configs/README.md says where
-// each was copied from) and the draft each implies. The README's table of bases shows the
+// each was copied from) and the draft each implies. docs/bases.md's table of bases shows the
 // same rows.
 TEST_CASE("config: real base configs give the draft the engines would build, or a clear error") {
   struct Row {
@@ -279,7 +279,7 @@ TEST_CASE("config: real base configs give the draft the engines would build, or 
 
 namespace {
 
-// One row of the README's table of bases, as the code derives it: the cells after the
+// One row of docs/bases.md's table of bases, as the code derives it: the cells after the
 // first (which names the base and its file): H, heads / KV / head dim, I, V, aux ids, RoPE;
 // or, for a config that is refused, the error after "PATH: ".
 std::vector<std::string> derived_cells(const std::string& path) {
@@ -322,7 +322,7 @@ std::vector<std::string> cells_of(const std::string& line) {
   return out;
 }
 
-// Every way the README's table (between its markers) differs from what the code derives
+// Every way docs/bases.md's table (between its markers) differs from what the code derives
 // for tests/data/base-configs/*.json; empty when it agrees, and each file has one row.
 std::vector<std::string> table_mismatches(const std::string& readme, const std::string& dir) {
   std::vector<std::string> bad;
@@ -350,7 +350,7 @@ std::vector<std::string> table_mismatches(const std::string& readme, const std::
     if (got != want) {
       std::string w;
       for (const auto& c : want) w += " | " + c;
-      bad.push_back(file + ": the README says " + line + ", the code derives" + w);
+      bad.push_back(file + ": docs/bases.md says " + line + ", the code derives" + w);
     }
   }
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -362,9 +362,9 @@ std::vector<std::string> table_mismatches(const std::string& readme, const std::
 
 }  // namespace
 
-TEST_CASE("config: the README's table of base models is what the code derives from every config") {
+TEST_CASE("config: the table of base models in docs/bases.md is what the code derives from every config") {
   const std::string dir = test::source_dir() + "/tests/data/base-configs/";
-  const auto bytes = test::read_bytes(test::source_dir() + "/README.md");
+  const auto bytes = test::read_bytes(test::source_dir() + "/docs/bases.md");
   const std::string readme(bytes.begin(), bytes.end());
   const auto bad = table_mismatches(readme, dir);
   for (const auto& b : bad) MESSAGE(b);
@@ -376,7 +376,7 @@ TEST_CASE("config: the README's table of base models is what the code derives fr
   wrong.replace(at, 11, "| 2,16,30 |");
   const auto w = table_mismatches(wrong, dir);
   REQUIRE(w.size() == 1);
-  CHECK(w[0].rfind("llama-3.1-8b.json: the README says", 0) == 0);
+  CHECK(w[0].rfind("llama-3.1-8b.json: docs/bases.md says", 0) == 0);
   std::string dropped = readme;
   const auto row = dropped.find("(`qwen3-8b.json`)");
   REQUIRE(row != std::string::npos);
