@@ -25,13 +25,15 @@ TEST_CASE("crc32: the standard check value") {
 }
 
 TEST_CASE("crc32: equals zlib at every length class, alignment and running value") {
-  // Lengths around the folding path's edges: under 64 bytes (zlib only), 64 (one block, no
-  // fold), every remainder mod 16 after the 16-byte tail blocks, and a few large ones.
+  // Lengths around the folding paths' edges: under 64 bytes (zlib only), 64 (one block, no
+  // fold), every remainder mod 16 after the 16-byte tail blocks, 256 and up (the 512-bit
+  // path: its 256-byte steps, then 64-byte steps, then 16-byte blocks), and a few large ones.
   std::mt19937 rng(11);
   std::vector<std::uint8_t> buf((3u << 20) + 64);
   for (auto& b : buf) b = static_cast<std::uint8_t>(rng());
   std::vector<std::size_t> lengths;
   for (std::size_t n = 0; n <= 300; ++n) lengths.push_back(n);
+  for (std::size_t n = 301; n <= 1100; n += 7) lengths.push_back(n);
   for (std::size_t n : {1023u, 1024u, 4096u, 65536u + 13u, (1u << 20) + 37u, 3u << 20}) lengths.push_back(n);
   INFO("accelerated: " << crc32_accelerated());
   for (const std::size_t n : lengths) {
