@@ -306,9 +306,9 @@ struct Loader::Impl {
       if (auto bad = first_nonfinite(r))
         throw FormatError(path, std::nullopt, "values",
                           *bad + " (no model produces that: a damaged or wrongly dumped record)");
-      // Collation copies the tensor bytes from the mapping into the batch. Populating the
-      // mapping first (MADV_POPULATE_READ) cost more CPU than the copy's own fault-around
-      // faults, as did reading them with pread (bench_loader.sh).
+      // build() copies the tensor bytes from the mapping into the batch. Populating the
+      // mapping first (MADV_POPULATE_READ, MAP_POPULATE) cost more CPU than the checks' own
+      // fault-around faults, as did reading them with pread (bench_loader.sh).
       job.placements[i].record = std::move(r);
     } catch (const UsageError&) {
       throw;
@@ -318,24 +318,30 @@ struct Loader::Impl {
     }
   }
 
-  void read(Job& job) {
+  // Reads, checks and copies each record of the batch into its row as soon as it has been
+  // read, on all threads: its bytes are then still in the CPU's cache (the checks just read
+  // them) instead of read again from memory after the rest of the batch, or of the batches
+  // read ahead, pushed them out. One batch at a time: the batch memory of every batch in
+  // flight is a slab, and each fresh slab is memory the kernel must zero.
+  void build(Job& job) {
+    BatchBuilder builder(job.placements.size(), job.rows, job.length, opts.collate, shape, memory.get());
     const std::size_t n = job.placements.size();
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, 1),
                       [&](const tbb::blocked_range<std::size_t>& range) {
                         for (auto i = range.begin(); i != range.end(); ++i) {
                           if (stop.load(std::memory_order_relaxed)) return;
                           read_one(job, i);
+                          Placement& p = job.placements[i];
+                          if (!p.record) continue;
+                          builder.place(i, p);
+                          p.record.reset();  // drops the record's file mapping
                         }
                       });
-  }
-
-  void assemble(Job& job) {
-    job.batch = collate(job.placements, job.rows, job.length, opts.collate, shape, memory.get(),
-                        /*parallel=*/true);
+    job.batch = builder.finish(job.placements, /*parallel=*/true);
     job.batch.epoch = job.epoch;
     job.batch.step = job.step;
     job.batch.state = job.after;
-    job.placements.clear();  // drops the records and with them the file mappings
+    job.placements.clear();
     job.placements.shrink_to_fit();
   }
 
@@ -355,20 +361,15 @@ struct Loader::Impl {
               done = step.finished;
               return plan(step);
             }) &
-            tbb::make_filter<JobPtr, JobPtr>(tbb::filter_mode::parallel,
-                                             [&](JobPtr job) {
-                                               if (job->kind == ItemKind::kBatch && !stop.load())
-                                                 read(*job);
-                                               return job;
-                                             }) &
-            // One batch collates at a time, its copies spread over every thread: parallel
-            // collates (threads stealing across batches while their own batch's copies
-            // ran) held 4-6 batch buffers where 2-3 do, and each fresh buffer is memory the
-            // kernel must zero (bench_loader.sh: 25% less CPU for the first epoch).
+            // One batch is read and collated at a time, its records spread over every
+            // thread (build()). Reading batches ahead in a parallel stage and collating them
+            // in a later one copied each record seconds after its checks had read it, from
+            // memory rather than the cache, and held more batch buffers: loader-bench
+            // (docs/benchmarks.md) spent 15-20% more CPU that way.
             tbb::make_filter<JobPtr, JobPtr>(tbb::filter_mode::serial_in_order,
                                              [&](JobPtr job) {
                                                if (job->kind == ItemKind::kBatch && !stop.load())
-                                                 assemble(*job);
+                                                 build(*job);
                                                return job;
                                              }) &
             tbb::make_filter<JobPtr, void>(tbb::filter_mode::serial_in_order,
