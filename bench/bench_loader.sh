@@ -258,6 +258,14 @@ timed() {
   echo "$e $(awk "BEGIN { print $u + $s }")"
 }
 
+if [ "$MODE" = pack ]; then
+  # Packed rows hold several samples: count one epoch's batches with a first pass (it also
+  # warms the loader's files), so every competitor does the same EPOCHS passes.
+  PER_EPOCH=$("$EK" loader-bench --data "$CONV" --index "$INDEX" --split all --batch-size "$BATCH" \
+              --max-length "$MAX_T" --mode pack --jobs "$JOBS" --batches -1 --json 2>/dev/null | json batches)
+  BATCHES=$((PER_EPOCH * EPOCHS))
+fi
+
 ours_sps=() ours_s=() ours_cpu=() ours_wait=() py_sps=() py_s=() py_cpu=()
 cat_s=() cat_cpu=() raw_s=() raw_cpu=() pad_s=() pad_cpu=()
 for ((r = 0; r < RUNS; r++)); do
