@@ -1,7 +1,9 @@
 #include "lib/loader.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
@@ -184,6 +186,7 @@ struct Loader::Impl {
   std::vector<std::string> files;
   std::vector<SampleRef> samples;
   std::vector<std::int64_t> lengths;  // per sample: tokens cut to max_length (0 = unknown)
+  std::vector<char> sole;             // per file: only one sample refers to it
   LoaderOptions opts;
   RecordShape shape;
   Sampler::Planner planner;
@@ -274,7 +277,24 @@ struct Loader::Impl {
         if (co.mode == CollateMode::kPack) offset += lengths[s];
       }
     }
+    advise(*job);
     return job;
+  }
+
+  // The plan stage runs up to `prefetch` - 1 batches ahead of build(): asking the kernel to
+  // read the files of this batch's samples now lets the disk work while the batches before
+  // it are copied. A file is read ahead only when it is the sample's alone and the sample
+  // is read whole (a prefix of a .pt is spread over the file; a shard is much more than
+  // one sample). A warm page cache makes it an open, a walk of cached pages and a close.
+  void advise(const Job& job) const {
+    for (std::size_t i = 0; i < job.sample_of.size(); ++i) {
+      const SampleRef& s = samples[job.sample_of[i]];
+      if (s.file >= sole.size() || !sole[s.file] || s.tokens <= 0 || job.need[i] < s.tokens) continue;
+      const int fd = ::open(files[s.file].c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;  // read_one reports it
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+      ::close(fd);
+    }
   }
 
   void read_one(Job& job, std::size_t i) {
@@ -481,6 +501,13 @@ Loader::Loader(const Dataset& dataset, std::vector<SampleRef> samples, LoaderOpt
   }
   for (std::size_t i = 0; i < m.samples.size(); ++i)
     m.lengths[i] = std::clamp<std::int64_t>(m.samples[i].tokens, 0, co.max_length);
+  {
+    std::vector<std::uint32_t> uses(m.files.size(), 0);
+    for (const SampleRef& s : m.samples)
+      if (s.file < uses.size()) ++uses[s.file];
+    m.sole.resize(m.files.size());
+    for (std::size_t f = 0; f < uses.size(); ++f) m.sole[f] = uses[f] == 1;
+  }
   if (co.mode == CollateMode::kPack) {
     const auto lengths = m.lengths;
     const std::int64_t max_length = co.max_length;
