@@ -155,20 +155,29 @@ bool has_vpclmul() {
 
 bool crc32_accelerated() { return has_clmul(); }
 
-std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n) {
+std::uint32_t crc32_update_path(Crc32Path path, std::uint32_t crc, const void* data, std::size_t n) {
   const auto* p = static_cast<const std::uint8_t*>(data);
-  if (n >= 64 && has_clmul()) {
+  if (path != Crc32Path::kPortable && n >= 64 && has_clmul()) {
     const std::size_t body = n & ~std::size_t{15};
-    crc = body >= 256 && has_vpclmul() ? ~fold_crc_512(~crc, p, body) : ~fold_crc(~crc, p, body);
+    const bool wide = path == Crc32Path::kVpclmul && body >= 256 && has_vpclmul();
+    crc = wide ? ~fold_crc_512(~crc, p, body) : ~fold_crc(~crc, p, body);
     p += body;
     n -= body;
   }
   return n == 0 ? crc : crc32_update_portable(crc, p, n);
 }
 
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n) {
+  return crc32_update_path(Crc32Path::kVpclmul, crc, data, n);
+}
+
 #else
 
 bool crc32_accelerated() { return false; }
+
+std::uint32_t crc32_update_path(Crc32Path, std::uint32_t crc, const void* data, std::size_t n) {
+  return crc32_update_portable(crc, data, n);
+}
 
 std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n) {
   return crc32_update_portable(crc, data, n);

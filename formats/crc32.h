@@ -25,4 +25,10 @@ std::uint32_t crc32_update_portable(std::uint32_t crc, const void* data, std::si
 // Whether crc32_update uses the carry-less multiply path on this CPU.
 bool crc32_accelerated();
 
+// The paths crc32_update chooses from, for tests and benchmarks to run each one: zlib's
+// table, 128-bit PCLMULQDQ folds, 512-bit VPCLMULQDQ folds. A path this CPU lacks runs the
+// next simpler one.
+enum class Crc32Path { kPortable, kClmul, kVpclmul };
+std::uint32_t crc32_update_path(Crc32Path path, std::uint32_t crc, const void* data, std::size_t n);
+
 }  // namespace eaglekit
