@@ -60,7 +60,7 @@ while [ $# -gt 0 ]; do
     --cold) COLD=1; shift ;;
     --mode) MODE=$2; shift 2 ;;
     --no-python) PYTHON=0; shift ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "bench_loader.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
