@@ -93,7 +93,8 @@ rows = [
     ("trainer / PyTorch eager, tokens/s, L 256", grab("train256", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
     ("trainer / PyTorch eager, tokens/s, L 1024", grab("train1024", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
     ("fused CPU kernels / ATen composites, step", grab("kernels", r"ratio fused CPU kernels / ATen composites: ([0-9.]+)x"), 1.2),
-    ("loader / Python reference, samples/s", grab("loader", r"loader / Python, samples/s: +([0-9.]+)x"), 5.0),
+    ("loader / Python reference, samples/s", grab("loader", r"loader / Python, samples/s: +([0-9.]+)x"), 8.0),
+    ("loader / copy-and-pad limit, CPU per sample", grab("loader", r"limit / loader, CPU time: +([0-9.]+)"), 0.8),
     ("under load: idle speed kept, trainer / PyTorch", grab("load", r"kept, eaglekit / PyTorch: ([0-9.]+)x"), 1.0),
 ]
 att = open(f"{log}/attention").read()

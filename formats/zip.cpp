@@ -10,6 +10,7 @@
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
 #include "formats/bytes.h"
+#include "formats/crc32.h"
 #include "formats/error.h"
 
 namespace eaglekit {
@@ -35,14 +36,7 @@ constexpr std::uint16_t kMax16 = 0xffff;
 std::string squote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 std::uint32_t crc_update(std::uint32_t crc, const void* data, std::size_t n) {
-  const auto* p = static_cast<const Bytef*>(data);
-  while (n > 0) {  // zlib's crc32 takes a 32-bit length
-    const std::size_t k = std::min<std::size_t>(n, 1u << 30);
-    crc = static_cast<std::uint32_t>(::crc32(crc, p, static_cast<uInt>(k)));
-    p += k;
-    n -= k;
-  }
-  return crc;
+  return crc32_update(crc, data, n);
 }
 
 }  // namespace

@@ -376,67 +376,63 @@ void check_fits(const Placement& p, const RecordShape& shape) {
 
 }  // namespace
 
-Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_t length,
-              const CollateOptions& opts, std::optional<RecordShape> shape, BatchMemory* memory,
-              bool parallel) {
+struct BatchBuilder::Impl {
+  CollateOptions opts;
+  bool pack = false;
+  std::int64_t rows = 0, length = 0, first = 0, width = 0;
+  RecordShape shape;
+  Batch b;
+  Dest d;
+  // Per placement, written by place() (each by its own call): the columns it filled, its
+  // record bytes, its norm form (-1 not stated) and whether it was placed at all.
+  std::vector<Span> spans;
+  std::vector<std::uint64_t> bytes;
+  std::vector<std::int8_t> prenorm;
+  std::vector<char> placed;
+};
+
+BatchBuilder::BatchBuilder(std::size_t placements, std::int64_t rows, std::int64_t length,
+                           const CollateOptions& opts, const RecordShape& shape, BatchMemory* memory)
+    : impl_(std::make_unique<Impl>()) {
   opts.check();
-  const bool pack = opts.mode == CollateMode::kPack;
-  if (!shape) {
-    for (const auto& p : placements)
-      if (p.record) {
-        shape = RecordShape::of(*p.record);
-        break;
-      }
-  }
-  const RecordShape sh = shape.value_or(RecordShape{0, 0, DType::kBFloat16});
-  std::int64_t longest = 0;
-  for (const auto& p : placements) {
-    if (!p.record) continue;
-    p.record->check("conversation " + p.conversation_id);
-    check_fits(p, sh);
-    longest = std::max(longest, std::min(p.record->tokens(), opts.max_length));
-  }
-  if (opts.mode == CollateMode::kLongest && length <= 0) length = batch_length(opts, longest);
+  Impl& m = *impl_;
+  m.opts = opts;
+  m.pack = opts.mode == CollateMode::kPack;
+  m.rows = rows;
+  m.shape = shape;
   if (opts.mode != CollateMode::kLongest) length = opts.max_length;
+  m.length = std::max<std::int64_t>(length, 0);
   const auto [first, last] = token_window(opts, length);
-  const std::int64_t width = last - first;
+  m.first = first;
+  m.width = last - first;
+  m.spans.assign(placements, Span{0, 0});
+  m.bytes.assign(placements, 0);
+  m.prenorm.assign(placements, -1);
+  m.placed.assign(placements, 0);
 
-  // Pad / longest: rows of bad samples are dropped and later rows move up.
-  std::vector<std::int64_t> out_row(static_cast<std::size_t>(rows), -1);
-  std::int64_t out_rows = rows;
-  if (!pack) {
-    std::vector<bool> good(static_cast<std::size_t>(rows), false);
-    for (const auto& p : placements)
-      if (p.record) good.at(static_cast<std::size_t>(p.row)) = true;
-    out_rows = 0;
-    for (std::int64_t r = 0; r < rows; ++r)
-      if (good[static_cast<std::size_t>(r)]) out_row[static_cast<std::size_t>(r)] = out_rows++;
-  } else {
-    for (std::int64_t r = 0; r < rows; ++r) out_row[static_cast<std::size_t>(r)] = r;
-  }
-
-  const at::ScalarType hs_type = to_scalar_type(sh.dtype);
+  // Every row of the plan is allocated; finish() drops the rows of bad samples.
+  const std::int64_t width = m.width;
+  const at::ScalarType hs_type = to_scalar_type(shape.dtype);
   std::vector<std::pair<std::vector<std::int64_t>, at::ScalarType>> specs = {
-      {{out_rows, width}, at::kLong},
-      {{out_rows, width}, at::kLong},
-      {{out_rows, width}, at::kLong},
-      {{out_rows, width}, at::kLong},
-      {{out_rows, width, sh.hidden}, hs_type},
-      {{out_rows, width, sh.aux_width}, hs_type},
+      {{rows, width}, at::kLong},
+      {{rows, width}, at::kLong},
+      {{rows, width}, at::kLong},
+      {{rows, width}, at::kLong},
+      {{rows, width, shape.hidden}, hs_type},
+      {{rows, width, shape.aux_width}, hs_type},
   };
-  if (pack) {
-    specs.push_back({{out_rows, width}, at::kLong});
-    specs.push_back({{out_rows, width}, at::kLong});
+  if (m.pack) {
+    specs.push_back({{rows, width}, at::kLong});
+    specs.push_back({{rows, width}, at::kLong});
   }
   std::vector<at::Tensor> t;
   bool zeroed = false;
   if (memory) {
     t = memory->allocate(specs, &zeroed);
   } else {
-    for (const auto& [s, type] : specs) t.push_back(at::empty(s, at::TensorOptions().dtype(type)));
+    for (const auto& [sz, type] : specs) t.push_back(at::empty(sz, at::TensorOptions().dtype(type)));
   }
-
-  Batch b;
+  Batch& b = m.b;
   b.mode = opts.mode;
   b.length = length;
   b.first_token = first;
@@ -447,16 +443,15 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
   b.labels = t[3];
   b.hidden_states = t[4];
   b.aux_hidden_states = t[5];
-  if (pack) {
+  if (m.pack) {
     b.document_ids = t[6];
     b.position_ids = t[7];
   }
-
-  Dest d;
+  Dest& d = m.d;
   d.width = width;
-  d.hidden = sh.hidden;
-  d.aux = sh.aux_width;
-  d.item = dtype_size(sh.dtype);
+  d.hidden = shape.hidden;
+  d.aux = shape.aux_width;
+  d.item = dtype_size(shape.dtype);
   d.zeroed = zeroed;
   d.ids = b.input_ids.data_ptr<std::int64_t>();
   d.attn = b.attention_mask.data_ptr<std::int64_t>();
@@ -464,55 +459,102 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
   d.labels = b.labels.data_ptr<std::int64_t>();
   d.hs = static_cast<std::uint8_t*>(b.hidden_states.data_ptr());
   d.aux_hs = static_cast<std::uint8_t*>(b.aux_hidden_states.data_ptr());
-  if (pack) {
+  if (m.pack) {
     d.docs = b.document_ids.data_ptr<std::int64_t>();
     d.pos = b.position_ids.data_ptr<std::int64_t>();
   }
+}
 
-  // Each placement writes its own columns of its own row: no two tasks touch the same bytes.
-  std::vector<Span> spans(placements.size(), Span{0, 0});
-  std::vector<std::uint64_t> bytes(placements.size(), 0);
-  auto copy_one = [&](std::size_t i) {
-    const Placement& p = placements[i];
-    if (!p.record) return;
-    const Record& rec = *p.record;
-    const std::int64_t n = std::min(rec.tokens(), length - p.offset);
-    const std::int64_t a = std::max(p.offset, first), e = std::min(p.offset + n, last);
-    if (e <= a) return;
-    const std::int64_t r = out_row[static_cast<std::size_t>(p.row)];
-    const std::int64_t s0 = a - p.offset, s1 = e - p.offset;  // record rows
-    const std::int64_t at = r * width + (a - first), cnt = e - a;
-    copy_as_int64(rec.input_ids, s0, s1, d.ids + at);
-    fill_i64(d.attn + at, cnt, 1);
-    if (rec.loss_mask) copy_as_int64(*rec.loss_mask, s0, s1, d.loss + at);
-    else fill_i64(d.loss + at, cnt, 1);
-    fill_i64(d.labels + at, cnt, -100);
-    if (pack) {
-      fill_i64(d.docs + at, cnt, p.document);
-      for (std::int64_t k = 0; k < cnt; ++k) d.pos[at + k] = s0 + k;
-    }
-    copy_rows(rec.hidden_states, s0, s1, d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
-    copy_rows(rec.aux_hidden_states, s0, s1, d.aux_hs + static_cast<std::size_t>(at * d.aux) * d.item);
-    spans[i] = Span{a - first, e - first};
-    bytes[i] = static_cast<std::uint64_t>(cnt) *
+BatchBuilder::~BatchBuilder() = default;
+
+std::int64_t BatchBuilder::length() const { return impl_->length; }
+
+void BatchBuilder::place(std::size_t i, const Placement& p) {
+  Impl& m = *impl_;
+  if (!p.record) return;
+  if (i >= m.placed.size() || p.row < 0 || p.row >= m.rows)
+    throw UsageError("placement " + std::to_string(i) + " (row " + std::to_string(p.row) +
+                     ") is outside the batch's " + std::to_string(m.placed.size()) + " placements and " +
+                     std::to_string(m.rows) + " rows");
+  const Record& rec = *p.record;
+  rec.check("conversation " + p.conversation_id);
+  check_fits(p, m.shape);
+  const Dest& d = m.d;
+  const std::int64_t last = m.first + m.width;
+  const std::int64_t n = std::min(rec.tokens(), m.length - p.offset);
+  const std::int64_t a = std::max(p.offset, m.first), e = std::min(p.offset + n, last);
+  m.placed[i] = 1;
+  if (rec.hidden_states_prenorm) m.prenorm[i] = *rec.hidden_states_prenorm ? 1 : 0;
+  if (e <= a) return;
+  const std::int64_t r = p.row;
+  const std::int64_t s0 = a - p.offset, s1 = e - p.offset;  // record rows
+  const std::int64_t at = r * m.width + (a - m.first), cnt = e - a;
+  copy_as_int64(rec.input_ids, s0, s1, d.ids + at);
+  fill_i64(d.attn + at, cnt, 1);
+  if (rec.loss_mask) copy_as_int64(*rec.loss_mask, s0, s1, d.loss + at);
+  else fill_i64(d.loss + at, cnt, 1);
+  fill_i64(d.labels + at, cnt, -100);
+  if (m.pack) {
+    fill_i64(d.docs + at, cnt, p.document);
+    for (std::int64_t k = 0; k < cnt; ++k) d.pos[at + k] = s0 + k;
+  }
+  copy_rows(rec.hidden_states, s0, s1, d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
+  copy_rows(rec.aux_hidden_states, s0, s1, d.aux_hs + static_cast<std::size_t>(at * d.aux) * d.item);
+  m.spans[i] = Span{a - m.first, e - m.first};
+  m.bytes[i] = static_cast<std::uint64_t>(cnt) *
                (static_cast<std::uint64_t>(d.hidden + d.aux) * d.item + rec.input_ids.itemsize() +
                 (rec.loss_mask ? rec.loss_mask->itemsize() : 0));
-  };
-  if (parallel && placements.size() > 1) {
-    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, placements.size(), 1),
-                      [&](const tbb::blocked_range<std::size_t>& range) {
-                        for (auto i = range.begin(); i != range.end(); ++i) copy_one(i);
-                      });
+}
+
+Batch BatchBuilder::finish(const std::vector<Placement>& placements, bool parallel) {
+  Impl& m = *impl_;
+  if (placements.size() != m.placed.size())
+    throw UsageError("finish: " + std::to_string(placements.size()) + " placements, the builder was made for " +
+                     std::to_string(m.placed.size()));
+  const Dest& d = m.d;
+  const std::int64_t rows = m.rows, width = m.width;
+  Batch b = std::move(m.b);
+
+  // Pad / longest: rows no sample was placed in are dropped and later rows move up, whole
+  // rows (every column) so the bytes a fresh slab holds stay as they were.
+  std::vector<std::int64_t> out_row(static_cast<std::size_t>(rows), -1);
+  std::int64_t out_rows = rows;
+  if (!m.pack) {
+    std::vector<bool> good(static_cast<std::size_t>(rows), false);
+    for (std::size_t i = 0; i < placements.size(); ++i)
+      if (m.placed[i]) good.at(static_cast<std::size_t>(placements[i].row)) = true;
+    out_rows = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (!good[static_cast<std::size_t>(r)]) continue;
+      const std::int64_t k = out_rows++;
+      out_row[static_cast<std::size_t>(r)] = k;
+      if (k == r) continue;
+      auto move_row = [&](void* base, std::size_t row_bytes) {
+        auto* p = static_cast<std::uint8_t*>(base);
+        std::memmove(p + static_cast<std::size_t>(k) * row_bytes, p + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+      };
+      const std::size_t ids_row = static_cast<std::size_t>(width) * 8;
+      for (std::int64_t* t : {d.ids, d.attn, d.loss, d.labels}) move_row(t, ids_row);
+      move_row(d.hs, static_cast<std::size_t>(width * d.hidden) * d.item);
+      move_row(d.aux_hs, static_cast<std::size_t>(width * d.aux) * d.item);
+    }
+    if (out_rows != rows) {
+      b.input_ids = b.input_ids.narrow(0, 0, out_rows);
+      b.attention_mask = b.attention_mask.narrow(0, 0, out_rows);
+      b.loss_mask = b.loss_mask.narrow(0, 0, out_rows);
+      b.labels = b.labels.narrow(0, 0, out_rows);
+      b.hidden_states = b.hidden_states.narrow(0, 0, out_rows);
+      b.aux_hidden_states = b.aux_hidden_states.narrow(0, 0, out_rows);
+    }
   } else {
-    for (std::size_t i = 0; i < placements.size(); ++i) copy_one(i);
+    for (std::int64_t r = 0; r < rows; ++r) out_row[static_cast<std::size_t>(r)] = r;
   }
 
   // Everything no record wrote is padding.
   std::vector<std::vector<Span>> covered(static_cast<std::size_t>(out_rows));
   for (std::size_t i = 0; i < placements.size(); ++i) {
-    if (spans[i].end <= spans[i].begin) continue;
-    covered[static_cast<std::size_t>(out_row[static_cast<std::size_t>(placements[i].row)])]
-        .push_back(spans[i]);
+    if (m.spans[i].end <= m.spans[i].begin) continue;
+    covered[static_cast<std::size_t>(out_row[static_cast<std::size_t>(placements[i].row)])].push_back(m.spans[i]);
   }
   auto pad_row = [&](std::int64_t r) {
     auto& c = covered[static_cast<std::size_t>(r)];
@@ -530,33 +572,62 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
     for (std::int64_t r = 0; r < out_rows; ++r) pad_row(r);
   }
 
-  const bool any_stated = std::any_of(placements.begin(), placements.end(), [](const Placement& p) {
-    return p.record && p.record->hidden_states_prenorm.has_value();
-  });
+  const bool any_stated = std::any_of(m.prenorm.begin(), m.prenorm.end(), [](std::int8_t f) { return f >= 0; });
   if (any_stated) {
     b.hidden_states_prenorm = at::full({out_rows, width}, -1, at::TensorOptions().dtype(at::kChar));
     auto* flags = b.hidden_states_prenorm.data_ptr<std::int8_t>();
     for (std::size_t i = 0; i < placements.size(); ++i) {
-      const auto& p = placements[i];
-      if (!p.record || !p.record->hidden_states_prenorm || spans[i].end <= spans[i].begin) continue;
-      const std::int64_t r = out_row[static_cast<std::size_t>(p.row)];
-      std::fill(flags + r * width + spans[i].begin, flags + r * width + spans[i].end,
-                static_cast<std::int8_t>(*p.record->hidden_states_prenorm ? 1 : 0));
+      if (m.prenorm[i] < 0 || m.spans[i].end <= m.spans[i].begin) continue;
+      const std::int64_t r = out_row[static_cast<std::size_t>(placements[i].row)];
+      std::fill(flags + r * width + m.spans[i].begin, flags + r * width + m.spans[i].end, m.prenorm[i]);
     }
   }
 
   for (std::size_t i = 0; i < placements.size(); ++i) {
     const auto& p = placements[i];
-    if (!p.record) {
+    if (!m.placed[i]) {
       ++b.skipped;
       continue;
     }
     b.conversation_ids.push_back(p.conversation_id);
     b.sample_rows.push_back(out_row[static_cast<std::size_t>(p.row)]);
-    b.tokens += spans[i].end - spans[i].begin;
-    b.bytes += bytes[i];
+    b.tokens += m.spans[i].end - m.spans[i].begin;
+    b.bytes += m.bytes[i];
   }
   return b;
+}
+
+Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_t length,
+              const CollateOptions& opts, std::optional<RecordShape> shape, BatchMemory* memory,
+              bool parallel) {
+  opts.check();
+  if (!shape) {
+    for (const auto& p : placements)
+      if (p.record) {
+        shape = RecordShape::of(*p.record);
+        break;
+      }
+  }
+  const RecordShape sh = shape.value_or(RecordShape{0, 0, DType::kBFloat16});
+  // Every record is checked before any memory is taken.
+  std::int64_t longest = 0;
+  for (const auto& p : placements) {
+    if (!p.record) continue;
+    p.record->check("conversation " + p.conversation_id);
+    check_fits(p, sh);
+    longest = std::max(longest, std::min(p.record->tokens(), opts.max_length));
+  }
+  if (opts.mode == CollateMode::kLongest && length <= 0) length = batch_length(opts, longest);
+  BatchBuilder builder(placements.size(), rows, length, opts, sh, memory);
+  if (parallel && placements.size() > 1) {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, placements.size(), 1),
+                      [&](const tbb::blocked_range<std::size_t>& range) {
+                        for (auto i = range.begin(); i != range.end(); ++i) builder.place(i, placements[i]);
+                      });
+  } else {
+    for (std::size_t i = 0; i < placements.size(); ++i) builder.place(i, placements[i]);
+  }
+  return builder.finish(placements, parallel);
 }
 
 Batch collate_records(const std::vector<Record>& records, const CollateOptions& opts) {

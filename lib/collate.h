@@ -155,6 +155,36 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
               const CollateOptions& opts, std::optional<RecordShape> shape = std::nullopt,
               BatchMemory* memory = nullptr, bool parallel = true);
 
+// Collation one placement at a time, for a caller that copies each record as soon as it has
+// read it, while its bytes are still in the CPU's cache (the loader): the constructor takes
+// the batch memory for all `rows` rows of the plan, place() copies one placement into its
+// row, finish() drops the rows no sample was placed in (pad / longest: later rows move up;
+// pack: they stay masked padding), writes the padding and the batch's bookkeeping. The
+// batch equals collate()'s for the same placements (collate() is these three steps).
+// `length` as collate's (longest mode: the caller's, not derived from records).
+// Thread safety: place() may run on many threads at once for distinct placements; the
+// constructor and finish() on one. place() throws FormatError for a record that does not
+// fit `shape` (nothing is written then) and UsageError for an index or row out of range.
+class BatchBuilder {
+ public:
+  BatchBuilder(std::size_t placements, std::int64_t rows, std::int64_t length, const CollateOptions& opts,
+               const RecordShape& shape, BatchMemory* memory = nullptr);
+  ~BatchBuilder();
+  BatchBuilder(const BatchBuilder&) = delete;
+  BatchBuilder& operator=(const BatchBuilder&) = delete;
+  std::int64_t length() const;
+  // Placement i of the batch; one without a record (bad) is left out. The record is not
+  // kept: its mapping may be dropped as soon as this returns.
+  void place(std::size_t i, const Placement& p);
+  // Once, after every place(): `placements` are the ones given to place(), by index
+  // (their records are not read again).
+  Batch finish(const std::vector<Placement>& placements, bool parallel = true);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // The simplest use: one row per record (pad / longest), or records packed with pack_rows.
 Batch collate_records(const std::vector<Record>& records, const CollateOptions& opts);
 

@@ -1,7 +1,9 @@
 #include "lib/loader.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <tbb/blocked_range.h>
 #include <tbb/global_control.h>
@@ -184,6 +186,7 @@ struct Loader::Impl {
   std::vector<std::string> files;
   std::vector<SampleRef> samples;
   std::vector<std::int64_t> lengths;  // per sample: tokens cut to max_length (0 = unknown)
+  std::vector<char> sole;             // per file: only one sample refers to it
   LoaderOptions opts;
   RecordShape shape;
   Sampler::Planner planner;
@@ -274,7 +277,24 @@ struct Loader::Impl {
         if (co.mode == CollateMode::kPack) offset += lengths[s];
       }
     }
+    advise(*job);
     return job;
+  }
+
+  // The plan stage runs up to `prefetch` - 1 batches ahead of build(): asking the kernel to
+  // read the files of this batch's samples now lets the disk work while the batches before
+  // it are copied. A file is read ahead only when it is the sample's alone and the sample
+  // is read whole (a prefix of a .pt is spread over the file; a shard is much more than
+  // one sample). A warm page cache makes it an open, a walk of cached pages and a close.
+  void advise(const Job& job) const {
+    for (std::size_t i = 0; i < job.sample_of.size(); ++i) {
+      const SampleRef& s = samples[job.sample_of[i]];
+      if (s.file >= sole.size() || !sole[s.file] || s.tokens <= 0 || job.need[i] < s.tokens) continue;
+      const int fd = ::open(files[s.file].c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;  // read_one reports it
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+      ::close(fd);
+    }
   }
 
   void read_one(Job& job, std::size_t i) {
@@ -306,9 +326,9 @@ struct Loader::Impl {
       if (auto bad = first_nonfinite(r))
         throw FormatError(path, std::nullopt, "values",
                           *bad + " (no model produces that: a damaged or wrongly dumped record)");
-      // Collation copies the tensor bytes from the mapping into the batch. Populating the
-      // mapping first (MADV_POPULATE_READ) cost more CPU than the copy's own fault-around
-      // faults, as did reading them with pread (bench_loader.sh).
+      // build() copies the tensor bytes from the mapping into the batch. Populating the
+      // mapping first (MADV_POPULATE_READ, MAP_POPULATE) cost more CPU than the checks' own
+      // fault-around faults, as did reading them with pread (bench_loader.sh).
       job.placements[i].record = std::move(r);
     } catch (const UsageError&) {
       throw;
@@ -318,24 +338,30 @@ struct Loader::Impl {
     }
   }
 
-  void read(Job& job) {
+  // Reads, checks and copies each record of the batch into its row as soon as it has been
+  // read, on all threads: its bytes are then still in the CPU's cache (the checks just read
+  // them) instead of read again from memory after the rest of the batch, or of the batches
+  // read ahead, pushed them out. One batch at a time: the batch memory of every batch in
+  // flight is a slab, and each fresh slab is memory the kernel must zero.
+  void build(Job& job) {
+    BatchBuilder builder(job.placements.size(), job.rows, job.length, opts.collate, shape, memory.get());
     const std::size_t n = job.placements.size();
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, 1),
                       [&](const tbb::blocked_range<std::size_t>& range) {
                         for (auto i = range.begin(); i != range.end(); ++i) {
                           if (stop.load(std::memory_order_relaxed)) return;
                           read_one(job, i);
+                          Placement& p = job.placements[i];
+                          if (!p.record) continue;
+                          builder.place(i, p);
+                          p.record.reset();  // drops the record's file mapping
                         }
                       });
-  }
-
-  void assemble(Job& job) {
-    job.batch = collate(job.placements, job.rows, job.length, opts.collate, shape, memory.get(),
-                        /*parallel=*/true);
+    job.batch = builder.finish(job.placements, /*parallel=*/true);
     job.batch.epoch = job.epoch;
     job.batch.step = job.step;
     job.batch.state = job.after;
-    job.placements.clear();  // drops the records and with them the file mappings
+    job.placements.clear();
     job.placements.shrink_to_fit();
   }
 
@@ -355,20 +381,15 @@ struct Loader::Impl {
               done = step.finished;
               return plan(step);
             }) &
-            tbb::make_filter<JobPtr, JobPtr>(tbb::filter_mode::parallel,
-                                             [&](JobPtr job) {
-                                               if (job->kind == ItemKind::kBatch && !stop.load())
-                                                 read(*job);
-                                               return job;
-                                             }) &
-            // One batch collates at a time, its copies spread over every thread: parallel
-            // collates (threads stealing across batches while their own batch's copies
-            // ran) held 4-6 batch buffers where 2-3 do, and each fresh buffer is memory the
-            // kernel must zero (bench_loader.sh: 25% less CPU for the first epoch).
+            // One batch is read and collated at a time, its records spread over every
+            // thread (build()). Reading batches ahead in a parallel stage and collating them
+            // in a later one copied each record seconds after its checks had read it, from
+            // memory rather than the cache, and held more batch buffers: loader-bench
+            // (docs/benchmarks.md) spent 15-20% more CPU that way.
             tbb::make_filter<JobPtr, JobPtr>(tbb::filter_mode::serial_in_order,
                                              [&](JobPtr job) {
                                                if (job->kind == ItemKind::kBatch && !stop.load())
-                                                 assemble(*job);
+                                                 build(*job);
                                                return job;
                                              }) &
             tbb::make_filter<JobPtr, void>(tbb::filter_mode::serial_in_order,
@@ -480,6 +501,13 @@ Loader::Loader(const Dataset& dataset, std::vector<SampleRef> samples, LoaderOpt
   }
   for (std::size_t i = 0; i < m.samples.size(); ++i)
     m.lengths[i] = std::clamp<std::int64_t>(m.samples[i].tokens, 0, co.max_length);
+  {
+    std::vector<std::uint32_t> uses(m.files.size(), 0);
+    for (const SampleRef& s : m.samples)
+      if (s.file < uses.size()) ++uses[s.file];
+    m.sole.resize(m.files.size());
+    for (std::size_t f = 0; f < uses.size(); ++f) m.sole[f] = uses[f] == 1;
+  }
   if (co.mode == CollateMode::kPack) {
     const auto lengths = m.lengths;
     const std::int64_t max_length = co.max_length;

@@ -3,13 +3,14 @@
 // bounded memory. The batch layout (struct Batch) and collation rules are in
 // lib/collate.h; order, sharding and resume state in lib/sampler.h.
 //
-// Engine: a tbb::parallel_pipeline (plan -> read+decode+truncate -> collate -> deliver)
-// runs on its own thread in a task arena of `jobs` threads. At most `prefetch` batches are
-// being read or collated (one collates at a time, over all threads) and at most `prefetch`
-// wait ready in the queue, so peak memory is about (prefetch + 1 + batches the consumer
-// still holds) batches, whatever the dataset size. Only the rows a batch needs are read (read_prefix up to max_length, or up to the
-// token window's end); the read stage parses only metadata, and collation copies the tensor
-// bytes once, from the file mapping straight into recycled batch tensors.
+// Engine: a tbb::parallel_pipeline (plan -> read+check+copy, one batch at a time over all
+// threads -> deliver) runs on its own thread in a task arena of `jobs` threads. Each record
+// is copied into its batch row right after it is read and checked, while its bytes are in
+// the CPU's cache; at most `prefetch` batches wait ready in the queue, so peak memory is
+// about (prefetch + 2 + batches the consumer still holds) batches, whatever the dataset
+// size. Only the rows a batch needs are read (read_prefix up to max_length, or up to the
+// token window's end); the reader parses only metadata, and the tensor bytes are copied
+// once, from the file mapping straight into recycled batch tensors.
 //
 // Bad records (unreadable, a .pt failing its zip CRC-32, NaN/Inf among the values read, wrong
 // shape or dtype, token count not the index's) are skipped with a warning naming them and
@@ -40,7 +41,7 @@ struct LoaderOptions {
   CollateOptions collate;  // mode, max_length, token window
   SamplerOptions sampler;  // batch size (per DP rank), shuffle, seed, rank, world size, epochs
   int jobs = 0;            // TBB threads; 0: all cores
-  int prefetch = 4;        // batches in flight, and batches ready ahead of the consumer
+  int prefetch = 4;        // batches ready ahead of the consumer (and in the pipeline)
   bool strict = false;     // a bad record ends the run instead of being skipped
   int pinned = -1;         // pinned batch memory: 1 / 0 / -1 = when CUDA is available
   // Called once for each skipped record of each batch next() delivers, on the consumer's

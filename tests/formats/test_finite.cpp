@@ -1,5 +1,5 @@
 // formats/finite.h: NaN and Inf found at their exact index in every float dtype, whatever
-// their lane in the 64-bit words the scan reads, and the largest finite values never taken
+// their lane in the vectors and 64-bit words the scan reads, and the largest finite values never taken
 // for them.
 #include <doctest/doctest.h>
 
@@ -45,6 +45,16 @@ TEST_CASE("finite: NaN and Inf are found at their index in every lane; the large
     CHECK(first_nonfinite(tensor_of<std::uint32_t>(DType::kFloat32, rows, cols, 0xff7fffffu, 0xff800000u, at)) == at);
     CHECK(first_nonfinite(tensor_of<std::uint64_t>(DType::kFloat64, rows, cols, 0x7fefffffffffffffull,
                                                    0x7ff8000000000000ull, at)) == at);
+  }
+  // 5 x 201 = 1005 elements: the vector steps (128 bytes) end before the last 45 elements
+  // (bf16; 13 for float32), which the 64-bit words and then single elements cover.
+  for (const std::int64_t at : {std::int64_t{959}, std::int64_t{960}, std::int64_t{991}, std::int64_t{1003},
+                                std::int64_t{1004}}) {
+    CAPTURE(at);
+    CHECK(first_nonfinite(tensor_of<std::uint16_t>(DType::kBFloat16, 5, 201, 0x7f7f, 0x7fc0, at)) == at);
+    CHECK(first_nonfinite(tensor_of<std::uint32_t>(DType::kFloat32, 5, 201, 0x7f7fffffu, 0xff800000u, at)) == at);
+    CHECK(first_nonfinite(tensor_of<std::uint64_t>(DType::kFloat64, 5, 201, 0x7fefffffffffffffull,
+                                                   0x7ff0000000000000ull, at)) == at);
   }
   // All finite, including the largest values and a pattern one bit short of all ones.
   CHECK_FALSE(first_nonfinite(tensor_of<std::uint16_t>(DType::kBFloat16, rows, cols, 0x7f7f, 0x7f00, 5)));

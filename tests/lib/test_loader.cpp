@@ -485,6 +485,15 @@ TEST_CASE("loader: bad records are skipped with a warning and counted, or end a 
   LoaderOptions o = options(4, 32);
   std::vector<std::string> warnings;
   o.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+  // The victim's batch (samples 4..7) is the other three collated on their own: the loader
+  // copies each record into its planned row as soon as it has read it, and moves the rows
+  // after the victim's up when it finds the victim bad.
+  std::vector<Record> good;
+  for (const int k : {4, 6, 7}) {
+    const SampleRef& s = sel.samples[static_cast<std::size_t>(k)];
+    good.push_back(open_reader(sel.dataset.files[s.file])->read_prefix(s.record, 32));
+  }
+  const Batch expected = collate_records(good, o.collate);
   // Every open of the victim is counted. One warning per bad record of each delivered
   // batch, whatever the thread count and prefetch depth: several threads with one batch in
   // flight, and, with no epoch limit, a loader left to read ahead into the next epoch
@@ -514,6 +523,14 @@ TEST_CASE("loader: bad records are skipped with a warning and counted, or end a 
       REQUIRE(batches.size() == 3);
       CHECK(batches[1].rows() == 3);
       CHECK(batches[1].skipped == 1);
+      {
+        const auto x = batches[1].named_tensors(), y = expected.named_tensors();
+        REQUIRE(x.size() == y.size());
+        for (std::size_t k = 0; k < x.size(); ++k) {
+          CAPTURE(x[k].first);
+          CHECK(at::equal(x[k].second, y[k].second));
+        }
+      }
       if (run.epochs == 0) {
         // Let the pipeline fill its queue from epoch 1: the victim's batch (step 1) is read.
         while (l.stats().queue_depth < static_cast<std::size_t>(run.prefetch)) std::this_thread::yield();
