@@ -123,6 +123,24 @@ def main():
         r.sh([ek, "export", r.path("run", "final"), "--format", "speculators", "--verifier", base,
               "--out", r.path("speculators")])
     r.stage("eaglekit", "speculators/config.json", eaglekit)
+
+    # 3b. EAGLE 3.1 (--draft-arch eagle3.1: fc_norm per aux layer and norm_output), the same data,
+    # recipe and seed as the EAGLE-3 run, in both layouts.
+    def eaglekit_31():
+        for stale in ("run31", "speculators31"):
+            shutil.rmtree(r.path(stale), ignore_errors=True)
+        r.sh([ek, "train", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
+              r.path("train.idx"), "--d2t", r.path("d2t.pt"), "--max-length", "160", "--batch-size", "16",
+              "--epochs", "6", "--lr", "2e-3", "--warmup-steps", "20", "--ttt-steps", "3",
+              "--eval-fraction", "0.02", "--seed", "7", "--draft-arch", "eagle3.1", "--out", r.path("run31"),
+              "--no-progress"])
+        r.sh([ek, "evaluate", "--base", base, "--draft", r.path("run31", "final"), "--data",
+              r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
+              "--json"], out=r.path("evaluate31.json"))
+        r.sh([ek, "export", r.path("run31", "final"), "--format", "speculators", "--verifier", base,
+              "--out", r.path("speculators31")])
+    r.stage("eaglekit_31", "speculators31/config.json", eaglekit_31)
+    ev31 = json.load(open(r.path("evaluate31.json")))
     v = json.load(open(r.path("validate.json")))
     sem = v.get("semantic", {})
     r.check("validate --base calls the dump post-norm and flags nothing",
@@ -161,6 +179,21 @@ def main():
             f"speculators {sp['version']}: {sp['config_class']} (algorithm {sp['algorithm']}), {sp['model_class']}; "
             f"{sp['tensors'] - len(sp['differ_or_missing'])} of {sp['tensors']} tensors equal to ours"
             + (f"; differ or missing: {', '.join(sp['differ_or_missing'])}" if sp["differ_or_missing"] else ""))
+    # speculators' own EAGLE 3.1 model (its Eagle3DraftModel with fc_norm and norm_output) on our
+    # 3.1 export: the same losses and accuracies as eaglekit evaluate on the same batch.
+    r.stage("oracle_31", "oracle31/result.json", lambda: r.sh(
+        [py, os.path.join(HERE, "oracle_speculators.py"), "--eaglekit", ek, "--data", r.path("data", "train.jsonl"),
+         "--index", r.path("train.idx"), "--base", base, "--draft", r.path("run31", "final"),
+         "--speculators", r.path("speculators31"), "--batch", r.path("oracle", "eaglekit-collate", "batch_00000.pt"),
+         "--batch-size", "16", "--max-length", "160", "--out", r.path("oracle31")], ok=(0, 1)))
+    o31 = json.load(open(r.path("oracle31", "result.json")))
+    r.check("speculators' EAGLE 3.1 model and loss functions with our 3.1 draft give evaluate's losses and accuracy",
+            o31["same"], f"norms {', '.join(k for k, v in o31['norms'].items() if v)}; per step: " + "; ".join(
+                f"acc {st['acc']['speculators']:.4f} vs {st['acc']['eaglekit']:.4f}, KL sum "
+                f"{st['kl_sum']['speculators']:.6g} vs {st['kl_sum']['eaglekit']:.6g} "
+                f"(relative {st['kl_rel_diff']:.1e})" for st in o31["steps"]) + "; --loss " + ", ".join(
+                f"{k} {'equal' if v['same'] else 'DIFFERS'} (worst {max(p['rel_diff'] for p in v['steps']):.1e})"
+                for k, v in o31.get("losses", {}).items()))
     if "reference_skipped" in o:
         print(f"e2e: note: the reference file: {o['reference_skipped']}", file=sys.stderr)
 
@@ -171,7 +204,7 @@ def main():
         dst = r.path(f"broken-{name}")
         if os.path.isdir(dst):
             shutil.rmtree(dst)
-        shutil.copytree(r.path("run", "final"), dst)
+        shutil.copytree(r.path("run31" if name.startswith("31") else "run", "final"), dst)
         cfg_path = os.path.join(dst, "config.json")
         cfg = json.load(open(cfg_path))
         if name == "no-d2t":
@@ -188,14 +221,25 @@ def main():
                 cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         elif name == "rope-theta":
             cfg["rope_theta"] = cfg["rope_theta"] * 100  # a base with another RoPE
+        elif name == "31-as-eagle3":
+            # An EAGLE 3.1 draft handed over as EAGLE-3 (a converter that drops what it does not
+            # know): its norms' flags false and the fc_norm weights gone. vLLM loads it.
+            from safetensors.torch import load_file, save_file
+            w = load_file(os.path.join(dst, "model.safetensors"))
+            w = {k: v for k, v in w.items() if not k.startswith("fc_norm.")}
+            save_file(w, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+            cfg["fc_norm"] = cfg["norm_output"] = False
         json.dump(cfg, open(cfg_path, "w"), indent=2)
     prompts = r.path("data", "prompts.json")
     serve = os.path.join(HERE, "serve.py")
     runs = {"base": ["--base", base],
             "draft": ["--base", base, "--draft", r.path("run", "final"), "--spec-tokens", "3"],
-            "broken_no_d2t": ["--base", base, "--draft", r.path("broken-no-d2t"), "--spec-tokens", "3"]}
+            "broken_no_d2t": ["--base", base, "--draft", r.path("broken-no-d2t"), "--spec-tokens", "3"],
+            "draft31": ["--base", base, "--draft", r.path("run31", "final"), "--spec-tokens", "3"],
+            "broken_31_as_eagle3": ["--base", base, "--draft", r.path("broken-31-as-eagle3"), "--spec-tokens", "3"]}
     if not args.quick:
         runs["speculators"] = ["--speculators", r.path("speculators")]
+        runs["speculators31"] = ["--speculators", r.path("speculators31")]
     # Report-only: how far other mistakes move the acceptance (docs/e2e.md, "Which mistakes
     # acceptance shows").
     sensitivity = ("aux_permuted", "aux_shifted", "rope_theta") if args.sensitivity else ()
@@ -215,7 +259,7 @@ def main():
     same_hf = sum(a == b for a, b in zip(ref, p["answers"]))
     r.check("vLLM's base alone reproduces the dumped greedy answers", same_hf >= 0.9 * len(ref),
             f"{same_hf} of {len(ref)} prompts token for token (float32 on both sides)")
-    for name in [n for n in ("draft", "speculators") if n in results]:
+    for name in [n for n in ("draft", "speculators", "draft31", "speculators31") if n in results]:
         out = results[name]["outputs"]
         same = sum(a == b for a, b in zip(out, ref))
         r.check(f"{name}: greedy speculative decoding is exact", same == len(ref),
@@ -234,11 +278,28 @@ def main():
     b = results["broken_no_d2t"]["spec"]["mean_acceptance_length"]
     r.check("must-fail: an export without d2t collapses acceptance", b - 1 <= 0.5 * (acc_len - 1),
             f"broken export {b:.3f} vs {acc_len:.3f} (must accept at most half as many draft tokens)")
+    # EAGLE 3.1: the same checks, and the figure users choose by beside EAGLE-3's (one seed here;
+    # docs/benchmarks.md has the spread).
+    est31 = ev31.get("est_ar_cond", ev31["est_ar"])
+    acc31 = results["draft31"]["spec"]["mean_acceptance_length"]
+    r.check("EAGLE 3.1: engine acceptance matches eaglekit's est_ar_cond", abs(acc31 - est31) <= tol * est31,
+            f"engine {acc31:.3f}, est_ar_cond {est31:.3f} (est_ar {ev31['est_ar']:.3f}), difference "
+            f"{100 * (acc31 - est31) / est31:+.1f}% (tolerance {100 * tol:.0f}%); EAGLE-3 on the same prompts {acc_len:.3f}")
+    if "speculators31" in results:
+        s31 = results["speculators31"]["spec"]["mean_acceptance_length"]
+        r.check("EAGLE 3.1: the speculators layout accepts as our layout", abs(s31 - acc31) < 1e-9,
+                f"{s31:.3f} vs {acc31:.3f}")
+    b31 = results["broken_31_as_eagle3"]["spec"]["mean_acceptance_length"]
+    r.check("must-fail: EAGLE 3.1 served without its norms accepts fewer tokens", b31 - 1 <= 0.5 * (acc31 - 1),
+            f"fc_norm and norm_output dropped: {b31:.3f} vs {acc31:.3f} (must accept at most half as many draft tokens)")
+    print(f"e2e: report: mean acceptance length on {len(ref)} prompts, 3 draft tokens: EAGLE-3 {acc_len:.3f}, "
+          f"EAGLE 3.1 {acc31:.3f} (same data, recipe and seed)", file=sys.stderr)
     for name in sensitivity:
         b = results[f"broken_{name}"]["spec"]["mean_acceptance_length"]
         print(f"e2e: report {name.replace('_', ' ')}: mean acceptance length {b:.3f} vs {acc_len:.3f}", file=sys.stderr)
 
-    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "data": d, "oracle": o,
+    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "evaluate31": ev31, "data": d, "oracle": o,
+               "oracle31": o31,
                "engine": {k: {"spec": v["spec"], "load_seconds": v["load_seconds"],
                               "generate_seconds": v["generate_seconds"]} for k, v in results.items()},
                "vllm": results["base"]["engine"]["vllm"]}
