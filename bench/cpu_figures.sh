@@ -13,10 +13,14 @@
 # OpenBLAS's kernel choice and OMP_WAIT_POLICY; then every benchmark's own output; then one
 # summary table of the ratios, each beside the README's claim.
 #
+# Each figure's claim and its floor are written once, in README.md's block "cpu-figures floors"
+# after the CPU speed paragraph (bench/cpu_claims.py reads it; ctest cpu_figures_claims checks
+# that every claim quoted there is still the README's text).
+#
 # usage: bench/cpu_figures.sh [--quick] [--report-only] [--threads N]
 #   --quick        fewer runs and steps (CI: about 3 minutes on 2 cores)
-#   --report-only  exit 0 whatever the ratios (CI); otherwise exit 1 when a claim does not
-#                  hold on this machine. A benchmark that fails exits 1 in both modes.
+#   --report-only  exit 0 whatever the ratios (CI); otherwise exit 1 when a figure is under its
+#                  floor on this machine. A benchmark that fails exits 1 in both modes.
 #   --threads N    LibTorch threads on both sides (default: min(cores, 2), as bench_train.sh)
 # The build is $EAGLEKIT_BUILD_DIR (default build/); missing targets are built.
 # The machines are shared: read the medians, and the load average printed with them.
@@ -30,7 +34,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1; shift ;;
     --report-only) REPORT_ONLY=1; shift ;;
     --threads) THREADS=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "cpu_figures.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -82,31 +86,7 @@ run loader bench/bench_loader.sh --conversations "$LOADER_N" --hidden 512 --runs
 run attention "$BUILD/bin/bench_ttt_attention" --lengths 512,2048 --steps 3 --reps "$ATT_REPS" --threads "$THREADS"
 run load bench/bench_under_load.sh --threads "$THREADS" --runs "$RUNS_LOAD" --steps "$STEPS_LOAD"
 
-# The summary: each ratio beside the claim the README makes for it.
-"$PY" - "$LOG" "$REPORT_ONLY" <<'EOF'
-import re, sys
-log, report_only = sys.argv[1], sys.argv[2] == "1"
-def grab(name, pattern):
-    m = re.search(pattern, open(f"{log}/{name}").read())
-    return float(m.group(1)) if m else None
-rows = [
-    ("trainer / PyTorch eager, tokens/s, L 256", grab("train256", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
-    ("trainer / PyTorch eager, tokens/s, L 1024", grab("train1024", r"ratio eaglekit / PyTorch: ([0-9.]+)x"), 1.2),
-    ("fused CPU kernels / ATen composites, step", grab("kernels", r"ratio fused CPU kernels / ATen composites: ([0-9.]+)x"), 1.2),
-    ("loader / Python reference, samples/s", grab("loader", r"loader / Python, samples/s: +([0-9.]+)x"), 8.0),
-    ("loader / copy-and-pad limit, CPU per sample", grab("loader", r"limit / loader, CPU time: +([0-9.]+)"), 0.8),
-    ("under load: idle speed kept, trainer / PyTorch", grab("load", r"kept, eaglekit / PyTorch: ([0-9.]+)x"), 1.0),
-]
-att = open(f"{log}/attention").read()
-print("\n== summary (medians; claims from README.md)")
-print(f"{'figure':48} {'measured':>9} {'claim':>8}  holds")
-bad = []
-for name, got, claim in rows:
-    ok = got is not None and got >= claim
-    print(f"{name:48} {('%.2fx' % got) if got is not None else 'missing':>9} {'>= %.1fx' % claim:>8}  {'yes' if ok else 'NO'}")
-    if not ok:
-        bad.append(name)
-print("attention kernels: see the table above (time and memory of local and fused relative to tiled)")
-if bad and not report_only:
-    sys.exit(1)
-EOF
+# The summary: each figure beside the README's claim for it and its floor (bench/cpu_claims.py).
+if ! "$PY" bench/cpu_claims.py summary "$LOG" README.md && [ "$REPORT_ONLY" = 0 ]; then
+  exit 1
+fi

@@ -66,7 +66,12 @@ class AdamWBound {
     const double bias2 = 1 - std::pow(b2, t);
     for (const auto& [name, v] : exp_avg_sq) {
       double vmax = 0;
-      for (double x : v) vmax = std::max(vmax, x);
+      for (std::size_t e = 0; e < v.size(); ++e) {
+        // A NaN moment would drop out of the maximum and cap its element's bound at 2 u lr:
+        // a reference run that went non-finite gives no bound at all.
+        REQUIRE_MESSAGE(std::isfinite(v[e]), name << "[" << e << "]: the reference run's exp_avg_sq is " << v[e]);
+        vmax = std::max(vmax, v[e]);
+      }
       double& g = gmax_[name];
       g = std::max(g, std::sqrt(vmax / (1 - b2)));
       const double d = rho_ * g;

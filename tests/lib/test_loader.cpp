@@ -24,6 +24,7 @@
 #include "formats/zip.h"
 #include "lib/index.h"
 #include "lib/loader.h"
+#include "tests/compare.h"
 #include "tests/support.h"
 
 using namespace eaglekit;
@@ -367,10 +368,10 @@ TEST_CASE("loader: batches from `pack --codec fp8` shards are the source's withi
         const at::Tensor& g = got[i].*pick;
         const at::Tensor& w = want[i].*pick;
         CHECK((g.scalar_type() == w.scalar_type()));  // read back in the source dtype
-        worst = std::max(worst, fp8_error_ratio(g, w));
+        worst = test::worst_of(worst, fp8_error_ratio(g, w));
         // Must-fail twins: a scale off by 2, and no scale at all, leave the bound.
-        scale_twice = std::max(scale_twice, fp8_error_ratio(g * 2, w));
-        no_scale = std::max(no_scale, fp8_error_ratio(e4m3_without_scale(w), w));
+        scale_twice = test::worst_of(scale_twice, fp8_error_ratio(g * 2, w));
+        no_scale = test::worst_of(no_scale, fp8_error_ratio(e4m3_without_scale(w), w));
       }
     }
     MESSAGE(dtype << ": worst fp8 error " << worst << " of the bound; scale x2: " << scale_twice

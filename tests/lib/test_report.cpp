@@ -131,28 +131,62 @@ TEST_CASE("report: a self-contained page overlaying runs, with evaluation, optio
 }
 
 TEST_CASE("report: renders in headless Chromium at phone and desktop widths") {
+  // tests/lib/render_check.py renders the page in a frame of each width (headless Chromium lays
+  // a top-level page out at least 500 px wide), reads its layout through a probe script and
+  // its pixels from a screenshot, and lists what is wrong: a blank page, chart cards without
+  // the stylesheet's background, a chart whose box holds no drawn (coloured) pixels, anything
+  // reaching past the viewport. Must-fails: the same page without its stylesheet, and with the
+  // first chart's data emptied.
   const char* chromium = "/usr/bin/chromium";
   if (!test::require_program(chromium, "install Debian's chromium (scripts/setup does)")) return;
   test::TempDir d("report-render");
   write_run(d / "run", 1e-3, false);
+  write_run(d / "other", 3e-4, false);
   ReportOptions o;
-  o.runs = {d / "run"};
+  o.runs = {d / "run", d / "other"};
   write_report(o, d / "r.html");
-  for (const int width : {420, 1400}) {
-    CAPTURE(width);
-    const std::string png = d / ("r-" + std::to_string(width) + ".png");
-    const auto r = test::run(std::string("timeout 120 ") + chromium +
-                             " --headless=new --no-sandbox --disable-gpu --hide-scrollbars --window-size=" +
-                             std::to_string(width) + ",1600 --screenshot=" + test::quote(png) + " " +
-                             test::quote("file://" + d / "r.html"));
+  const auto bytes = test::read_bytes(d / "r.html");
+  const std::string page(bytes.begin(), bytes.end());
+  std::string unstyled = page;
+  const std::size_t s0 = unstyled.find("<style>"), s1 = unstyled.find("</style>");
+  REQUIRE(s0 != std::string::npos);
+  REQUIRE(s1 != std::string::npos);
+  unstyled.erase(s0, s1 + 8 - s0);
+  test::write_text(d / "unstyled.html", unstyled);
+  std::string emptied = page;
+  const std::size_t f0 = emptied.find("<figure>"), f1 = emptied.find("</figure>", f0);
+  REQUIRE(f0 != std::string::npos);
+  std::string first = emptied.substr(f0, f1 - f0);
+  int removed = 0;
+  for (std::size_t p; (p = first.find("<polyline")) != std::string::npos; ++removed)
+    first.erase(p, first.find("</polyline>", p) + 11 - p);
+  REQUIRE(removed > 0);
+  emptied.replace(f0, f1 - f0, first);
+  test::write_text(d / "emptied.html", emptied);
+
+  auto problems = [&](const std::string& file, int width) {
+    const auto r = test::run(test::python_bin() + " " + test::quote(test::source_dir() + "/tests/lib/render_check.py") +
+                             " " + chromium + " " + test::quote(d / file) + " " + std::to_string(width) + " " +
+                             test::quote(d / ("work-" + file + "-" + std::to_string(width))));
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-    const auto bytes = test::read_bytes(png);
-    REQUIRE(bytes.size() > 24);
-    CHECK(std::string(bytes.begin() + 1, bytes.begin() + 4) == "PNG");
-    // IHDR: big-endian width at byte 16.
-    const std::uint32_t w = (std::uint32_t{bytes[16]} << 24) | (std::uint32_t{bytes[17]} << 16) |
-                            (std::uint32_t{bytes[18]} << 8) | bytes[19];
-    CHECK(w == static_cast<std::uint32_t>(width));
+    const json j = json::parse(r.out);
+    MESSAGE(file << " at " << width << " px: " << j["measured"].dump());
+    std::string all;
+    for (const auto& p : j["problems"]) all += p.get<std::string>() + "\n";
+    return all;
+  };
+  for (const int width : {390, 1400}) {
+    CAPTURE(width);
+    const std::string good = problems("r.html", width);
+    CHECK_MESSAGE(good.empty(), good);
+    const std::string u = problems("unstyled.html", width);
+    CHECK_MESSAGE(u.find("unstyled: the chart cards have no background") != std::string::npos, u);
+    if (width == 390)  // the tables no longer scroll in their box: the page overflows the phone
+      CHECK_MESSAGE(u.find("overflow: the page is ") != std::string::npos, u);
+    const std::string e = problems("emptied.html", width);
+    CHECK_MESSAGE(e.find("chart 'Loss': its plot area ") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("holds 0 drawn pixels") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("chart 'Accuracy per TTT step (train)'") == std::string::npos, e);  // only the first
   }
 }
 

@@ -13,10 +13,14 @@ MANIFEST: {"cases": [{"name", "base", "draft", "batch", "cpp_grads", "cpp_metric
 """
 import json
 import math
+import os
 import struct
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from compare import json_number, rel_diff, tensor_rel_diff, worst_key, worst_of  # noqa: E402  tests/compare.py
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -169,13 +173,6 @@ def forward(cfg, w, base, batch, steps, decay):
     return total, losses, correct, mask_sums, cond_correct, cond_total
 
 
-def rel(a, b):
-    a = a.to(torch.float64)
-    b = b.to(torch.float64)
-    scale = max(float(b.abs().max()), 1e-30)
-    return float((a - b).abs().max()) / scale
-
-
 def run_case(case):
     with open(case["draft"] + "/config.json") as f:
         cfg = json.load(f)
@@ -197,15 +194,16 @@ def run_case(case):
     cpp_grads, _ = read_safetensors(case["cpp_grads"])
     with open(case["cpp_metrics"]) as f:
         cpp = json.load(f)
-    grad_rel = {name: rel(cpp_grads[name], w[name].grad) for name in cpp_grads}
-    worst = max(grad_rel, key=grad_rel.get)
+    # A NaN anywhere counts as infinitely different (tests/compare.py).
+    grad_rel = {name: tensor_rel_diff(cpp_grads[name], w[name].grad) for name in cpp_grads}
+    worst = worst_key(grad_rel)
     acc = [c / m if m else 0.0 for c, m in zip(correct, mask_sums)]
     cond = [c / t if t else 0.0 for c, t in zip(cond_correct, cond_total)]
     return {
         "name": case["name"],
         "loss": float(total),
-        "loss_rel": abs(cpp["loss"] - float(total)) / abs(float(total)),
-        "loss_per_step_rel": max(abs(a - float(b)) / abs(float(b)) for a, b in zip(cpp["loss_per_step"], losses)),
+        "loss_rel": json_number(rel_diff(cpp["loss"], float(total))),
+        "loss_per_step_rel": json_number(worst_of(rel_diff(a, float(b)) for a, b in zip(cpp["loss_per_step"], losses))),
         "acc": acc,
         "acc_equal": cpp["acc"] == acc,
         "cond_acc": cond,
@@ -213,7 +211,7 @@ def run_case(case):
         "correct_equal": cpp["correct"] == correct and cpp["cond_correct"] == cond_correct and
                          cpp["cond_total"] == cond_total,
         "mask_sum_equal": cpp["mask_sum"] == mask_sums,
-        "grad_rel_max": grad_rel[worst],
+        "grad_rel_max": json_number(grad_rel[worst]),
         "grad_rel_worst": worst,
         "grads_compared": len(grad_rel),
         "grads_expected": sum(1 for t in w.values() if t.is_floating_point()),

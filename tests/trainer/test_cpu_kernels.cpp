@@ -12,6 +12,7 @@
 
 #include "formats/error.h"
 #include "tests/support.h"
+#include "tests/tensor_compare.h"
 #include "tests/trainer/trainer_fixtures.h"
 #include "trainer/model/cpu_kernels.h"
 #include "trainer/model/draft_model.h"
@@ -23,11 +24,7 @@ using namespace eaglekit::trainer;
 namespace {
 
 // max |a - b| / max |b|: a relative error against the reference's scale.
-double rel_err(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(b.abs().max().item<double>(), 1e-30);
-  const double diff = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  return std::isnan(diff) ? INFINITY : diff / scale;
-}
+double rel_err(const at::Tensor& a, const at::Tensor& b) { return test::tensor_rel_diff(a, b); }
 
 // The float32 error bound of a result built from n roundings in sequence (a sum of n terms
 // in any order: worst case about n * eps relative to the sum of magnitudes, Higham 2002), with

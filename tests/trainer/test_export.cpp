@@ -288,9 +288,18 @@ print(json.dumps(out))
   CHECK((h["tensors"]["t2d"] == nlohmann::json{"BOOL", {40}}));
   const at::Tensor row0 = d.named_parameters().back().second[0].narrow(0, 0, 3).to(at::kBFloat16).to(at::kFloat);
   for (int i = 0; i < 3; ++i) CHECK(h["lm_head_row0"][i].get<double>() == row0[i].item<double>());
-  // A bf16 export loads (into float32) as the bf16-rounded weights.
+  // A bf16 export loads (into float32) as the bf16-rounded weights, every parameter exactly:
+  // round-to-nearest-even of each float32 is one known value. At least one element of each
+  // moved (not stored as float32 and read back).
   const DraftModel back = load_draft(dir / "bf16");
-  CHECK(at::equal(back.named_parameters()[0].second, d.named_parameters()[0].second.to(at::kBFloat16).to(at::kFloat)));
+  const auto got = back.named_parameters(), want = d.named_parameters();
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(want[i].first);
+    CHECK(got[i].first == want[i].first);
+    CHECK(at::equal(got[i].second, want[i].second.to(at::kBFloat16).to(at::kFloat)));
+    CHECK_FALSE(at::equal(got[i].second, want[i].second));
+  }
 }
 
 TEST_CASE("export: loading refuses broken folders with the file and tensor named") {

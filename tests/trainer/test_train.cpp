@@ -17,6 +17,7 @@
 #include "lib/loader.h"
 #include "tests/adamw_bound.h"
 #include "tests/support.h"
+#include "tests/tensor_compare.h"
 #include "tests/trainer/train_data.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/export.h"
@@ -252,6 +253,26 @@ TEST_CASE("train: the weight comparison counts a NaN or an infinity as infinitel
     CHECK(std::isinf(test::max_rel_diff(good, w({1, bad, 3, 4}))));
     CHECK(std::isinf(test::max_rel_diff(w({1, bad, 3, 4}), w({1, bad, 3, 4}))));
   }
+  // tensor_rel_diff (tests/tensor_compare.h), as the TTT, attention and kernel tests use it:
+  // a NaN in a non-first element of either side.
+  const at::Tensor t = at::tensor(std::vector<float>{1, -2, 3, 4});
+  CHECK(test::tensor_rel_diff(t, t) == 0);
+  for (const std::int64_t at_index : {1, 3}) {
+    CAPTURE(at_index);
+    const at::Tensor bad = t.clone();
+    bad[at_index] = std::nanf("");
+    CHECK(std::isinf(test::tensor_rel_diff(bad, t)));
+    CHECK(std::isinf(test::tensor_rel_diff(t, bad)));
+  }
+  // A running maximum with the NaN after the first value: std::max keeps the others' maximum
+  // (what the TTT tests' ce_sum gaps did before), worst_of makes it +inf.
+  double naive = 0, worst = 0;
+  for (const double x : {0.1, std::nan(""), 0.2}) {
+    naive = std::max(naive, x);
+    worst = test::worst_of(worst, x);
+  }
+  CHECK(naive == 0.2);
+  CHECK(std::isinf(worst));
 }
 
 TEST_CASE("train: a short run raises step-0 accuracy far above chance; metrics.jsonl has every field") {

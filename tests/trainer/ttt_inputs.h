@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tests/tensor_compare.h"
 #include "trainer/run/cpu_memory.h"
 #include "trainer/unroll/ttt.h"
 
@@ -23,10 +24,8 @@ using trainer::attend;
 using trainer::CpuAllocationProbe;
 using trainer::ttt_mask;
 
-inline double max_rel(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(b.abs().max().item<double>(), 1e-30);
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
-}
+using test::tensor_rel_diff;
+inline double max_rel(const at::Tensor& a, const at::Tensor& b) { return tensor_rel_diff(a, b); }
 
 struct Inputs {
   at::Tensor q;
