@@ -84,7 +84,7 @@ run kernels "$BUILD/bin/bench_train_step" --base "$BASE" --draft-vocab 1024 --ba
   --threads "$THREADS" --reps "$REPS" --top 0 --cpu-kernels both
 run loader bench/bench_loader.sh --conversations "$LOADER_N" --hidden 512 --runs "$RUNS"
 run attention "$BUILD/bin/bench_ttt_attention" --lengths 512,2048 --steps 3 --reps "$ATT_REPS" --threads "$THREADS"
-run load bench/bench_under_load.sh --threads "$THREADS" --runs "$RUNS_LOAD" --steps "$STEPS_LOAD"
+run load bench/bench_under_load.sh --passive-both --threads "$THREADS" --runs "$RUNS_LOAD" --steps "$STEPS_LOAD"
 
 # The summary: each figure beside the README's claim for it and its floor (bench/cpu_claims.py).
 if ! "$PY" bench/cpu_claims.py summary "$LOG" README.md && [ "$REPORT_ONLY" = 0 ]; then
