@@ -530,18 +530,23 @@ Batch collate(std::vector<Placement>& placements, std::int64_t rows, std::int64_
     for (std::int64_t r = 0; r < out_rows; ++r) pad_row(r);
   }
 
-  const bool any_stated = std::any_of(placements.begin(), placements.end(), [](const Placement& p) {
-    return p.record && p.record->hidden_states_prenorm.has_value();
+  // A record's stated form, else (unless a --hidden-states-norm option names it) the one its
+  // layout implies.
+  auto form_of = [&](const Record& r) {
+    return r.hidden_states_prenorm ? r.hidden_states_prenorm : opts.layout_norm ? r.layout_prenorm : std::nullopt;
+  };
+  const bool any_stated = std::any_of(placements.begin(), placements.end(), [&](const Placement& p) {
+    return p.record && form_of(*p.record).has_value();
   });
   if (any_stated) {
     b.hidden_states_prenorm = at::full({out_rows, width}, -1, at::TensorOptions().dtype(at::kChar));
     auto* flags = b.hidden_states_prenorm.data_ptr<std::int8_t>();
     for (std::size_t i = 0; i < placements.size(); ++i) {
       const auto& p = placements[i];
-      if (!p.record || !p.record->hidden_states_prenorm || spans[i].end <= spans[i].begin) continue;
+      if (!p.record || !form_of(*p.record) || spans[i].end <= spans[i].begin) continue;
       const std::int64_t r = out_row[static_cast<std::size_t>(p.row)];
       std::fill(flags + r * width + spans[i].begin, flags + r * width + spans[i].end,
-                static_cast<std::int8_t>(*p.record->hidden_states_prenorm ? 1 : 0));
+                static_cast<std::int8_t>(*form_of(*p.record) ? 1 : 0));
     }
   }
 
