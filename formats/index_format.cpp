@@ -38,6 +38,10 @@ constexpr std::uint8_t kFlagLossMask = 2;
 constexpr std::uint8_t kFlagIdFromFileName = 4;
 constexpr std::uint8_t kFlagNormStated = 8;   // the record states its norm form (version 2)
 constexpr std::uint8_t kFlagPrenorm = 16;     // ... and it is pre-norm
+// Its layout implies a norm form (Record::layout_prenorm), and which. Version 3 written by an
+// older build leaves both clear: those records' form is measured, as for any unknown one.
+constexpr std::uint8_t kFlagLayoutNorm = 32;
+constexpr std::uint8_t kFlagLayoutPrenorm = 64;
 
 // Stable on-disk codes, independent of the enums' order in the headers: formats'
 // from their rows (FormatRow::index_code), 0 for unknown (a file that could not be read).
@@ -352,6 +356,7 @@ IndexEntry DatasetIndex::entry(std::size_t i) const {
   e.has_loss_mask = (flags & kFlagLossMask) != 0;
   e.id_from_file_name = (flags & kFlagIdFromFileName) != 0;
   if ((flags & kFlagNormStated) != 0) e.hidden_states_prenorm = (flags & kFlagPrenorm) != 0;
+  if ((flags & kFlagLayoutNorm) != 0) e.layout_prenorm = (flags & kFlagLayoutPrenorm) != 0;
   if (kind > static_cast<std::uint8_t>(EntryError::kOther))
     throw FormatError(m.path, at + 76, "entry error kind", "unknown code " + std::to_string(kind));
   e.error_kind = static_cast<EntryError>(kind);
@@ -503,6 +508,7 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
       if (info.has_loss_mask) flags |= kFlagLossMask;
       if (r.id_from_file_name) flags |= kFlagIdFromFileName;
       if (info.hidden_states_prenorm) flags |= kFlagNormStated | (*info.hidden_states_prenorm ? kFlagPrenorm : 0);
+      if (info.layout_prenorm) flags |= kFlagLayoutNorm | (*info.layout_prenorm ? kFlagLayoutPrenorm : 0);
       EntryError kind = r.error_kind;
       if (r.error.empty()) kind = EntryError::kNone;
       else if (kind == EntryError::kNone) kind = EntryError::kOther;

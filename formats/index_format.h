@@ -24,7 +24,8 @@
 //     32 i64 tokens, 40 u64 byte offset, 48 u64 byte size, 56 u32 file, 60 u32 record,
 //     64 u32 hidden size, 68 u32 aux width, 72 u8 format code, 73 u8 ids dtype code,
 //     74 u8 hidden dtype code, 75 u8 flags (1 bad, 2 has loss mask, 4 id from file name,
-//     8 norm form stated, 16 pre-norm: Record::hidden_states_prenorm),
+//     8 norm form stated, 16 pre-norm: Record::hidden_states_prenorm, 32 norm form implied
+//     by the layout, 64 pre-norm: Record::layout_prenorm),
 //     76 u8 error kind (EntryError), 77..79 zero
 //
 // A string ref is one u64: offset into the strings section in the low 40 bits, length in
@@ -93,6 +94,7 @@ struct IndexEntry {
   bool has_loss_mask = false;
   bool id_from_file_name = false;    // the record holds no id; it came from the file stem
   std::optional<bool> hidden_states_prenorm;  // as the record states it (nullopt: not stated)
+  std::optional<bool> layout_prenorm;         // as its layout implies (Record::layout_prenorm)
   bool ok = true;
   EntryError error_kind = EntryError::kNone;
 };

@@ -12,6 +12,7 @@ Record Record::prefix(std::int64_t n) const {
   r.aux_hidden_states = aux_hidden_states.rows(n);
   if (loss_mask) r.loss_mask = loss_mask->rows(n);
   r.hidden_states_prenorm = hidden_states_prenorm;
+  r.layout_prenorm = layout_prenorm;
   return r;
 }
 
@@ -91,6 +92,7 @@ RecordInfo info_of(const Record& r) {
   info.hidden_dtype = common_hidden_dtype(r.hidden_states.dtype, r.aux_hidden_states.dtype);
   info.has_loss_mask = r.loss_mask.has_value();
   info.hidden_states_prenorm = r.hidden_states_prenorm;
+  info.layout_prenorm = r.layout_prenorm;
   return info;
 }
 

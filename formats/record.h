@@ -20,6 +20,14 @@ struct Record {
   // it (ModelOpt's `hidden_states_prenorm`; docs/data.md, pre- and post-norm dumps):
   // true pre-norm, false post-norm, nullopt when the record does not say.
   std::optional<bool> hidden_states_prenorm;
+  // The form the record's layout implies where its producer always writes one form, and the
+  // record states none itself (the format row's FormatRow::norm_fact, set by its reader):
+  // speculators' stacked [T, k+1, H] layout, whose last slice vLLM captures before the
+  // final norm, is pre-norm. nullopt: the layout implies nothing (or the record states it).
+  std::optional<bool> layout_prenorm;
+
+  // The form known without measuring: the stated one, else the layout's; nullopt: neither.
+  std::optional<bool> known_prenorm() const { return hidden_states_prenorm ? hidden_states_prenorm : layout_prenorm; }
 
   std::int64_t tokens() const { return input_ids.shape.empty() ? 0 : input_ids.shape[0]; }
   std::int64_t hidden_size() const { return hidden_states.dim() == 2 ? hidden_states.shape[1] : 0; }
@@ -56,6 +64,7 @@ struct RecordInfo {
   DType hidden_dtype = DType::kBFloat16;  // of both hidden and aux, as read (common_hidden_dtype)
   bool has_loss_mask = false;
   std::optional<bool> hidden_states_prenorm;  // as Record::hidden_states_prenorm
+  std::optional<bool> layout_prenorm;         // as Record::layout_prenorm
   std::string codec = "raw";       // "raw", "zstd", "fp8", "gzip", "hdf5-gzip", ...
   std::uint64_t byte_offset = 0;   // where the record starts in its file (0 if unknown)
   std::uint64_t byte_size = 0;     // bytes it takes on disk (0 if unknown)

@@ -54,20 +54,23 @@ std::unique_ptr<RecordReader> refuse_torch_legacy(const std::string& path) {
 const std::vector<FormatRow>& format_rows() {
   static const std::vector<FormatRow> kRows = {
       // format, name, aliases, extensions, index code, one record, convert writes it, noun,
-      // magic, reader, writer
+      // magic, reader, writer, norm fact
       {Format::kPt, "pt", {"ckpt"}, {".pt", ".ckpt", ".pth"}, 1, true, true, "a torch.save zip",
-       zip_magic, open_pt_reader, create_pt_writer},
+       zip_magic, open_pt_reader, create_pt_writer, {}},
       {Format::kPtGzip, "pt.gz", {"ckpt.gz"}, {".pt.gz", ".ckpt.gz"}, 2, true, false, ".ckpt.gz",
-       gzip_magic, open_pt_gzip_reader, create_pt_gzip_writer},
+       gzip_magic, open_pt_gzip_reader, create_pt_gzip_writer, {}},
       // Detected only to refuse it clearly.
       {Format::kTorchLegacy, "torch-legacy", {}, {}, 6, true, false, "", torch_legacy_magic,
-       refuse_torch_legacy, nullptr},
+       refuse_torch_legacy, nullptr, {}},
       {Format::kSafetensors, "safetensors", {}, {".safetensors"}, 3, true, true, "safetensors",
-       safetensors_magic, open_safetensors_reader, create_safetensors_writer},
+       safetensors_magic, open_safetensors_reader, create_safetensors_writer,
+       "safetensors' stacked layout (token_ids + hidden_states [T, k+1, H]: vLLM's hidden-state extraction, "
+       "speculators' hs_{i}.safetensors) holds the last layer before the base's final norm: vLLM captures every "
+       "layer as hidden_states + residual and runs the norm after its loop"},
       {Format::kHdf5, "hdf5", {"h5"}, {".h5", ".hdf5"}, 4, false, true, "HDF5", hdf5_magic,
-       open_hdf5_reader, create_hdf5_writer},
+       open_hdf5_reader, create_hdf5_writer, {}},
       {Format::kEks, "eks", {}, {".eks"}, 5, false, true, ".eks shard", eks_magic, open_eks_reader,
-       create_eks_writer},
+       create_eks_writer, {}},
   };
   return kRows;
 }

@@ -37,6 +37,10 @@ struct FormatRow {
   std::unique_ptr<RecordReader> (*open)(const std::string& path);
   // null: read-only.
   std::unique_ptr<RecordWriter> (*create)(const std::string& path, const WriterOptions& opts);
+  // What the format's producer always writes as the last layer where a layout fixes it (its
+  // reader sets Record::layout_prenorm for such records), in words for a run's plan; empty:
+  // nothing fixed. docs/data.md, pre- and post-norm dumps.
+  std::string_view norm_fact = {};
 };
 
 // Every row, in the order detection tries them and help lists them.

@@ -1,6 +1,7 @@
 #include "formats/safetensors_format.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -13,6 +14,7 @@
 #include "formats/atomic_file.h"
 #include "formats/byte_source.h"
 #include "formats/bytes.h"
+#include "formats/codec.h"
 #include "formats/error.h"
 
 namespace eaglekit {
@@ -523,6 +525,65 @@ std::string record_keys_expected() {
          "hidden_states [T, H] + aux_hidden_states [T, k*H]";
 }
 
+constexpr const char* kScalesKey = "hidden_states_scales";
+
+// speculators' FP8 records (hs_connectors' FP8HiddenStatesConnector): hidden_states
+// float8_e4m3fn [T, L, H] and hidden_states_scales float32 with one scale per token ([T, 1, 1]
+// from hs_connectors 0.9, [T, 1] from speculators' first version, or [T]) or one for the
+// whole tensor ([1] or []), read as fp8 * scale in float32, which is what the producer's
+// dequantize_fp8_tensor(..., dtype=torch.float32) computes, bit for bit. Only the first
+// `rows` token rows are decoded (the rest is checked against the file, not read).
+HostTensor dequantized_fp8(const SafetensorsFile& file, const SafetensorsEntry& hidden, std::int64_t tokens,
+                           std::int64_t rows) {
+  const std::string& path = file.path();
+  const SafetensorsEntry* scales = file.find(kScalesKey);
+  if (scales == nullptr)
+    throw FormatError(path, 8, hidden.name,
+                      "is " + hidden.dtype_code + " but the file has no " + kScalesKey +
+                          " (speculators' FP8 records store one float32 scale per token beside it)");
+  if (hidden.dtype_code != "F8_E4M3")
+    throw UnsupportedError(path, 8, hidden.name,
+                           hidden.dtype_code + " hidden states cannot be read (speculators' FP8 records are F8_E4M3)");
+  HostTensor shape_only;
+  shape_only.shape = hidden.shape;
+  if (hidden.shape.size() != 3 || hidden.shape[0] != tokens)
+    throw FormatError(path, 8, hidden.name,
+                      "F8_E4M3 of shape " + shape_only.shape_string() + ", expected [T, L, H] with T = " +
+                          std::to_string(tokens) + " (the ids' length), as speculators' FP8 connector writes it");
+  if (scales->dtype_code != "F32")
+    throw FormatError(path, 8, kScalesKey, "dtype " + scales->dtype_code + ", expected F32");
+  std::int64_t n_scales = 1;
+  for (std::int64_t d : scales->shape) n_scales *= d;
+  bool per_token = n_scales == tokens && !scales->shape.empty() && scales->shape[0] == tokens;
+  for (std::size_t d = 1; per_token && d < scales->shape.size(); ++d) per_token = scales->shape[d] == 1;
+  if (!per_token && n_scales != 1) {
+    HostTensor ss;
+    ss.shape = scales->shape;
+    throw FormatError(path, 8, kScalesKey,
+                      "shape " + ss.shape_string() + ", expected one scale per token ([" + std::to_string(tokens) +
+                          ", 1, 1], [" + std::to_string(tokens) + ", 1] or [" + std::to_string(tokens) +
+                          "]) or one for the tensor ([1])");
+  }
+  const std::uint8_t* base = file.source()->data() + file.data_start();
+  const std::int64_t n = rows < 0 ? tokens : std::min(rows, tokens);
+  const std::int64_t width = hidden.shape[1] * hidden.shape[2];
+  std::vector<float> s(static_cast<std::size_t>(n));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::uint64_t at = scales->begin + 4 * static_cast<std::uint64_t>(per_token ? t : 0);
+    float v;
+    std::memcpy(&v, base + at, 4);
+    // The producer clamps every scale to at least 1e-12: anything else is not its output.
+    if (!(v > 0) || !std::isfinite(v))
+      throw FormatError(path, file.data_start() + at, std::string(kScalesKey) + "[" + std::to_string(per_token ? t : 0) + "]",
+                        "scale " + std::to_string(v) + ", expected a finite value > 0 (amax / 448, at least 1e-12)");
+    s[static_cast<std::size_t>(t)] = v;
+  }
+  HostTensor out = HostTensor::zeros(DType::kFloat32, {n, hidden.shape[1], hidden.shape[2]});
+  codec::fp8_dequantize_rows(s.data(), base + hidden.begin, static_cast<std::size_t>(n), static_cast<std::size_t>(width),
+                      DType::kFloat32, out.mutable_data());
+  return out;
+}
+
 }  // namespace
 
 Record safetensors_record(const SafetensorsFile& file, std::int64_t max_rows) {
@@ -540,12 +601,19 @@ Record safetensors_record(const SafetensorsFile& file, std::int64_t max_rows) {
     throw FormatError(path, std::nullopt, "hidden_states",
                       "no hidden_states tensor (" + record_keys_expected() + ")");
   HostTensor ids_t = file.tensor(*ids);
-  HostTensor hidden_t = file.tensor(*hidden);
   // A leading batch dimension of 1 (ids [1, T]) applies to every tensor.
   const bool batched = ids_t.dim() == 2 && ids_t.shape[0] == 1;
   auto unbatch = [&](HostTensor t) { return batched ? t.squeeze0() : t; };
   r.input_ids = unbatch(ids_t);
-  hidden_t = unbatch(hidden_t);
+  const bool fp8 = hidden->dtype_code.rfind("F8_", 0) == 0 || file.find(kScalesKey) != nullptr;
+  if (fp8 && hidden->dtype && hidden->dtype_code.rfind("F8_", 0) != 0)
+    throw FormatError(path, 8, kScalesKey,
+                      "present but " + hidden->name + " is " + hidden->dtype_code + ", not F8_E4M3");
+  if (fp8 && r.input_ids.dim() != 1)
+    throw FormatError(path, 8, ids->name, "shape " + r.input_ids.shape_string() + ", expected [T]");
+  // FP8: only the rows asked for are decoded; ids (and mask) are cut to them below.
+  HostTensor hidden_t = fp8 ? dequantized_fp8(file, *hidden, r.input_ids.shape[0], max_rows)
+                            : unbatch(file.tensor(*hidden));
   const SafetensorsEntry* aux =
       find_any(file, {"aux_hidden_states", "aux_hidden_state", "hidden_state_features"});
 
@@ -573,6 +641,10 @@ Record safetensors_record(const SafetensorsFile& file, std::int64_t max_rows) {
     last.data = hidden_t.data + (layers - 1) * h * static_cast<std::int64_t>(hidden_t.itemsize());
     r.hidden_states = last;
     r.aux_hidden_states = aux_v;
+    // The layout vLLM's hidden-state extraction writes (and speculators reads): every slice,
+    // the last included, is a decoder layer's output before the final norm (formats/registry.h,
+    // the row's norm_fact).
+    r.layout_prenorm = true;
   } else {
     if (aux == nullptr)
       throw FormatError(path, std::nullopt, "aux_hidden_states",
@@ -583,6 +655,13 @@ Record safetensors_record(const SafetensorsFile& file, std::int64_t max_rows) {
     r.aux_hidden_states = unbatch(file.tensor(*aux));
   }
   if (const auto* mask = file.find("loss_mask")) r.loss_mask = unbatch(file.tensor(*mask));
+  if (fp8 && hidden_t.shape[0] < r.input_ids.shape[0]) {
+    if (r.loss_mask && r.loss_mask->dim() == 1 && r.loss_mask->shape[0] != r.input_ids.shape[0])
+      throw FormatError(path, std::nullopt, "loss_mask",
+                        "shape " + r.loss_mask->shape_string() + ", expected [" + std::to_string(r.tokens()) + "]");
+    r.input_ids = r.input_ids.rows(hidden_t.shape[0]);
+    if (r.loss_mask) r.loss_mask = r.loss_mask->rows(hidden_t.shape[0]);
+  }
   const auto norm = file.metadata().find("hidden_states_prenorm");
   if (norm != file.metadata().end()) {
     if (norm->second != "true" && norm->second != "false")
@@ -600,9 +679,13 @@ class SafetensorsRecordReader final : public RecordReader {
  public:
   explicit SafetensorsRecordReader(std::shared_ptr<const SafetensorsFile> file)
       : file_(std::move(file)) {
-    // Validate the record layout once, so that info() never throws on a valid header.
-    info_ = info_of(safetensors_record(*file_, -1));
-    info_.codec = "raw";
+    // Validate the record layout once, so that info() never throws on a valid header. Zero
+    // rows: every check runs, and an FP8 record decodes nothing.
+    info_ = info_of(safetensors_record(*file_, 0));
+    const SafetensorsEntry* ids = find_any(*file_, {"input_ids", "token_ids"});
+    info_.tokens = ids->shape.back();  // [T] or [1, T], checked above
+    const SafetensorsEntry* hidden = find_any(*file_, {"hidden_states", "hidden_state"});
+    info_.codec = hidden->dtype_code.rfind("F8_", 0) == 0 ? "fp8" : "raw";
     info_.byte_offset = 0;
     info_.byte_size = file_->source()->size();
   }

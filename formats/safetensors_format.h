@@ -14,7 +14,8 @@
 //
 // dtypes: BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64 map to eaglekit's DType; F8_E5M2,
 // F8_E4M3, F8_E8M0, U16, U32, U64 and C64 are parsed (so that a model folder holding them
-// opens) but a tensor of those types cannot be read (UnsupportedError).
+// opens) but a tensor of those types cannot be read (UnsupportedError), except an FP8
+// record's hidden_states, which the record view dequantises (below).
 //
 // The reader checks every offset before anything is touched: header length against the
 // file size, each data_offsets pair against its dtype and shape and against the data
@@ -141,10 +142,18 @@ class SafetensorsWeights {
 //    and hidden_states the view [T, H] at column k*H;
 //  - our names: input_ids [T], hidden_states [T, H], aux_hidden_states [T, k*H]
 //    (aliases hidden_state, aux_hidden_state, hidden_state_features);
+//  - speculators FP8 (hs_connectors' FP8HiddenStatesConnector, speculators PR 1028): the
+//    stacked layout with hidden_states float8_e4m3fn [T, L, H] and hidden_states_scales
+//    float32, one per token over all L*H values (scale = amax / 448; [T, 1, 1], [T, 1] or
+//    [T]) or one per tensor ([1]): dequantised to float32 as fp8 * scale (the producer's
+//    dequantize_fp8_tensor with dtype float32, bit for bit), only the rows read; codec "fp8".
+//    A scale that is not finite and > 0 is a FormatError naming its byte offset;
 //  - either: optional loss_mask [T]; a leading batch dimension of 1 is dropped.
 // The conversation id is __metadata__["conversation_id"], else the file stem;
 // __metadata__["hidden_states_prenorm"] ("true" / "false"; absent: not stated) is
-// Record::hidden_states_prenorm.
+// Record::hidden_states_prenorm. The stacked layout sets Record::layout_prenorm (pre-norm):
+// vLLM captures each layer, the last included, as hidden_states + residual after that layer,
+// and runs the final norm after its loop (vLLM 0.32 model_executor/models/llama.py).
 std::unique_ptr<RecordReader> open_safetensors_reader(const std::string& path);
 // Writes our key names plus {"format": "pt", "conversation_id": ID} metadata (and
 // "hidden_states_prenorm" when the record states it); takes exactly one add().

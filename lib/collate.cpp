@@ -484,7 +484,11 @@ void BatchBuilder::place(std::size_t i, const Placement& p) {
   const std::int64_t n = std::min(rec.tokens(), m.length - p.offset);
   const std::int64_t a = std::max(p.offset, m.first), e = std::min(p.offset + n, last);
   m.placed[i] = 1;
-  if (rec.hidden_states_prenorm) m.prenorm[i] = *rec.hidden_states_prenorm ? 1 : 0;
+  // The record's stated norm form, else (unless a --hidden-states-norm option names it) the one
+  // its layout implies.
+  const std::optional<bool> form =
+      rec.hidden_states_prenorm ? rec.hidden_states_prenorm : m.opts.layout_norm ? rec.layout_prenorm : std::nullopt;
+  if (form) m.prenorm[i] = *form ? 1 : 0;
   if (e <= a) return;
   const std::int64_t r = p.row;
   const std::int64_t s0 = a - p.offset, s1 = e - p.offset;  // record rows

@@ -45,6 +45,9 @@ struct CollateOptions {
   std::int64_t last_token = -1;
   int cp_rank = 0;
   int cp_size = 1;
+  // Take the norm form a record's layout implies (Record::layout_prenorm) where it states
+  // none; off when --hidden-states-norm names the form of such records (trainer/run/run_setup.h).
+  bool layout_norm = true;
   void check() const;  // throws UsageError
 };
 
@@ -59,7 +62,7 @@ struct Batch {
   // pack mode only (undefined otherwise):
   at::Tensor document_ids;  // [B, W] int64: 0, 1, ... per document of a row; -1 on padding
   at::Tensor position_ids;  // [B, W] int64: restarts at 0 for each document; 0 on padding
-  // Each token's stated norm form (Record::hidden_states_prenorm), [B, W] int8: 1 pre-norm,
+  // Each token's known norm form (stated, else its layout's: CollateOptions::layout_norm), [B, W] int8: 1 pre-norm,
   // 0 post-norm, -1 not stated (and padding). Undefined when no record of the batch states
   // one. Per token, not per row, because a packed row may mix records of both forms.
   at::Tensor hidden_states_prenorm;

@@ -62,6 +62,8 @@ std::vector<Record> read_unit(const Unit& u) {
   } else {
     for (std::size_t i = 0; i < reader->size(); ++i) out.push_back(reader->read(i));
   }
+  // The form the source's layout implies is stated in the output, whose layout implies none.
+  for (Record& r : out) r.hidden_states_prenorm = r.known_prenorm();
   return out;
 }
 

@@ -1,5 +1,7 @@
 // `eaglekit convert`: any record file(s) to any record format, values preserved exactly
-// (tensors are passed through in their dtype; nothing is cast).
+// (tensors are passed through in their dtype; nothing is cast). A norm form the source's
+// layout implies (Record::layout_prenorm: speculators' stacked layout is pre-norm) is
+// written as the output's stated form, since the output's layout implies none.
 //
 // SRC is a record file, "FILE#conversation_id" (one record of a shard), or a folder (every
 // record file below it, recursively, sorted; records in file order). The output format is

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -410,7 +411,8 @@ Dataset match_keys(const std::vector<Conversation>& conversations, const std::ve
     }
     auto [slot, added] = file_slot.try_emplace(e.file, static_cast<std::uint32_t>(d.files.size()));
     if (added) d.files.emplace_back(index.file(e.file).path);
-    d.samples.push_back({c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm});
+    d.samples.push_back(
+        {c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm, e.layout_prenorm, e.has_loss_mask});
   }
   d.duplicate_ids.assign(duplicates.begin(), duplicates.end());
   return d;
@@ -454,6 +456,24 @@ Dataset match_records(const std::vector<Conversation>& conversations, const Data
   Dataset d = match_keys(conversations, positions, index, rows, quarantine);
   d.matched_by = "row";
   return d;
+}
+
+std::string no_loss_mask_line(const std::vector<SampleRef>& samples, std::int64_t max_length) {
+  if (samples.empty()) return "";
+  std::int64_t read = 0, trained = 0;
+  for (const auto& s : samples) {
+    if (s.has_loss_mask) return "";
+    const std::int64_t t = max_length > 0 ? std::min(s.tokens, max_length) : s.tokens;
+    read += t;
+    trained += std::max<std::int64_t>(t - 1, 0);  // each token after the first is a target
+  }
+  char share[32];
+  std::snprintf(share, sizeof share, "%.1f%%", 100.0 * static_cast<double>(trained) / static_cast<double>(read));
+  return "no loss mask found: none of the " + std::to_string(samples.size()) +
+         " records stores one, so every token is trained: " + std::to_string(trained) + " of the " +
+         std::to_string(read) + " tokens read (" + share +
+         ", all but each record's first), prompts included; a chat dump usually trains only the assistant's "
+         "replies, and some producers keep the mask outside the dump (speculators: in its prepared dataset folder)";
 }
 
 Dataset index_dataset(const DatasetIndex& index, const std::set<std::string>& quarantine) {

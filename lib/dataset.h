@@ -51,7 +51,16 @@ struct SampleRef {
   std::uint32_t record = 0;  // record number inside that file (RecordReader::read(record))
   std::int64_t tokens = 0;
   std::optional<bool> hidden_states_prenorm;  // as the record states it (index entry)
+  std::optional<bool> layout_prenorm;         // as its layout implies (index entry; Record::layout_prenorm)
+  bool has_loss_mask = false;                 // the record stores a loss mask (index entry)
 };
+
+// One line when none of `samples` stores a loss mask: every token is then trained (the loss
+// weighs position t by mask[t + 1], all ones), with the share of the tokens read (each record
+// cut at `max_length`; <= 0: whole) that is; "" when some record stores one. Said once by
+// train, evaluate and validate, since a chat dump usually trains only the assistant's replies
+// and some producers keep the mask outside the dump (speculators: its prepared dataset folder).
+std::string no_loss_mask_line(const std::vector<SampleRef>& samples, std::int64_t max_length);
 
 struct Dataset {
   std::vector<std::string> files;   // paths of record files

@@ -163,6 +163,7 @@ IndexedFile reuse_file(const DatasetIndex& prev, std::size_t fi, const std::stri
     r.info.hidden_dtype = e.hidden_dtype;
     r.info.has_loss_mask = e.has_loss_mask;
     r.info.hidden_states_prenorm = e.hidden_states_prenorm;
+    r.info.layout_prenorm = e.layout_prenorm;
     r.info.byte_offset = e.byte_offset;
     r.info.byte_size = e.byte_size;
   }
@@ -390,6 +391,7 @@ std::string index_to_json(const DatasetIndex& index) {
       je["has_loss_mask"] = e.has_loss_mask;
       je["hidden_states_prenorm"] =
           e.hidden_states_prenorm ? json(*e.hidden_states_prenorm) : json(nullptr);
+      je["layout_prenorm"] = e.layout_prenorm ? json(*e.layout_prenorm) : json(nullptr);
       je["codec"] = e.codec;
       je["byte_offset"] = e.byte_offset;
       je["byte_size"] = e.byte_size;

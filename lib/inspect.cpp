@@ -193,7 +193,10 @@ nlohmann::ordered_json prenorm_json(const std::optional<bool>& v) {
   return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
 }
 
-std::string norm_text(const std::optional<bool>& v) {
+std::string norm_text(const RecordInfo& i) {
+  const std::optional<bool>& v = i.hidden_states_prenorm;
+  if (!v && i.layout_prenorm)
+    return std::string(*i.layout_prenorm ? "pre" : "post") + "-norm (not stated; implied by its layout)";
   return !v ? "not stated" : *v ? "pre-norm (stated by the record)" : "post-norm (stated by the record)";
 }
 
@@ -254,7 +257,7 @@ std::string inspect_text(const InspectResult& r) {
     const RecordSummary& s = r.records[0];
     out += "conversation_id: " + s.info.conversation_id + "\n";
     out += "codec:           " + s.info.codec + "\n";
-    out += "norm form:       " + norm_text(s.info.hidden_states_prenorm) + "\n";
+    out += "norm form:       " + norm_text(s.info) + "\n";
     out += "tensors:\n";
     for (const auto& t : s.tensors) {
       char line[512];

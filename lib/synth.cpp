@@ -386,6 +386,8 @@ struct SynthGenerator::Impl {
     r.input_ids = HostTensor::from_bytes(DType::kInt64, {t}, std::move(idb));
     r.hidden_states = HostTensor::from_bytes(dt, {t, h}, std::move(hid));
     r.aux_hidden_states = HostTensor::from_bytes(dt, {t, k * h}, std::move(aux));
+    // The generator knows the form it wrote, and says so as a producer should.
+    r.hidden_states_prenorm = o.prenorm;
     return r;
   }
 

@@ -232,6 +232,7 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   rep.matched_by = d.matched_by;
   const bool by_row = d.matched_by == "row";
   rep.matched = d.samples.size();
+  rep.no_loss_mask = no_loss_mask_line(d.samples, o.max_length);
   // Matched entries by (file path, record): ids alone do not say which entry a row matched.
   std::set<std::pair<std::string, std::uint32_t>> matched_at;
   for (const auto& s : d.samples) {
@@ -540,6 +541,7 @@ std::string validate_report_to_json(const ValidateReport& r) {
   j["quarantine_read"] = r.quarantine_read;
   j["matched_by"] = r.matched_by;
   j["padding"] = padding_json(r.padding);
+  j["no_loss_mask"] = r.no_loss_mask.empty() ? json(nullptr) : json(r.no_loss_mask);
   if (r.max_length > 0)
     j["truncation"] = {{"max_length", r.max_length},
                        {"records", r.truncated_records},
@@ -561,6 +563,7 @@ std::string validate_report_to_text(const ValidateReport& r) {
     os << "dataset: hidden size " << r.hidden_size << ", aux width " << r.aux_width << " ("
        << r.aux_width / r.hidden_size << " layers), " << dtype_name(r.dtype) << "\n";
   if (r.deep) os << "deep: read " << r.deep_records << " matched records in full\n";
+  if (!r.no_loss_mask.empty()) os << r.no_loss_mask << "\n";
 
   std::size_t warnings = 0;
   auto section = [&](const char* name, std::size_t n, const std::string& what,

@@ -115,6 +115,7 @@ struct ValidateReport {
   std::int64_t truncated_tokens = 0;
   std::int64_t matched_tokens = 0;
   PaddingReport padding;            // over the matched records (padding_candidate)
+  std::string no_loss_mask;         // lib/dataset.h no_loss_mask_line over the matched records ("" when one has one)
   std::vector<std::string> fatal;   // why the dataset is not trainable (empty when ok)
   std::string quarantine_path;      // written when non-empty
   std::size_t quarantined = 0;      // ids written to it
@@ -134,6 +135,7 @@ void write_validate_quarantine(ValidateReport& report, const std::string& path);
 // {"ok", "conversations", "records", "matched", "missing", "orphans", "duplicate_ids",
 //  "unreadable": [{"path", "error"}], "shape_mismatch", "dtype_mismatch", "nonfinite",
 //  "too_short"} (lists of ids), "bad_conversations": [{"line", "error"}], "quarantine_read",
+// "no_loss_mask" (lib/dataset.h no_loss_mask_line, null when some record stores a mask),
 // plus "truncation" with --max-length and "quarantine" when one was written.
 std::string validate_report_to_json(const ValidateReport& report);
 // Counts, the first few of each problem and a hint of what to do.

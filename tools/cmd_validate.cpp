@@ -31,8 +31,8 @@ opt::Groups ValidateCli::groups() {
                       field("positions", "N", positions, "Positions sampled per record for --base"),
                       opt::choice_of("hidden_states_norm", hidden_states_norm, trainer::kHiddenStatesNormNames,
                                      "The form --base reads records that state none in (a record's stored "
-                                     "hidden_states_prenorm wins): post, pre, or auto: the form the dataset "
-                                     "measures as"),
+                                     "hidden_states_prenorm wins): post, pre, or auto: the form the record's "
+                                     "layout implies, else the form the dataset measures as"),
                       field("device", "NAME", device, "Where --base's head runs: cpu, cuda or cuda:N")}}};
 }
 

@@ -4,7 +4,9 @@
 // struct + numpy; numpy rather than torch because importing torch costs seconds).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -642,4 +644,150 @@ for name in ["pre", "post", "unstated"]:
                                 {dir.path()});
   REQUIRE_MESSAGE(res.exit_code == 0, res.err);
   CHECK(res.out == "pre true\npost false\nunstated -\n");
+}
+
+// speculators' FP8 records, written by the producers' own code (tests/data/speculators_fp8/
+// make_fixture.py: hs_connectors 0.9.0's FP8HiddenStatesConnector, and the expected values
+// from its reader, FP8Transfer, dequantising to float32).
+namespace {
+
+std::string fp8_fixture(const std::string& sub, int i) {
+  return test::source_dir() + "/tests/data/speculators_fp8/" + sub + "/hs_" + std::to_string(i) + ".safetensors";
+}
+
+std::vector<std::uint8_t> bytes_of(const std::string& path) {
+  const auto src = ByteSource::open_file(path);
+  return std::vector<std::uint8_t>(src->data(), src->data() + src->size());
+}
+
+// The file with its header changed by `edit` (data offsets are relative to the data, so the
+// tensors stay where they were).
+std::vector<std::uint8_t> with_header(const std::vector<std::uint8_t>& file,
+                                      const std::function<void(nlohmann::json&)>& edit) {
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(file[static_cast<std::size_t>(i)]) << (8 * i);
+  nlohmann::json h = nlohmann::json::parse(file.begin() + 8, file.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+  edit(h);
+  const std::string text = h.dump();
+  std::vector<std::uint8_t> out = file_bytes(text, 0);
+  out.insert(out.end(), file.begin() + 8 + static_cast<std::ptrdiff_t>(n), file.end());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("safetensors: speculators' FP8 records read as the producer's reader dequantises them, bit for bit") {
+  for (int i : {0, 1}) {
+    CAPTURE(i);
+    const auto reader = open_reader(fp8_fixture("dump", i));
+    const auto expected = SafetensorsFile::open(fp8_fixture("expected", i));
+    const HostTensor want = *expected->get("hidden_states");  // float32 [T, 3, 8]
+    const std::int64_t t = want.shape[0];
+    const RecordInfo info = reader->info(0);
+    CHECK(info.tokens == t);
+    CHECK(info.hidden_size == 8);
+    CHECK(info.aux_width == 16);
+    CHECK(info.hidden_dtype == DType::kFloat32);
+    CHECK(info.codec == "fp8");
+    CHECK(info.layout_prenorm == std::optional<bool>(true));  // vLLM's capture: before the final norm
+    CHECK_FALSE(info.hidden_states_prenorm.has_value());
+    for (std::int64_t rows : {t, std::int64_t{2}}) {
+      CAPTURE(rows);
+      const Record r = rows == t ? reader->read(0) : reader->read_prefix(0, rows);
+      REQUIRE(r.tokens() == rows);
+      CHECK(std::memcmp(r.input_ids.data, expected->get("token_ids")->data, static_cast<std::size_t>(8 * rows)) == 0);
+      const auto* w = reinterpret_cast<const float*>(want.data);
+      std::int64_t differ = 0;
+      for (std::int64_t tok = 0; tok < rows; ++tok)
+        for (std::int64_t c = 0; c < 24; ++c) {
+          const HostTensor& part = c < 16 ? r.aux_hidden_states : r.hidden_states;
+          const std::int64_t col = c < 16 ? c : c - 16;
+          float got;
+          std::memcpy(&got, part.data + 4 * (tok * part.strides[0] + col), 4);
+          differ += std::memcmp(&got, &w[tok * 24 + c], 4) != 0;
+        }
+      CHECK(differ == 0);
+    }
+  }
+  // Record 1 has an all-zero token: scale 1e-12 (the producer's clamp), codes 0, read back 0.
+  const Record r = open_reader(fp8_fixture("dump", 1))->read(0);
+  const auto* z = reinterpret_cast<const float*>(r.hidden_states.data + 4 * 2 * r.hidden_states.strides[0]);
+  CHECK(z[0] == 0.0f);
+}
+
+TEST_CASE("safetensors: FP8 records that are truncated or corrupt are refused with the file, offset and field") {
+  const std::vector<std::uint8_t> good = bytes_of(fp8_fixture("dump", 0));
+  const auto ok = parse_bytes(good);
+  const SafetensorsEntry* scales = ok->find("hidden_states_scales");
+  REQUIRE(scales != nullptr);
+  CHECK_NOTHROW(safetensors_record(*ok));
+  // Every cut of the file is refused by the header checks before any byte is decoded.
+  for (std::size_t cut = 0; cut < good.size(); cut += 7) {
+    CAPTURE(cut);
+    std::vector<std::uint8_t> b(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut));
+    CHECK_THROWS_AS(safetensors_record(*parse_bytes(b)), FormatError);
+  }
+  // A scale that the producer cannot have written (it clamps to >= 1e-12): NaN, 0, negative.
+  const std::uint64_t at = ok->data_start() + scales->begin + 4 * 3;  // token 3's scale
+  for (float bad : {std::nanf(""), 0.0f, -0.5f}) {
+    CAPTURE(bad);
+    std::vector<std::uint8_t> b = good;
+    std::memcpy(b.data() + at, &bad, 4);
+    CHECK_THROWS_WITH_AS(safetensors_record(*parse_bytes(b)),
+                         doctest::Contains(("bad.safetensors: hidden_states_scales[3] at byte " + std::to_string(at) +
+                                            ": scale ")
+                                               .c_str()),
+                         FormatError);
+    // Reading only the rows before it does not decode it.
+    CHECK(safetensors_record(*parse_bytes(b), 3).tokens() == 3);
+  }
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"no scales", [](nlohmann::json& h) { h.erase("hidden_states_scales"); },
+       "bad.safetensors: hidden_states at byte 8: is F8_E4M3 but the file has no hidden_states_scales (speculators' "
+       "FP8 records store one float32 scale per token beside it)"},
+      {"scales not F32", [](nlohmann::json& h) { h["hidden_states_scales"]["dtype"] = "I32"; },
+       "bad.safetensors: hidden_states_scales at byte 8: dtype I32, expected F32"},
+      {"scales of another length",
+       [](nlohmann::json& h) {
+         h["hidden_states_scales"]["shape"] = {3, 2};
+       },
+       "bad.safetensors: hidden_states_scales at byte 8: shape [3, 2], expected one scale per token ([6, 1, 1], "
+       "[6, 1] or [6]) or one for the tensor ([1])"},
+      {"not stacked",
+       [](nlohmann::json& h) {
+         h["hidden_states"]["shape"] = {6, 24};
+       },
+       "bad.safetensors: hidden_states at byte 8: F8_E4M3 of shape [6, 24], expected [T, L, H] with T = 6 (the ids' "
+       "length), as speculators' FP8 connector writes it"},
+      {"ids of another length",
+       [](nlohmann::json& h) {
+         h["token_ids"]["shape"] = {3};
+         h["token_ids"]["data_offsets"][1] = h["token_ids"]["data_offsets"][0].get<int>() + 24;
+       },
+       "bad.safetensors: hidden_states at byte 8: F8_E4M3 of shape [6, 3, 8], expected [T, L, H] with T = 3 (the "
+       "ids' length), as speculators' FP8 connector writes it"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    CHECK_THROWS_WITH_AS(safetensors_record(*parse_bytes(with_header(good, c.edit))), c.message.c_str(), FormatError);
+  }
+  // Another FP8 type is refused as one eaglekit does not read; scales beside BF16 states too.
+  CHECK_THROWS_WITH_AS(safetensors_record(*parse_bytes(with_header(good, [](nlohmann::json& h) {
+                         h["hidden_states"]["dtype"] = "F8_E5M2";
+                       }))),
+                       "bad.safetensors: hidden_states at byte 8: F8_E5M2 hidden states cannot be read (speculators' FP8 "
+                       "records are F8_E4M3)",
+                       UnsupportedError);
+  const auto bf16 = bytes_of(fp8_fixture("bf16", 0));
+  CHECK_NOTHROW(safetensors_record(*parse_bytes(bf16)));
+  CHECK_THROWS_WITH_AS(safetensors_record(*parse_bytes(with_header(good, [](nlohmann::json& h) {
+                         h["hidden_states"]["dtype"] = "U8";
+                       }))),
+                       "bad.safetensors: hidden_states_scales at byte 8: present but hidden_states is U8, not F8_E4M3",
+                       FormatError);
 }

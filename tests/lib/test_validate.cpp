@@ -212,14 +212,15 @@ TEST_CASE("validate: problems the loader skips are warnings; exit 0") {
   CHECK(text.find("result: trainable as is (6 kinds of warnings above") != std::string::npos);
 
   // The JSON form: exactly the keys (plus "fatal", how samples were matched, the
-  // SpecForge padding scan, the unreadable conversations and the quarantine ids read back).
+  // SpecForge padding scan, the unreadable conversations, the quarantine ids read back and
+  // the line said when no record stores a loss mask).
   const auto j = nlohmann::json::parse(validate_report_to_json(r));
   std::set<std::string> keys;
   for (auto it = j.begin(); it != j.end(); ++it) keys.insert(it.key());
   CHECK(keys == std::set<std::string>{"ok", "conversations", "records", "matched", "missing",
                                       "orphans", "duplicate_ids", "unreadable", "shape_mismatch",
                                       "dtype_mismatch", "nonfinite", "too_short", "fatal", "matched_by",
-                                      "padding", "bad_conversations", "quarantine_read"});
+                                      "padding", "bad_conversations", "quarantine_read", "no_loss_mask"});
   CHECK(j["matched_by"] == "id");
   CHECK(j["ok"] == true);
   CHECK(j["matched"] == 10);

@@ -109,7 +109,8 @@ TEST_CASE("examples: specforge-convert-pack.sh indexes, packs, verifies and plan
   r = test::run("EAGLEKIT=" + test::quote(test::eaglekit_path()) + " DUMP=" + test::quote(dir / "specforge") +
                 " CONVERSATIONS=" + test::quote(dir / "conversations.jsonl") + " BASE=" + test::quote(dir / "base") +
                 " OUT=" + test::quote(dir / "out") + " JOBS=2 MAX_LENGTH=32 bash " +
-                test::quote(example("specforge-convert-pack.sh")) + " --aux-layer-ids 1,2,3");
+                test::quote(example("specforge-convert-pack.sh")) +
+                " --aux-layer-ids 1,2,3 --hidden-states-norm post");  // random states: not measurable
   REQUIRE_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
   CHECK(r.out.find("12 of 12 conversations matched a record by row") != std::string::npos);
   CHECK(fs::exists(dir / "out/shards/pack-manifest.json"));

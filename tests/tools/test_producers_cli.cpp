@@ -6,6 +6,7 @@
 // docs/data.md, matching.
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -13,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "formats/format.h"
+#include "formats/record.h"
 #include "tests/support.h"
 
 using namespace eaglekit;
@@ -67,12 +70,26 @@ std::vector<std::string> collated_ids(const std::string& dir) {
   return ids;
 }
 
+// How many elements of two float32 [T, W] views (any row stride) differ in their bits; -1
+// when shapes or dtypes differ.
+std::int64_t differing(const HostTensor& a, const HostTensor& b) {
+  if (a.shape != b.shape || a.dtype != DType::kFloat32 || b.dtype != DType::kFloat32 || a.dim() != 2) return -1;
+  std::int64_t n = 0;
+  for (std::int64_t t = 0; t < a.shape[0]; ++t)
+    for (std::int64_t c = 0; c < a.shape[1]; ++c)
+      n += std::memcmp(a.data + 4 * (t * a.strides[0] + c * a.strides[1]),
+                       b.data + 4 * (t * b.strides[0] + c * b.strides[1]), 4) != 0;
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched, ordered and trained on") {
   auto d = make_dumps();
+  // The dumps hold random states, not of this base: their norm form cannot be measured, so it is named.
   const std::string train_flags = " --base " + test::quote(d->base) +
-                                  " --max-steps 2 --batch-size 4 --max-length 32 --jobs 2 --threads 2 --eval-every -1";
+                                  " --max-steps 2 --batch-size 4 --max-length 32 --jobs 2 --threads 2 --eval-every -1"
+                                  " --hidden-states-norm post";
   std::vector<std::string> reference;  // conv-0 .. conv-11 in --data order
   for (int i = 0; i < kConversations; ++i) reference.push_back("conv-" + std::to_string(i));
 
@@ -202,6 +219,13 @@ TEST_CASE("producers: SpecForge, TensorRT-LLM and speculators dumps are matched,
     const auto py = test::python(R"PY(
 import sys, torch
 a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])
+# The speculators layout implies pre-norm states (its row's norm fact): only its batches say
+# each token's form, 1 on every token.
+flags = "hidden_states_prenorm"
+for x in (a, b):
+    if flags in x:
+        assert bool((x[flags][x["attention_mask"] == 1] == 1).all()), x[flags]
+        del x[flags]
 assert a.keys() == b.keys(), (a.keys(), b.keys())
 for k in a:
     if k == "loss_mask":
@@ -225,4 +249,68 @@ print("ok")
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
     CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
   }
+}
+
+// speculators' FP8 records as its connector writes them (tests/data/speculators_fp8/, made by
+// the producers' own code: make_fixture.py), through every command a user runs on a dump.
+TEST_CASE("producers cli: speculators' FP8 records index, validate, stats, inspect, convert and train") {
+  test::TempDir dir("producers-fp8");
+  const std::string fx = test::source_dir() + "/tests/data/speculators_fp8";
+  const std::string index = dir / "fp8.eki";
+  // A base of the fixture's widths (H 8, vocabulary 32; its records are not used).
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "unused") + " --conversations 2 --hidden 8 --vocab 32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(fx + "/dump") + " --out " + test::quote(index));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index --show " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["entries"].size() == 2);
+    for (const auto& e : j["entries"]) {
+      CHECK(e["codec"] == "fp8");
+      CHECK(e["hidden_dtype"] == "float32");
+      CHECK(e["hidden_size"] == 8);
+      CHECK(e["aux_width"] == 16);
+      CHECK(e["layout_prenorm"] == true);
+      CHECK(e["hidden_states_prenorm"].is_null());
+    }
+  }
+  const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
+  r = test::eaglekit("validate" + data + " --deep");
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+  // The connector writes no loss mask: said once, with the share of tokens trained.
+  const std::string no_mask = "no loss mask found: none of the 2 records stores one, so every token is trained: 8 of "
+                              "the 10 tokens read (80.0%, all but each record's first)";
+  CHECK_MESSAGE(r.out.find(no_mask) != std::string::npos, r.out);
+  r = test::eaglekit("stats --index " + test::quote(index) + " --json");
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("inspect " + test::quote(fx + "/dump/hs_0.safetensors"));
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("norm form:       pre-norm (not stated; implied by its layout)") != std::string::npos);
+  // convert: to .eks and .pt, values as the producer's reader gives them, the form stated.
+  for (const char* ext : {".eks", ".pt"}) {
+    CAPTURE(ext);
+    const std::string out = dir / (std::string("hs_0") + ext);
+    r = test::eaglekit("convert " + test::quote(fx + "/dump/hs_0.safetensors") + " " + test::quote(out));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const Record got = open_reader(out)->read(0);
+    const Record want = open_reader(fx + "/expected/hs_0.safetensors")->read(0);
+    CHECK(got.hidden_states_prenorm == std::optional<bool>(true));
+    REQUIRE(got.tokens() == want.tokens());
+    CHECK(differing(got.hidden_states, want.hidden_states) == 0);
+    CHECK(differing(got.aux_hidden_states, want.aux_hidden_states) == 0);
+  }
+  // train: matched by row, pre-norm by the layout, no mask said once.
+  r = test::eaglekit("train" + data + " --base " + test::quote(dir / "base") + " --out " + test::quote(dir / "run") +
+                     " --aux-layer-ids 1,2 --max-steps 2 --batch-size 2 --max-length 16 --eval-fraction 0"
+                     " --eval-every -1 --jobs 2 --threads 2 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+  CHECK(r.err.find("0 pre-norm, 0 post-norm, 2 not stated, of which 2 pre-norm and 0 post-norm by their layout") !=
+        std::string::npos);
+  const auto first = r.err.find(no_mask);
+  CHECK_MESSAGE(first != std::string::npos, r.err);
+  CHECK(r.err.find(no_mask, first + 1) == std::string::npos);  // once
 }

@@ -124,7 +124,9 @@ for path in glob.glob(sys.argv[1] + "/records/**/*.pt", recursive=True):
     i = int(path.rsplit("synth-", 1)[1][:-3])
     rec = torch.load(path)
     if i == 9:
-        continue                       # says nothing
+        rec.pop("hidden_states_prenorm", None)  # says nothing (synth states its form)
+        torch.save(rec, path)
+        continue
     rec["hidden_states_prenorm"] = not (i == 5 and sys.argv[2] == "wrong")  # record 5: a wrong flag
     torch.save(rec, path)
 )PY";

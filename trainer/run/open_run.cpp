@@ -68,6 +68,7 @@ std::unique_ptr<OpenRun> open_run(const RunPlan& plan, const dist::Mesh& mesh, c
 
   r.loader_options = loader_options(o, mesh.dp_rank(), mesh.dp_size(), mesh.cp_rank(), mesh.cp_size());
   r.loader_options.sampler.epochs = plan.epochs;
+  r.loader_options.collate.layout_norm = plan.norm.layout_norm;
   r.loader = std::make_unique<Loader>(plan.train_data->dataset, plan.train_data->samples, r.loader_options);
 
   BaseLoadOptions bo;

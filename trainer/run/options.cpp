@@ -60,9 +60,11 @@ opt::Group model_options(ModelOptions& m) {
                              "Whether the dump's hidden_states come after the base's final norm (post: HF "
                              "hidden_states[-1], ModelOpt's HF dumper, SpecForge) or before it (pre: the last "
                              "layer's output; the base's final RMSNorm is applied before lm_head). A record's "
-                             "stored hidden_states_prenorm wins; post/pre is the form of records that state none; "
-                             "auto: the stated forms, post when no record states one (said), an error when only "
-                             "some do. eaglekit validate --base measures which one a dump is"),
+                             "stored hidden_states_prenorm wins; post/pre is the form of records that state none "
+                             "(over what their layout implies); auto: the stated form, else the one the record's "
+                             "layout implies (speculators' stacked [T, k+1, H]: pre), else measured through the "
+                             "base's head on a sample (the plan says which decided), an error (exit 2) when that "
+                             "is unclear"),
               opt::choice_of("ttt_attention", m.ttt_attention, kTttAttentionNames,
                              "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
                              "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "

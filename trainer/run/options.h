@@ -32,8 +32,8 @@ enum class ComputeDType { kFloat32, kBFloat16 };
 // Where a dump took the last layer's hidden states (the targets' input): after the base's
 // final norm (post: what Hugging Face's output_hidden_states[-1] holds, ModelOpt's HF
 // dumper, SpecForge) or before it (pre: the last decoder layer's output).
-// auto: the form each record states, else post-norm when none states one (trainer/run/run_setup.h
-// plan_hidden_states_norm).
+// auto: the form each record states, else the one its layout implies, else measured through
+// the base's head (trainer/run/run_setup.h plan_hidden_states_norm).
 enum class HiddenStatesNorm { kPost, kPre, kAuto };
 inline constexpr NameTable<HiddenStatesNorm, 3> kHiddenStatesNormNames{
     {{HiddenStatesNorm::kPost, "post"}, {HiddenStatesNorm::kPre, "pre"}, {HiddenStatesNorm::kAuto, "auto"}}};

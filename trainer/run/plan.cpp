@@ -21,6 +21,7 @@
 #include "trainer/io/export.h"
 #include "trainer/io/metrics_log.h"
 #include "trainer/model/architecture_rows.h"
+#include "trainer/model/base_model.h"
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/threads.h"
@@ -195,13 +196,39 @@ Probe probe_loader(const RunPlan& p, const std::optional<SamplerState>& resume_a
   return {loader.shape(), loader.steps_in_epoch()};
 }
 
-// The norm form the run takes (run_setup.h plan_hidden_states_norm), as a decision.
+// The norm form the run takes (run_setup.h plan_hidden_states_norm), as a decision. Under
+// auto, records whose form neither they nor their layout give are measured through the
+// base's head (its embeddings, lm_head and final norm are read for that, on the CPU): those
+// of the train split (evaluate: its split), else of the eval split.
 void plan_norm(RunPlan& p, const std::vector<SampleRef>& samples) {
-  p.norm = plan_hidden_states_norm(p.options.hidden_states_norm, samples);
+  const NormMeasure measure = [&p]() {
+    std::vector<SampleRef> unknown;
+    const Dataset* dataset = nullptr;
+    for (const SelectedData* d : {p.train_data.get(), p.eval_data.get()}) {
+      if (!d) continue;
+      for (const auto& s : d->samples)
+        if (!s.hidden_states_prenorm && !s.layout_prenorm) unknown.push_back(s);
+      if (!unknown.empty()) {
+        dataset = &d->dataset;
+        break;
+      }
+    }
+    if (!dataset) return NormMeasurement{"unclear", "no record to measure", 0, 0, 0, 0};
+    BaseLoadOptions bo;
+    bo.final_norm = true;
+    const BaseModel base = load_base_model(p.options.base, bo);
+    return measure_norm_form(*dataset, unknown, base);
+  };
+  p.norm = plan_hidden_states_norm(p.options.hidden_states_norm, samples, measure);
   const NormPlan& n = p.norm;
-  const bool all_stated = n.unstated == 0 && n.stated_pre + n.stated_post > 0;
-  p.decisions.push_back({"norm form",
-                         all_stated ? "each record's stated form" : n.default_pre ? "pre-norm" : "post-norm", n.said});
+  std::string sources;
+  for (const auto& s : n.source) sources += (sources.empty() ? "" : ", ") + s;
+  const bool all_known = n.unstated == 0 && (n.layout_norm || n.layout_pre + n.layout_post == 0) &&
+                         n.stated_pre + n.stated_post + n.layout_pre + n.layout_post > 0;
+  const std::string value = all_known ? (n.layout_pre + n.layout_post > 0 ? "each record's stated or layout's form"
+                                                                          : "each record's stated form")
+                                      : n.default_pre ? "pre-norm" : "post-norm";
+  p.decisions.push_back({"norm form", value + " (" + sources + ")", n.said});
 }
 
 std::string draft_vocab_why(const RunPlan& p) {
@@ -453,6 +480,7 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
     plan_norm(p, read);
     for (const auto& w : p.norm.warnings) p.notes.push_back("warning: " + w);
     p.notes.push_back(p.norm.said);
+    if (std::string l = no_loss_mask_line(p.train_data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
   }
   p.base = load_base_config(o.base);
   for (const auto& d : p.base.defaults_applied) p.notes.push_back(o.base + "/config.json: " + d);
@@ -568,6 +596,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   p.decisions.push_back({"split", std::to_string(p.train_samples) + " samples", "--split " + o.split});
   p.train_data = data;
   plan_norm(p, data->samples);
+  if (std::string l = no_loss_mask_line(data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
 
   p.base = load_base_config(o.base);
   DraftSource source;
@@ -713,6 +742,16 @@ std::string RunPlan::to_json() const {
   std::vector<std::string> all_notes = notes;
   all_notes.insert(all_notes.end(), schedule_said.begin(), schedule_said.end());
   j["notes"] = all_notes;
+  const bool defaulted = norm.unstated > 0 || (!norm.layout_norm && norm.layout_pre + norm.layout_post > 0);
+  j["norm_form"] = {{"records_not_known", defaulted ? json(norm.default_pre ? "pre" : "post") : json(nullptr)},
+                    {"source", norm.source},
+                    {"stated_pre", norm.stated_pre},
+                    {"stated_post", norm.stated_post},
+                    {"layout_pre", norm.layout_pre},
+                    {"layout_post", norm.layout_post},
+                    {"not_known", norm.unstated},
+                    {"measured", norm.measured.empty() ? json(nullptr) : json(norm.measured)},
+                    {"said", norm.said}};
   j["warnings"] = warnings;
   json ds = json::array();
   for (const auto& d : decisions) ds.push_back({{"name", d.name}, {"value", d.value}, {"why", d.why}});

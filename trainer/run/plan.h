@@ -10,8 +10,11 @@
 // go through the same two functions, so a plan accepts what the run accepts and says what
 // the run will do.
 //
-// What resolve reads: no base weights and no tensors beyond the one folder whose weights are
-// themselves a decision's input: an --init-draft (the layout it names and the d2t that --d2t
+// What resolve reads: no base weights and no tensors beyond the ones that are themselves a
+// decision's input: under --hidden-states-norm auto, when some records neither state their
+// norm form nor have a layout that implies it, the base's embeddings, lm_head and final norm
+// and a sample of those records (the form is measured: run_setup.h plan_hidden_states_norm);
+// an --init-draft (the layout it names and the d2t that --d2t
 // is compared with are facts of its weights), or `evaluate --draft` (the plan keeps that
 // one, float32 on the CPU, for open_run, which takes it over: a copy of a DraftModel shares
 // its tensors).

@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
+#include <stdexcept>
+
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "trainer/parallel/distributed.h"
 #include "trainer/parallel/ring_attention.h"
 
@@ -25,40 +28,81 @@ std::optional<c10::ScalarType> autocast_type(ComputeDType dtype) {
   return std::nullopt;
 }
 
-NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples) {
+namespace {
+
+// The norm facts of the format rows that state one, for a plan's words.
+std::string norm_facts() {
+  std::string out;
+  for (const FormatRow& row : format_rows())
+    if (!row.norm_fact.empty()) out += (out.empty() ? "" : "; ") + std::string(row.norm_fact);
+  return out;
+}
+
+}  // namespace
+
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples,
+                                 const NormMeasure& measure) {
   NormPlan p;
   const SampleRef* first_pre = nullptr;
   const SampleRef* first_post = nullptr;
+  const SampleRef* first_layout_pre = nullptr;
+  const SampleRef* first_layout_post = nullptr;
   const SampleRef* first_unstated = nullptr;
   for (const auto& s : samples) {
-    if (!s.hidden_states_prenorm) {
+    if (s.hidden_states_prenorm) {
+      ++(*s.hidden_states_prenorm ? p.stated_pre : p.stated_post);
+      const SampleRef*& f = *s.hidden_states_prenorm ? first_pre : first_post;
+      if (!f) f = &s;
+    } else if (s.layout_prenorm) {
+      ++(*s.layout_prenorm ? p.layout_pre : p.layout_post);
+      const SampleRef*& f = *s.layout_prenorm ? first_layout_pre : first_layout_post;
+      if (!f) f = &s;
+    } else {
       ++p.unstated;
       if (!first_unstated) first_unstated = &s;
-    } else if (*s.hidden_states_prenorm) {
-      ++p.stated_pre;
-      if (!first_pre) first_pre = &s;
-    } else {
-      ++p.stated_post;
-      if (!first_post) first_post = &s;
     }
   }
   const std::int64_t stated = p.stated_pre + p.stated_post;
-  const std::string counts = std::to_string(p.stated_pre) + " pre-norm, " + std::to_string(p.stated_post) +
-                             " post-norm, " + std::to_string(p.unstated) + " not stated";
+  const std::int64_t by_layout = p.layout_pre + p.layout_post;
+  std::string counts = std::to_string(p.stated_pre) + " pre-norm, " + std::to_string(p.stated_post) + " post-norm, " +
+                       std::to_string(p.unstated + by_layout) + " not stated";
+  if (by_layout > 0)
+    counts += ", of which " + std::to_string(p.layout_pre) + " pre-norm and " + std::to_string(p.layout_post) +
+              " post-norm by their layout";
   if (option == HiddenStatesNorm::kAuto) {
-    if (stated > 0 && p.unstated > 0)
-      throw UsageError("--hidden-states-norm auto: " + std::to_string(stated) + " records state their norm form but " +
-                       std::to_string(p.unstated) + " do not (e.g. '" + first_unstated->conversation_id +
-                       "'; " + counts + "): pass --hidden-states-norm post or pre for the ones that do not "
-                       "(stated forms still win; `eaglekit validate --base` measures which)");
-    p.default_pre = false;
-    p.said = stated > 0 ? "hidden states in the form each record states (" + counts +
-                              "): the base's final RMSNorm is applied before lm_head to the pre-norm ones"
-                        : "hidden states taken as post-norm (--hidden-states-norm auto and no record states its "
-                          "form; pass --hidden-states-norm pre for a dump taken before the base's final norm, e.g. "
-                          "ModelOpt's vLLM path; `eaglekit validate --base` measures which)";
+    p.layout_norm = true;
+    if (stated > 0) p.source.push_back("stated");
+    if (by_layout > 0) p.source.push_back("format");
+    std::string said = "hidden states in the form each record states";
+    if (by_layout > 0) said += " or its layout implies";
+    said += " (" + counts + ")";
+    if (by_layout > 0) said += " (the format's fact: " + norm_facts() + ")";
+    if (p.unstated > 0) {
+      if (!measure) throw std::logic_error("plan_hidden_states_norm: auto needs a measurement");
+      const NormMeasurement m = measure();
+      p.measured = m.said;
+      if (m.form != "pre" && m.form != "post")
+        throw UsageError("--hidden-states-norm auto: " + std::to_string(p.unstated) + " of " +
+                         std::to_string(samples.size()) + " records state no norm form and their layout implies none "
+                         "(e.g. '" + first_unstated->conversation_id + "'), and measuring them through the base's "
+                         "head was unclear: " + m.said + ". Pass --hidden-states-norm post or pre for them (stated "
+                         "forms still win; `eaglekit validate --base` measures every record)");
+      p.default_pre = m.form == "pre";
+      p.source.push_back("measured");
+      const char* name = p.default_pre ? "pre" : "post";
+      said = (stated + by_layout > 0 ? said + "; the " + std::to_string(p.unstated) + " that state none "
+                                     : std::string("hidden states of the ") + std::to_string(p.unstated) +
+                                           " records, which state no norm form, ") +
+             "taken as " + name + "-norm, measured through the base's head: " + m.said;
+    }
+    if ((p.default_pre && p.unstated > 0) || p.stated_pre > 0 || p.layout_pre > 0)
+      said += ": the base's final RMSNorm is applied before lm_head to the pre-norm ones";
+    p.said = said;
   } else {
+    p.layout_norm = false;
     p.default_pre = option == HiddenStatesNorm::kPre;
+    p.source = {"option"};
+    if (stated > 0) p.source.insert(p.source.begin(), "stated");
     const char* name = p.default_pre ? "pre" : "post";
     const std::int64_t against = p.default_pre ? p.stated_post : p.stated_pre;
     if (against > 0) {
@@ -67,14 +111,25 @@ NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<Samp
                            " of " + std::to_string(samples.size()) + " records, which state " +
                            (p.default_pre ? "post" : "pre") + "-norm (e.g. '" + e->conversation_id +
                            "'): they are trained in their stated form, and the option applies only to the " +
-                           std::to_string(p.unstated) + " that state none");
+                           std::to_string(p.unstated + by_layout) + " that state none");
+    }
+    const std::int64_t overridden = p.default_pre ? p.layout_post : p.layout_pre;
+    if (overridden > 0) {
+      const SampleRef* e = p.default_pre ? first_layout_post : first_layout_pre;
+      p.warnings.push_back(std::string("--hidden-states-norm ") + name + " overrides the " +
+                           (p.default_pre ? "post" : "pre") + "-norm form that the layout of " +
+                           std::to_string(overridden) + " records implies (e.g. '" + e->conversation_id +
+                           "'; " + norm_facts() + "): they are trained as " + name + "-norm");
     }
     p.said = std::string("hidden states taken as ") + name + "-norm (--hidden-states-norm " + name + ")" +
              (stated > 0 ? " where the record states no form (" + counts + ")" : std::string()) +
              (p.default_pre || p.stated_pre > 0 ? ": the base's final RMSNorm is applied before lm_head to the pre-norm ones"
                                                 : "");
   }
-  p.any_pre = p.stated_pre > 0 || (p.default_pre && p.unstated > 0);
+  const std::int64_t defaulted = p.unstated + (p.layout_norm ? 0 : by_layout);
+  p.any_pre = p.stated_pre > 0 || (p.layout_norm && p.layout_pre > 0) || (p.default_pre && defaulted > 0);
+  // No record takes the default: the unroll must not ask for a final norm on its account.
+  if (defaulted == 0) p.default_pre = false;
   return p;
 }
 

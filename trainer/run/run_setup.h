@@ -12,12 +12,14 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "lib/loader.h"
 #include "trainer/run/options.h"
+#include "trainer/run/semantic_check.h"
 #include "trainer/unroll/ttt.h"
 
 namespace eaglekit::dist {
@@ -35,21 +37,34 @@ c10::Device parse_device(const std::string& name, bool check_available = true);
 std::optional<c10::ScalarType> autocast_type(ComputeDType dtype);
 
 // How a run takes its records' norm forms (docs/data.md, pre- and post-norm dumps). A
-// record's stated form (SampleRef::hidden_states_prenorm, from the index) always wins;
+// record's stated form (SampleRef::hidden_states_prenorm, from the index) always wins.
 // --hidden-states-norm gives the form of the records that state none:
-// - post / pre: that form; records that state the other one are named in `warnings`
-//   (counts and an example id) and still trained in their stated form;
-// - auto: the stated forms when every record states one; post-norm (what Hugging Face's
-//   hidden_states[-1] and ModelOpt's reader default to), said in `said`, when none does;
-//   a UsageError when some do and some do not, saying what to pass.
+// - post / pre: that form, also over what a record's layout implies (SampleRef::layout_prenorm:
+//   the format row's norm_fact); records that state the other form, and layouts that imply
+//   it, are named in `warnings` (counts and an example id);
+// - auto: each record's stated form, else the one its layout implies, else the form
+//   `measure` finds (the validate --base check through the base's head on a sample of those
+//   records: semantic_check.h measure_norm_form); a UsageError (exit 2) saying what to pass
+//   when the measurement is unclear. `source` and `said` say which of these decided.
 struct NormPlan {
-  bool default_pre = false;  // TttOptions::prenorm_hidden_states: records that state no form
+  bool default_pre = false;  // TttOptions::prenorm_hidden_states: records whose form is not known
   bool any_pre = false;      // some record is taken as pre-norm: load the base's final norm
-  std::int64_t stated_pre = 0, stated_post = 0, unstated = 0;
+  bool layout_norm = true;   // CollateOptions::layout_norm: records take the form their layout implies
+  std::int64_t stated_pre = 0, stated_post = 0;
+  std::int64_t layout_pre = 0, layout_post = 0;  // state none; their layout implies the form
+  std::int64_t unstated = 0;                      // neither
+  // Which sources decided, in order: "stated" (the records), "format" (the layout's fact),
+  // "measured" (through the base's head), "option" (--hidden-states-norm).
+  std::vector<std::string> source;
+  std::string measured;               // what the measurement found, in words ("" when none ran)
   std::string said;                   // one line for the user
   std::vector<std::string> warnings;  // contradictions between the option and stated forms
 };
-NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples);
+// What measuring found for the records whose form is not known; called only when there are
+// some, and only under auto.
+using NormMeasure = std::function<NormMeasurement()>;
+NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<SampleRef>& samples,
+                                 const NormMeasure& measure);
 
 // The loader's batch as the unroll takes it (tensors shared, not copied).
 TttBatch to_ttt_batch(const Batch& batch);

@@ -193,6 +193,7 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   for (std::size_t i = 0; i < samples.size(); ++i) {
     per[i].id = samples[i].conversation_id;
     per[i].stated = samples[i].hidden_states_prenorm;
+    per[i].layout = samples[i].layout_prenorm;
     if (per[i].stated) ++(*per[i].stated ? rep.stated_pre : rep.stated_post);
     rep.positions += per[i].positions;
     rep.agree_post += per[i].agree_post;
@@ -216,7 +217,10 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   const bool detected_pre = rep.norm_form == "pre";
   std::int64_t pos_in[2] = {0, 0}, agree_in[2] = {0, 0};
   for (auto& r : per) {
-    r.measured_pre = r.stated ? *r.stated : o.unstated_form >= 0 ? o.unstated_form == 1 : detected_pre;
+    r.measured_pre = r.stated                ? *r.stated
+                     : o.unstated_form >= 0  ? o.unstated_form == 1
+                     : r.layout              ? *r.layout
+                                             : detected_pre;
     if (r.measured_pre && !has_norm) r.measured_pre = false;  // nothing else can be measured
     pos_in[r.measured_pre] += r.positions;
     agree_in[r.measured_pre] += r.measured_pre ? r.agree_pre : r.agree_post;
@@ -239,7 +243,8 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
     const std::int64_t k = use_pre ? r.agree_pre : r.agree_post;
     rates.push_back(static_cast<double>(k) / static_cast<double>(r.positions));
     if (!rep.problems.empty()) continue;  // the whole dump disagrees: no per-record outliers
-    if ((r.stated || o.unstated_form >= 0) && has_norm) {
+    const bool by_layout = !r.stated && o.unstated_form < 0 && r.layout;
+    if ((r.stated || o.unstated_form >= 0 || by_layout) && has_norm) {
       // A form named for it (its flag, or the option) that its states contradict: the other
       // form right clearly more often on the positions where exactly one is (McNemar).
       const std::int64_t only_this = use_pre ? r.pre_only : r.post_only;
@@ -250,11 +255,15 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
         const char* named = use_pre ? "pre" : "post";
         const char* other = use_pre ? "post" : "pre";
         std::ostringstream os;
-        os << (r.stated ? "it states " : "it is read as ") << named << "-norm hidden states"
-           << (r.stated ? "" : " (--hidden-states-norm)") << ", but of " << r.positions
+        os << (r.stated ? "it states " : by_layout ? "its layout implies " : "it is read as ") << named
+           << "-norm hidden states" << (r.stated || by_layout ? "" : " (--hidden-states-norm)") << ", but of "
+           << r.positions
            << " sampled positions " << only_other << " predict the next token only as " << other << "-norm and "
            << only_this << " only as " << named << "-norm: "
-           << (r.stated ? "its hidden_states_prenorm flag is wrong" : "it is in the other form");
+           << (r.stated    ? "its hidden_states_prenorm flag is wrong"
+               : by_layout ? "its producer wrote the other form: train it with --hidden-states-norm " +
+                                 std::string(other)
+                           : "it is in the other form");
         r.reason = os.str();
         rep.suspects.push_back(r);
         continue;
@@ -277,6 +286,57 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   rep.median = percentile(rates, 0.5);
   rep.p90 = percentile(rates, 0.9);
   return rep;
+}
+
+NormMeasurement measure_norm_form(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
+                                  std::int64_t max_records, std::int64_t positions) {
+  NormMeasurement m;
+  const std::int64_t n = std::min<std::int64_t>(static_cast<std::int64_t>(samples.size()), max_records);
+  // Records i * size / n, in the order the rounds take them.
+  std::vector<SampleRef> spread;
+  for (std::int64_t i = 0; i < n; ++i)
+    spread.push_back(samples[static_cast<std::size_t>(i * static_cast<std::int64_t>(samples.size()) / n)]);
+  SemanticOptions o;
+  o.positions = positions;
+  o.jobs = 0;
+  o.unstated_form = 0;  // not used for the pooled counts
+  std::int64_t agree_post = 0, agree_pre = 0;
+  double z = 0;
+  bool has_norm = base.final_norm.defined();
+  for (std::int64_t done = 0, round = 8; done < n && has_norm; round = std::max<std::int64_t>(round, done)) {
+    const std::int64_t take = std::min(round, n - done);
+    const std::vector<SampleRef> part(spread.begin() + done, spread.begin() + done + take);
+    const SemanticReport r = semantic_check(dataset, part, base, o);
+    done += take;
+    m.records = done;
+    m.positions += r.positions;
+    m.post_only += r.post_only;
+    m.pre_only += r.pre_only;
+    agree_post += r.agree_post;
+    agree_pre += r.agree_pre;
+    const double discordant = static_cast<double>(m.post_only + m.pre_only);
+    z = discordant > 0 ? static_cast<double>(m.post_only - m.pre_only) / std::sqrt(discordant) : 0.0;
+    if (std::abs(z) > 4) break;
+  }
+  const double chance = 1.0 / static_cast<double>(base.config.vocab_size);
+  const double pos = static_cast<double>(std::max<std::int64_t>(m.positions, 1));
+  const double best = std::max(agree_post, agree_pre) / pos;
+  const bool near_chance = m.positions > 0 && best < std::max(5.0 * chance, 0.02);
+  std::ostringstream os;
+  os.precision(3);
+  if (!has_norm) {
+    m.form = "unclear";
+    os << "the base holds no final norm (model.norm.weight), so pre-norm states cannot be told from post-norm ones";
+  } else {
+    m.form = near_chance ? "unclear" : z > 4 ? "post" : z < -4 ? "pre" : "unclear";
+    os << "argmax(lm_head(h[t])) is the next token on " << 100.0 * agree_post / pos << "% of " << m.positions
+       << " positions of " << m.records << " records as post-norm and " << 100.0 * agree_pre / pos
+       << "% as pre-norm; " << m.post_only << " only as post-norm, " << m.pre_only << " only as pre-norm (McNemar z "
+       << z << ", beyond 4 decides)";
+    if (near_chance) os << "; both near chance (" << 100.0 * chance << "%): not a dump of this base?";
+  }
+  m.said = os.str();
+  return m;
 }
 
 std::string SemanticReport::to_json() const {
@@ -315,9 +375,11 @@ std::string SemanticReport::to_text() const {
   if (has_final_norm) os << ", " << 100.0 * agree_pre / n << "% as pre-norm (final RMSNorm applied)";
   os << "; chance " << 100.0 * chance << "%\n";
   if (norm_form == "post")
-    os << "  norm form: post (hidden states after the final norm; what train takes for records that state no form)\n";
+    os << "  norm form: post (hidden states after the final norm; train and evaluate measure this themselves for "
+          "records that state no form)\n";
   else if (norm_form == "pre")
-    os << "  norm form: pre (hidden states before the final norm): train with --hidden-states-norm pre\n";
+    os << "  norm form: pre (hidden states before the final norm; train and evaluate measure this themselves "
+          "for records that state no form; --hidden-states-norm pre says it outright)\n";
   else
     os << "  norm form: unclear" << (has_final_norm ? " (both forms agree about as often)" : " (the base holds no model.norm.weight)") << "\n";
   if (stated_pre + stated_post > 0)

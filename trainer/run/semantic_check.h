@@ -42,7 +42,8 @@ struct SemanticOptions {
   int jobs = 0;                 // reader threads; 0: all cores
   std::string device = "cpu";   // where the head runs
   // The form each record is measured in: its stated one (SampleRef::hidden_states_prenorm)
-  // when it states one; else this: -1 the form detected over the dataset (post when
+  // when it states one; else this, where -1 also takes the form its layout implies
+  // (SampleRef::layout_prenorm) first: -1 the form detected over the dataset (post when
   // unclear), 0 post, 1 pre. A record read in a form its flag or this option names whose
   // states predict clearly better in the other form (McNemar's z > 4 over its own
   // positions) is a suspect.
@@ -63,6 +64,7 @@ struct SemanticRecord {
   std::int64_t agree_skip = 0;   // argmax == input_ids[t + 2] (the other way)
   std::int64_t post_only = 0, pre_only = 0;  // positions only that form gets right
   std::optional<bool> stated;    // the record's stated form (true pre-norm)
+  std::optional<bool> layout;    // the form its layout implies (SampleRef::layout_prenorm)
   bool measured_pre = false;     // the form its agreement is read in
   std::string reason;            // for suspects, in words
 };
@@ -84,5 +86,22 @@ struct SemanticReport {
 
 SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
                               const SemanticOptions& options);
+
+// What measure_norm_form found: "post", "pre" or "unclear", and the counts in words.
+struct NormMeasurement {
+  std::string form;
+  std::string said;
+  std::int64_t records = 0, positions = 0, post_only = 0, pre_only = 0;
+};
+
+// How `train` and `evaluate` tell the norm form of records that state none and whose layout
+// implies none (run_setup.h plan_hidden_states_norm): semantic_check's pooled McNemar test
+// over a sample of `samples`, spread evenly over them, in rounds of 8, 8, 16, 32 ... records
+// (`positions` each) until |z| > 4 or `max_records` are used. "unclear" when the base has no
+// final norm, when both forms agree about as often, or when neither predicts the next token
+// better than near chance (the dump is not of this base). The head runs on the CPU (a plan
+// opens no device). Cost: records x positions x 2 x V x H multiply-adds.
+NormMeasurement measure_norm_form(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
+                                  std::int64_t max_records = 64, std::int64_t positions = 32);
 
 }  // namespace eaglekit::trainer
