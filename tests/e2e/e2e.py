@@ -191,7 +191,8 @@ def main():
     o31 = json.load(open(r.path("oracle31", "result.json")))
     r.check("speculators' EAGLE 3.1 model and loss functions with our 3.1 draft give evaluate's losses and accuracy",
             o31["same"], f"norms {', '.join(k for k, v in o31['norms'].items() if v)}; per step: " + "; ".join(
-                f"acc {st['acc']['speculators']:.4f} vs {st['acc']['eaglekit']:.4f}, KL sum "
+                f"acc {st['acc']['speculators']:.4f} vs {st['acc']['eaglekit']:.4f}"
+                f"{'' if st['step'] == 0 else ' (chains right so far vs all)'}, KL sum "
                 f"{st['kl_sum']['speculators']:.6g} vs {st['kl_sum']['eaglekit']:.6g} "
                 f"(relative {st['kl_rel_diff']:.1e})" for st in o31["steps"]) + "; --loss " + ", ".join(
                 f"{k} {'equal' if v['same'] else 'DIFFERS'} (worst {max(p['rel_diff'] for p in v['steps']):.1e})"

@@ -9,8 +9,10 @@ gradients, eager attention) on the sequences of `eaglekit collate`'s first batch
 file oracle.py wrote, with the same --batch-size and --max-length, pad mode). Against
 `eaglekit evaluate --max-batches 1` of our layout of the same draft on the same batch:
 
-- the accuracy of every TTT step (speculators' counts against eaglekit's ratios times the same
-  position counts: equal to half a position); the conditional accuracy is reported;
+- the accuracy of TTT step 0 (speculators' count against eaglekit's ratio times the same
+  position count: equal to half a position; from step 1 on speculators' full_acc counts only
+  chains right so far, so later steps are reported, and their logits compared through the
+  losses);
 - the loss of every step: speculators' forward KL (its default loss, kl_div, undecayed) summed
   over the batch's counted positions, against eaglekit's soft cross-entropy sum minus the
   targets' entropy over the same positions (CE = KL + H): 1e-5 relative;
@@ -43,20 +45,48 @@ import sys
 import torch
 
 
-def speculators_model(folder):
+def speculators_model(folder, base):
+    import glob
+
+    from safetensors.torch import load_file
     from speculators import SpeculatorModel, SpeculatorModelConfig
     cfg = SpeculatorModelConfig.from_pretrained(folder)
     # Eager attention: flex attention needs torch.compile, which this CPU oracle does not run.
     cfg.transformer_layer_config._attn_implementation = "eager"
-    model = SpeculatorModel.from_pretrained(folder, config=cfg)
+    model = SpeculatorModel.from_pretrained(folder, config=cfg).float()
+    # The frozen verifier parts from the base, set here: from_pretrained with a config given
+    # left its embeddings and verifier head at their initial values (seen: neither equal to the
+    # base's). The draft's own weights are the export's (checked below).
+    w = {}
+    for f in sorted(glob.glob(os.path.join(base, "*.safetensors"))):
+        w.update(load_file(f))
+    embed = w["model.embed_tokens.weight"].float()
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"]).float()
+    ours = load_file(os.path.join(folder, "model.safetensors"))
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        rows = torch.arange(model.verifier_lm_head.weight.shape[0])
+        if "d2t" in ours:
+            rows = rows + ours["d2t"].long()
+        model.verifier_lm_head.weight.copy_(head[rows])
+    for k, v in ours.items():
+        if k in ("d2t", "t2d"):
+            continue
+        got = model.state_dict().get(k)
+        if got is None or not torch.equal(got.float(), v.float()):
+            raise SystemExit(f"oracle_speculators: speculators' model does not hold our {k}")
     model.verifier_norm = torch.nn.Identity()  # post-norm dumps (see above)
     model.eval()
-    return model.float(), cfg
+    return model, cfg
 
 
 def run_speculators(model, batch, steps, loss_config=None):
     """Per step: [correct, counted, cond_correct, cond_total, loss_sum] over the batch's rows
     (loss_config None: speculators' default, kl_div)."""
+    from speculators.losses import resolve_loss_config
+    if loss_config is None:
+        # Its eager implementation: the default one is a Triton kernel, which needs a GPU.
+        loss_config = resolve_loss_config("kl_div", implementation="eager")
     sums = torch.zeros(steps, 5, dtype=torch.float64)
     ids, mask, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     aux, hs = batch["aux_hidden_states"].float(), batch["hidden_states"].float()
@@ -122,7 +152,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     batch = torch.load(args.batch)
     steps = json.load(open(os.path.join(args.draft, "train_options.json"))).get("ttt_steps", 3)
-    model, cfg = speculators_model(args.speculators)
+    model, cfg = speculators_model(args.speculators, args.base)
     theirs = run_speculators(model, batch, steps)
     ent = target_entropy(model, batch, steps)
     ev = evaluate(args, "kl")
@@ -142,9 +172,11 @@ def main():
                 "kl_rel_diff": abs(kl - ours_kl) / max(abs(ours_kl), 1e-30)}
         # float32 sums over ~2000 positions and the draft vocabulary: 1e-5 relative is far
         # above their rounding and far below what a wrong norm or a shifted step gives.
-        # cond_acc is reported, not compared: speculators counts its conditional total over
-        # positions outside the loss mask too (compute_accuracy_single_step), eaglekit within it.
-        step["same"] = step["acc_positions_diff"] < 0.5 and step["kl_rel_diff"] <= 1e-5
+        # Accuracy is compared at step 0 only: from step 1 on speculators' full_acc counts a
+        # position only when the chain was right at every step so far (compute_accuracy_single_
+        # step ANDs prev_correct in), eaglekit's acc counts it whatever came before; the logits
+        # themselves are compared at every step through the losses (equal to 1e-5).
+        step["same"] = (s > 0 or step["acc_positions_diff"] < 0.5) and step["kl_rel_diff"] <= 1e-5
         ok &= step["same"]
         res["steps"].append(step)
     # The other losses (train --loss): speculators' own eager loss functions through its model's
