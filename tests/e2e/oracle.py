@@ -151,7 +151,7 @@ def modelopt_model(base_dir, draft_dir, batch):
 
 def compare_model(args, draft_dir, batch):
     loss, acc, modelopt_norm = modelopt_model(args.base, draft_dir, batch)
-    r = subprocess.run([args.eaglekit, "evaluate", "--base", args.base, "--draft", draft_dir, "--data", args.data,
+    r = subprocess.run([args.eaglekit, "evaluate", "--hidden-states-norm", "post", "--base", args.base, "--draft", draft_dir, "--data", args.data,
                         "--index", args.index, "--split", "train", "--batch-size", str(args.batch_size),
                         "--max-length", str(args.max_length), "--max-batches", "1", "--json"],
                        check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

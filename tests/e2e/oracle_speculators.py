@@ -131,7 +131,7 @@ def target_entropy(model, batch, steps):
 
 
 def evaluate(args, loss):
-    r = subprocess.run([args.eaglekit, "evaluate", "--base", args.base, "--draft", args.draft, "--data", args.data,
+    r = subprocess.run([args.eaglekit, "evaluate", "--hidden-states-norm", "post", "--base", args.base, "--draft", args.draft, "--data", args.data,
                         "--index", args.index, "--split", "train", "--batch-size", str(args.batch_size),
                         "--max-length", str(args.max_length), "--max-batches", "1", "--loss", loss, "--json"],
                        check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
