@@ -296,12 +296,11 @@ def main():
         r.check("EAGLE 3.1: the speculators layout accepts as our layout", abs(s31 - acc31) < 1e-9,
                 f"{s31:.3f} vs {acc31:.3f}")
     b31 = results["broken_31_as_eagle3"]["spec"]["mean_acceptance_length"]
-    # vLLM loads the stripped folder without a word; what it serves must change (how much is
-    # reported: on this base the fc input's slices have similar scales, and hidden_norm then
-    # undoes much of fc_norm, so no collapse is promised).
-    r.check("must-fail: EAGLE 3.1 served without its norms serves another draft", abs(b31 - acc31) > 1e-9,
+    # vLLM loads the stripped folder without a word; only acceptance tells (measured here: 1.130
+    # against 3.223, and 1.191 against 1.553 for a 20-step draft).
+    r.check("must-fail: EAGLE 3.1 served without its norms collapses acceptance", b31 - 1 <= 0.5 * (acc31 - 1),
             f"fc_norm weights and the fc_norm/norm_output flags dropped: mean acceptance length {b31:.3f} vs "
-            f"{acc31:.3f} ({100 * (b31 - acc31) / acc31:+.1f}%)")
+            f"{acc31:.3f} (must accept at most half as many draft tokens)")
     print(f"e2e: report: mean acceptance length on {len(ref)} prompts, 3 draft tokens: EAGLE-3 {acc_len:.3f}, "
           f"EAGLE 3.1 {acc31:.3f} (same data, recipe and seed)", file=sys.stderr)
     for name in sensitivity:
