@@ -48,6 +48,10 @@ void check_same(const DraftConfig& d, const DraftConfig& back, const std::string
   EAGLEKIT_SAME(num_hidden_layers);
   EAGLEKIT_SAME(aux_layer_ids);
   EAGLEKIT_SAME(modelopt_norm);
+  EAGLEKIT_SAME(fc_norm);
+  EAGLEKIT_SAME(norm_before_fc);
+  EAGLEKIT_SAME(norm_output);
+  EAGLEKIT_SAME(norm_before_residual);
   EAGLEKIT_SAME(torch_dtype);
 #undef EAGLEKIT_SAME
   if (eaglekit::trainer::draft_config_json(back) != written) fail("written again, the text differs", written);
