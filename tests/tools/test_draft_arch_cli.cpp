@@ -9,18 +9,11 @@
 #include <string>
 
 #include "tests/support.h"
+#include "tests/tools/plan_decision.h"
 
 using namespace eaglekit;
 
-namespace {
-
-nlohmann::json decision(const nlohmann::json& plan, const std::string& name) {
-  for (const auto& d : plan["decisions"])
-    if (d["name"] == name) return d;
-  return nullptr;
-}
-
-}  // namespace
+using test::plan_decision;
 
 TEST_CASE("draft arch cli: eagle3.1 is planned, trained, exported, evaluated and resumed as itself") {
   test::TempDir dir("draft-arch");
@@ -39,16 +32,16 @@ TEST_CASE("draft arch cli: eagle3.1 is planned, trained, exported, evaluated and
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const auto p3 = nlohmann::json::parse(r.out);
   CHECK(p3["draft_architecture"] == "eagle3");
-  CHECK(decision(p3, "architecture")["value"].get<std::string>().rfind("EAGLE-3; 1 decoder layer", 0) == 0);
+  CHECK(plan_decision(p3, "architecture")["value"].get<std::string>().rfind("EAGLE-3; 1 decoder layer", 0) == 0);
   r = test::eaglekit("train" + data + flags + " --draft-arch eagle3.1 --out " + test::quote(dir / "p31") +
                      " --dry-run --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const auto p31 = nlohmann::json::parse(r.out);
   CHECK(p31["draft_architecture"] == "eagle3.1");
   CHECK(p31["parameters"].get<std::int64_t>() == p3["parameters"].get<std::int64_t>() + 3 * 32);
-  CHECK(decision(p31, "architecture")["value"].get<std::string>().rfind(
+  CHECK(plan_decision(p31, "architecture")["value"].get<std::string>().rfind(
             "EAGLE 3.1: fc_norm per aux layer, norm_output; 1 decoder layer", 0) == 0);
-  CHECK(decision(p31, "architecture")["why"] == "--draft-arch eagle3.1 and its default norms");
+  CHECK(plan_decision(p31, "architecture")["why"] == "--draft-arch eagle3.1 and its default norms");
   CHECK(p31["draft_config"]["fc_norm"] == true);
   CHECK(p31["draft_config"]["norm_output"] == true);
   // --fc-norm concat: speculators' one norm over the whole fc input (3 x 32 wide).

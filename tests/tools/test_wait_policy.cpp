@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tests/support.h"
+#include "tests/tools/plan_decision.h"
 
 using namespace eaglekit;
 
@@ -19,10 +20,7 @@ namespace {
 const std::string kClean = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u KMP_BLOCKTIME -u EAGLEKIT_OMP_WAIT_POLICY ";
 
 nlohmann::json decision(const std::string& plan_json, const std::string& name) {
-  const nlohmann::json plan = nlohmann::json::parse(plan_json);  // kept: the loop reads into it
-  for (const auto& d : plan["decisions"])
-    if (d["name"] == name) return d;
-  return nullptr;
+  return test::plan_decision(nlohmann::json::parse(plan_json), name);
 }
 
 }  // namespace
