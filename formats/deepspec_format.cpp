@@ -236,10 +236,12 @@ RecordInfo DeepSpecReader::info(std::size_t i) const {
   info.has_loss_mask = true;
   info.layout_prenorm = false;
   info.codec = "raw";
-  // The record's bytes lie in its shard, not in the manifest this entry's file names.
+  // The record's bytes lie in its shard and samples.idx, not in the manifest this entry's
+  // file names (FormatRow::records_beside): its five arrays and its 56-byte index record.
   info.byte_offset = 0;
   info.byte_size = static_cast<std::uint64_t>(s.tokens) *
-                   (6 + 2 * static_cast<std::uint64_t>(info.aux_width + info.hidden_size));
+                       (6 + 2 * static_cast<std::uint64_t>(info.aux_width + info.hidden_size)) +
+                   kDeepSpecIndexRecordSize;
   return info;
 }
 

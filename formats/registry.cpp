@@ -80,7 +80,7 @@ const std::vector<FormatRow>& format_rows() {
        open_deepspec_reader, nullptr,
        "DeepSpec's target cache stores target_last_hidden_states, AutoModel's last_hidden_state: after the "
        "base's final norm",
-       is_deepspec_manifest},
+       is_deepspec_manifest, /*records_beside=*/true},
   };
   return kRows;
 }

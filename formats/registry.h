@@ -45,6 +45,9 @@ struct FormatRow {
   // manifest): the file is this format's when magic and claims both pass. Never throws.
   // null: magic alone decides. detect_format (head only) skips rows that have one.
   bool (*claims)(const std::string& path) = nullptr;
+  // The records' bytes lie in files beside the one found and indexed (DeepSpec: shards beside
+  // its manifest.json), so `stats` counts each record's RecordInfo::byte_size, not the file's.
+  bool records_beside = false;
 };
 
 // Every row, in the order detection tries them and help lists them.
