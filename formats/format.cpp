@@ -26,13 +26,15 @@ std::optional<Format> parse_format(std::string_view n) {
 
 Format detect_format(const std::uint8_t* h, std::size_t n) {
   for (const FormatRow& row : format_rows())
-    if (row.magic(h, n)) return row.format;
+    if (!row.claims && row.magic(h, n)) return row.format;
   return Format::kUnknown;
 }
 
 Format detect_file_format(const std::string& path) {
   const auto head = read_file_head(path, 16);
-  return detect_format(head.data(), head.size());
+  for (const FormatRow& row : format_rows())
+    if (row.magic(head.data(), head.size()) && (!row.claims || row.claims(path))) return row.format;
+  return Format::kUnknown;
 }
 
 std::optional<std::size_t> RecordReader::find(std::string_view id) const {

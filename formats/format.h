@@ -32,12 +32,15 @@ enum class Format {
   kHdf5,         // HDF5: eaglekit shard or group-per-conversation
   kEks,          // eaglekit zstd shard
   kTorchLegacy,  // pre-1.6 torch pickle: detected to refuse it clearly
+  kDeepSpec,     // DeepSpec's target cache v2 (its manifest.json; read-only)
 };
 
 std::string_view format_name(Format f);  // "pt", "pt.gz", "safetensors", "hdf5", "eks", ...
 std::optional<Format> parse_format(std::string_view name);
 
-// Looks at the first bytes of a file. kUnknown when nothing matches.
+// Looks at the first bytes of a file. kUnknown when nothing matches. Formats whose row has a
+// content test (FormatRow::claims) need the file: detect_format never names them,
+// detect_file_format does.
 Format detect_format(const std::uint8_t* head, std::size_t n);
 Format detect_file_format(const std::string& path);
 

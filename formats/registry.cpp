@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "formats/bytes.h"
+#include "formats/deepspec_format.h"
 #include "formats/eks_format.h"
 #include "formats/hdf5_format.h"
 #include "formats/pt_format.h"
@@ -45,6 +46,9 @@ bool eks_magic(const std::uint8_t* h, std::size_t n) {
   return n >= 8 && std::memcmp(h, "EKSHARD1", 8) == 0;
 }
 
+// A JSON object's first byte; the row's content test (is_deepspec_manifest) does the rest.
+bool json_object_magic(const std::uint8_t* h, std::size_t n) { return n >= 1 && h[0] == '{'; }
+
 std::unique_ptr<RecordReader> refuse_torch_legacy(const std::string& path) {
   throw_torch_legacy(path);
 }
@@ -71,6 +75,12 @@ const std::vector<FormatRow>& format_rows() {
        open_hdf5_reader, create_hdf5_writer, {}},
       {Format::kEks, "eks", {}, {".eks"}, 5, false, true, ".eks shard", eks_magic, open_eks_reader,
        create_eks_writer, {}},
+      // A folder; its manifest.json is the file found and indexed (formats/deepspec_format.h).
+      {Format::kDeepSpec, "deepspec", {}, {}, 7, false, false, "DeepSpec manifest.json", json_object_magic,
+       open_deepspec_reader, nullptr,
+       "DeepSpec's target cache stores target_last_hidden_states, AutoModel's last_hidden_state: after the "
+       "base's final norm",
+       is_deepspec_manifest, /*records_beside=*/true},
   };
   return kRows;
 }

@@ -41,6 +41,13 @@ struct FormatRow {
   // reader sets Record::layout_prenorm for such records), in words for a run's plan; empty:
   // nothing fixed. docs/data.md, pre- and post-norm dumps.
   std::string_view norm_fact = {};
+  // A second test on the whole file, for a format whose first bytes say too little (a JSON
+  // manifest): the file is this format's when magic and claims both pass. Never throws.
+  // null: magic alone decides. detect_format (head only) skips rows that have one.
+  bool (*claims)(const std::string& path) = nullptr;
+  // The records' bytes lie in files beside the one found and indexed (DeepSpec: shards beside
+  // its manifest.json), so `stats` counts each record's RecordInfo::byte_size, not the file's.
+  bool records_beside = false;
 };
 
 // Every row, in the order detection tries them and help lists them.

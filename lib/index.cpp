@@ -1,7 +1,10 @@
 // Building the dataset index (its file format: formats/index_format.h).
 #include "lib/index.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -78,6 +81,23 @@ std::string file_stem_id(const std::string& path) {
 // Building
 
 namespace {
+
+// vLLM's connector's companion lock file: FILE.lock (see IndexReport::lock_files).
+bool is_lock_companion(const std::string& path) {
+  constexpr std::string_view kLock = ".lock";
+  const std::string name = fs::path(path).filename().string();
+  return name.size() > kLock.size() && std::string_view(name).substr(name.size() - kLock.size()) == kLock;
+}
+
+// Whether another process holds an exclusive flock on it (the writer of its record).
+bool lock_is_held(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);  // releases the shared lock when it was taken
+  return held;
+}
+
 
 // Reads one file's metadata. Never throws for a bad file: errors become bad entries.
 // `format` is what detection said (kUnknown when the head could not be read).
@@ -222,7 +242,7 @@ IndexReport build_index(const IndexOptions& opts) {
   // One parallel pass per file: stat, then reuse the previous entries (unchanged files are
   // not even opened), or detect the format by magic bytes (skipping files that are not
   // records, as find_record_files does) and read every record's metadata.
-  enum class Origin : std::uint8_t { kNew, kChanged, kUnchanged, kNotRecord };
+  enum class Origin : std::uint8_t { kNew, kChanged, kUnchanged, kNotRecord, kLock, kHeldLock };
   std::vector<IndexedFile> files(paths.size());
   std::vector<Origin> origin(paths.size(), Origin::kNew);
   {
@@ -254,6 +274,8 @@ IndexReport build_index(const IndexOptions& opts) {
             } else if (const auto format = record_file_format(path)) {
               files[i] = index_one_file(path, size, mtime, *format);
               origin[i] = known ? Origin::kChanged : Origin::kNew;
+            } else if (is_lock_companion(path)) {
+              origin[i] = lock_is_held(path) ? Origin::kHeldLock : Origin::kLock;
             } else {
               origin[i] = Origin::kNotRecord;
             }
@@ -266,7 +288,11 @@ IndexReport build_index(const IndexOptions& opts) {
   {
     std::size_t kept = 0;
     for (std::size_t i = 0; i < paths.size(); ++i) {
-      if (origin[i] == Origin::kNotRecord) continue;
+      if (origin[i] == Origin::kLock || origin[i] == Origin::kHeldLock) {
+        ++report.lock_files;
+        if (origin[i] == Origin::kHeldLock) report.held_locks.push_back(paths[i]);
+      }
+      if (origin[i] == Origin::kNotRecord || origin[i] == Origin::kLock || origin[i] == Origin::kHeldLock) continue;
       if (kept != i) {
         files[kept] = std::move(files[i]);
         origin[kept] = origin[i];
@@ -427,6 +453,16 @@ std::string index_report_to_text(const IndexReport& r, const std::string& out) {
     for (std::size_t i = 0; i < r.bad.size() && i < kShow; ++i) os << "  " << r.bad[i] << "\n";
     if (r.bad.size() > kShow) os << "  ... " << r.bad.size() - kShow << " more\n";
   }
+  if (r.lock_files > 0) {
+    os << "skipped " << r.lock_files << " .lock companion file" << (r.lock_files == 1 ? "" : "s")
+       << " (vLLM's hidden-state connector: FILE.lock beside FILE.safetensors, not records)\n";
+    if (!r.held_locks.empty()) {
+      os << "warning: " << r.held_locks.size() << " of them locked by a running writer: their records were "
+         << "still being written; index again when the writer is done\n";
+      for (std::size_t i = 0; i < r.held_locks.size() && i < kShow; ++i) os << "  " << r.held_locks[i] << "\n";
+      if (r.held_locks.size() > kShow) os << "  ... " << r.held_locks.size() - kShow << " more\n";
+    }
+  }
   if (!r.duplicate_ids.empty()) {
     os << "duplicate conversation ids: " << r.duplicate_ids.size()
        << " (held by more than one record; training leaves them out until one copy is removed)\n";
@@ -449,6 +485,8 @@ std::string index_report_to_json(const IndexReport& r, const std::string& out) {
                       {"incremental", r.had_previous},
                       {"duplicate_ids", r.duplicate_ids},
                       {"bad", r.bad},
+                      {"lock_files", r.lock_files},
+                      {"held_locks", r.held_locks},
                       {"seconds", r.seconds}};
   if (!r.previous_error.empty()) j["previous_error"] = r.previous_error;
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

@@ -44,6 +44,13 @@ struct IndexReport {
   std::string previous_error;       // a previous index existed but could not be read (ignored)
   std::vector<std::string> duplicate_ids;     // ids held by more than one record
   std::vector<std::string> bad;               // "PATH: ERROR" of each bad entry, in order
+  // vLLM's hidden-state connector (ExampleHiddenStatesConnector, vLLM 0.32) writes FILE.lock
+  // beside each FILE.safetensors and holds an exclusive flock on it while FILE is written;
+  // such companions (a "*.lock" that is not a record file) are skipped, not indexed.
+  std::size_t lock_files = 0;
+  // Of those, the ones whose flock was held while indexing: their record was still being
+  // written, so it may be indexed half written (as a bad record) or not yet exist. Sorted.
+  std::vector<std::string> held_locks;
   double seconds = 0;
 };
 

@@ -14,6 +14,7 @@
 #include "formats/dtype.h"
 #include "formats/error.h"
 #include "formats/format.h"
+#include "formats/registry.h"
 #include "lib/conversation_text.h"
 #include "lib/dataset.h"
 #include "lib/index.h"
@@ -75,6 +76,8 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
     tokens.push_back(e.tokens);
     s.total_tokens += e.tokens;
     if (files.insert(e.file).second) s.bytes_on_disk += index.file(e.file).size;
+    const FormatRow* row = format_row(e.format);
+    if (row && row->records_beside) s.bytes_on_disk += e.byte_size;  // its shard's bytes, beside the file
     ++s.per_format[std::string(format_name(e.format))];
     ++dtypes[std::string(dtype_name(e.hidden_dtype))];
     ++s.per_codec[e.codec.empty() ? std::string("raw") : std::string(e.codec)];

@@ -29,7 +29,9 @@ int run_index(int argc, char** argv) {
     std::cout << help_text(me + " DIR... --out INDEX [--jobs N] [--full] [--json]\n       " + me +
                                " --show INDEX [--json]",
                            "Index the hidden-state records below folders (or record files), recursively, headers "
-                           "only, into one binary index file; or print one.",
+                           "only, into one binary index file; or print one. Formats are found by content (a "
+                           "DeepSpec target cache by its manifest.json); vLLM's FILE.lock companions are "
+                           "skipped and counted, and named when a writer still holds their lock.",
                            groups);
     return 0;
   }

@@ -52,7 +52,7 @@ TEST_CASE("registry: one row per format; names, spellings and extensions name on
       CHECK(!row.extensions.empty());
     }
   }
-  CHECK(formats.size() == 6);
+  CHECK(formats.size() == 7);
   CHECK(format_name(Format::kUnknown) == "unknown");
 }
 
@@ -66,6 +66,7 @@ TEST_CASE("registry: parse_format takes the writable formats' names and aliases,
   CHECK(parse_format("h5") == Format::kHdf5);
   CHECK(parse_format("eks") == Format::kEks);
   CHECK(parse_format("torch-legacy") == std::nullopt);  // read only to refuse it
+  CHECK(parse_format("deepspec") == std::nullopt);      // read only: DeepSpec writes it
   CHECK(parse_format("unknown") == std::nullopt);
   CHECK(parse_format("PT") == std::nullopt);
   CHECK(parse_format("pth") == std::nullopt);  // an extension, not a format name
@@ -105,12 +106,12 @@ TEST_CASE("registry: each format's head is detected as that format, whatever the
 TEST_CASE("registry: format_list names rows in row order with the last separator before the last") {
   const auto all = [](const FormatRow&) { return true; };
   CHECK(format_list(&FormatRow::name, all, ", ", " or ") ==
-        "pt, pt.gz, torch-legacy, safetensors, hdf5 or eks");
+        "pt, pt.gz, torch-legacy, safetensors, hdf5, eks or deepspec");
   const auto shards = [](const FormatRow& r) { return !r.one_record; };
-  CHECK(format_list(&FormatRow::name, shards, ", ", " or ") == "hdf5 or eks");
+  CHECK(format_list(&FormatRow::name, shards, ", ", " or ") == "hdf5, eks or deepspec");
   const auto named = [](const FormatRow& r) { return !r.noun.empty(); };
   CHECK(format_list(&FormatRow::noun, named, ", ", " or ") ==
-        "a torch.save zip, .ckpt.gz, safetensors, HDF5 or .eks shard");
+        "a torch.save zip, .ckpt.gz, safetensors, HDF5, .eks shard or DeepSpec manifest.json");
   const auto none = [](const FormatRow&) { return false; };
   CHECK(format_list(&FormatRow::name, none, ", ", " or ").empty());
 }

@@ -1,5 +1,9 @@
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -303,4 +307,38 @@ TEST_CASE("index: --show --json prints a path that is not UTF-8 (fuzz regression
       DatasetIndex::from_source(ByteSource::from_bytes(bytes, "fuzzed.ekidx"));
   const auto k = nlohmann::json::parse(index_to_json(fuzzed));
   CHECK(k["files"][1]["path"].get<std::string>().find("synth\xef\xbf\xbd") != std::string::npos);
+}
+
+TEST_CASE("index: vLLM's .lock companions are skipped and counted; one still locked is named") {
+  // vLLM 0.32's ExampleHiddenStatesConnector: FILE.lock (empty) beside FILE.safetensors, held
+  // with an exclusive flock while FILE is written.
+  test::TempDir dir("idx");
+  const std::string root = dir / "data";
+  write_records(root + "/req-a.safetensors", {make_record("a", 3, 8)}, Format::kSafetensors);
+  write_records(root + "/req-b.safetensors", {make_record("b", 3, 8)}, Format::kSafetensors);
+  test::write_text(root + "/req-a.safetensors.lock", "");
+  test::write_text(root + "/req-b.safetensors.lock", "");
+  test::write_text(root + "/req-c.safetensors.lock", "");  // created before its record is written
+  const int fd = ::open((root + "/req-c.safetensors.lock").c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX) == 0);  // the writer's lock (another open file: flock sees two)
+  const std::string out = dir / "i.ekidx";
+  const IndexReport rep = build(root, out);
+  ::close(fd);
+  CHECK(rep.files == 2);
+  CHECK(rep.records == 2);
+  CHECK(rep.bad_records == 0);
+  CHECK(rep.lock_files == 3);
+  CHECK(rep.held_locks == std::vector<std::string>{abs(root + "/req-c.safetensors.lock")});
+  const std::string text = index_report_to_text(rep, out);
+  CHECK(text.find("skipped 3 .lock companion files") != std::string::npos);
+  CHECK(text.find("warning: 1 of them locked by a running writer") != std::string::npos);
+  const auto j = nlohmann::json::parse(index_report_to_json(rep, out));
+  CHECK(j["lock_files"] == 3);
+  CHECK(j["held_locks"].size() == 1);
+  // Released: counted, not named.
+  const IndexReport again = build(root, out);
+  CHECK(again.lock_files == 3);
+  CHECK(again.held_locks.empty());
+  CHECK(index_report_to_text(again, out).find("warning") == std::string::npos);
 }

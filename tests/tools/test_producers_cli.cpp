@@ -314,3 +314,81 @@ TEST_CASE("producers cli: speculators' FP8 records index, validate, stats, inspe
   CHECK_MESSAGE(first != std::string::npos, r.err);
   CHECK(r.err.find(no_mask, first + 1) == std::string::npos);  // once
 }
+
+// DeepSpec's target cache v2 (tests/data/deepspec_v2/, written by DeepSpec's own writer:
+// make_fixture.py), through every command a user runs on a dump: the folder is indexed by its
+// manifest.json, its loss mask is used, its last states are post-norm by the row's fact.
+TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts and trains") {
+  test::TempDir dir("producers-deepspec");
+  const std::string fx = test::source_dir() + "/tests/data/deepspec_v2";
+  const std::string index = dir / "ds.eki";
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "unused") + " --conversations 2 --hidden 8 --vocab 32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(fx + "/cache") + " --out " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["files"] == 1);  // manifest.json; samples.idx and shards are not records
+  r = test::eaglekit("index --show " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["entries"].size() == 4);
+    const int tokens[] = {5, 3, 7, 2};
+    for (int i = 0; i < 4; ++i) {
+      const auto& e = j["entries"][static_cast<std::size_t>(i)];
+      CHECK(e["format"] == "deepspec");
+      CHECK(e["conversation_id"] == std::to_string(i));
+      CHECK(e["tokens"] == tokens[i]);
+      CHECK(e["aux_width"] == 24);
+      CHECK(e["layout_prenorm"] == false);
+      CHECK(e["has_loss_mask"] == true);
+    }
+  }
+  const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
+  r = test::eaglekit("validate" + data + " --deep");
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+  r = test::eaglekit("stats --index " + test::quote(index) + " --json");
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  {
+    // 17 tokens of 6 + 2*4*8 bytes in the shards, 56 a sample in samples.idx, the manifest.
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["total_tokens"] == 17);
+    CHECK(j["bytes_on_disk"] == 17 * 70 + 4 * 56 + fs::file_size(fx + "/cache/manifest.json"));
+  }
+  r = test::eaglekit("inspect " + test::quote(fx + "/cache/manifest.json#2"));
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("format:          deepspec") != std::string::npos);
+  CHECK(r.out.find("norm form:       post-norm (not stated; implied by its layout)") != std::string::npos);
+  // convert: the whole cache to one .eks shard; a sample to .pt. Every value as stored.
+  r = test::eaglekit("convert " + test::quote(fx + "/cache/manifest.json") + " " + test::quote(dir / "ds.eks"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("convert " + test::quote(fx + "/cache/manifest.json#1") + " " + test::quote(dir / "s1.pt"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto src = open_reader(fx + "/cache/manifest.json");
+  const auto eks = open_reader(dir / "ds.eks");
+  REQUIRE(eks->size() == 4);
+  for (std::size_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    const Record want = src->read(i);
+    const Record got = i == 1 ? open_reader(dir / "s1.pt")->read(0) : eks->read(*eks->find(std::to_string(i)));
+    CHECK(got.conversation_id == std::to_string(i));
+    CHECK(got.hidden_states_prenorm == std::optional<bool>(false));
+    REQUIRE(got.tokens() == want.tokens());
+    CHECK(got.hidden_states.equal(want.hidden_states));  // bf16 as stored, every bit
+    CHECK(got.aux_hidden_states.equal(want.aux_hidden_states));
+    REQUIRE(got.loss_mask.has_value());
+    for (std::int64_t t = 0; t < want.tokens(); ++t) {
+      CHECK(got.input_ids.get(t) == want.input_ids.get(t));
+      CHECK(got.loss_mask->get(t) == want.loss_mask->get(t));
+    }
+  }
+  // train: matched by id, post-norm by the row's fact, the stored loss mask used.
+  r = test::eaglekit("train" + data + " --base " + test::quote(dir / "base") + " --out " + test::quote(dir / "run") +
+                     " --aux-layer-ids 1,2,3 --max-steps 2 --batch-size 2 --max-length 16 --eval-fraction 0"
+                     " --eval-every -1 --jobs 2 --threads 2 --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+  CHECK(r.err.find("0 pre-norm, 0 post-norm, 4 not stated, of which 0 pre-norm and 4 post-norm by their layout") !=
+        std::string::npos);
+  CHECK(r.err.find("no loss mask found") == std::string::npos);
+}

@@ -6,6 +6,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -110,6 +111,57 @@ TEST_CASE("checkpoint: a run of 2N steps equals N steps + resume + N steps (fp32
   CHECK(ck.checkpoint.state.schedule_total_steps == 8);
   CHECK(ck.checkpoint.state.world_size == 1);
   CHECK(ck.checkpoint.options_json.find("\"max_steps\": 8") != std::string::npos);
+}
+
+TEST_CASE("checkpoint: with --optimizer muon, 2N steps equal N + resume + N (fp32, 1e-6); the other optimizer is refused") {
+  auto job = test::make_synth_job(30);
+  test::TempDir dir("resume_muon");
+  auto options = [&](const std::string& out) {
+    TrainOptions o = test::small_options(*job, out);
+    o.max_steps = 6;
+    o.batch_size = 2;
+    o.warmup_steps = 1;
+    o.optimizer = OptimizerKind::kMuon;
+    o.muon_lr = 1e-3;  // its own rate on the shared schedule
+    o.weight_decay = 0.05;
+    o.shuffle = true;
+    return o;
+  };
+  run_training(options(dir / "whole"));
+  TrainHooks stop_at_3;
+  stop_at_3.after_step = [](std::int64_t step, DraftModel&) { return step < 3; };
+  CHECK(run_training(options(dir / "split"), nullptr, stop_at_3).steps == 3);
+
+  TrainOptions other = options(dir / "split");
+  other.resume = true;
+  other.optimizer = OptimizerKind::kAdamW;
+  CHECK_THROWS_WITH_AS(run_training(other),
+                       doctest::Contains("was trained with --optimizer muon; resume with it (now adamw)"), UsageError);
+
+  TrainOptions again = options(dir / "split");
+  again.resume = true;
+  const TrainResult second = run_training(again);
+  CHECK(second.start_step == 3);
+  CHECK(second.steps == 6);
+
+  const auto a = test::read_weights(dir / "whole/checkpoint-6/model.safetensors");
+  const auto b = test::read_weights(dir / "split/checkpoint-6/model.safetensors");
+  CHECK(test::max_rel_diff(b, a) < 1e-6);
+  const auto ma = test::read_weights(dir / "whole/checkpoint-6/optimizer.safetensors");
+  const auto mb = test::read_weights(dir / "split/checkpoint-6/optimizer.safetensors");
+  CHECK(test::max_rel_diff(mb, ma) < 1e-6);
+  // Muon's buffers are saved in place of AdamW's moments for the matrices; lm_head keeps AdamW.
+  auto has = [&](const std::string& name) {
+    return std::any_of(ma.begin(), ma.end(), [&](const auto& np) { return np.first == name; });
+  };
+  CHECK(has("momentum_buffer.fc.weight"));
+  CHECK_FALSE(has("exp_avg.fc.weight"));
+  CHECK(has("exp_avg.lm_head.weight"));
+  CHECK_FALSE(has("momentum_buffer.lm_head.weight"));
+  const auto mid = test::read_weights(dir / "split/checkpoint-3/model.safetensors");
+  CHECK(test::max_rel_diff(mid, a) > 1e-4);
+  CHECK(test::metric_rel_diff(dir / "split/metrics.jsonl", dir / "whole/metrics.jsonl", "grad_norm") < 1e-6);
+  CHECK(test::metric_rel_diff(dir / "split/metrics.jsonl", dir / "whole/metrics.jsonl", "loss") < 1e-6);
 }
 
 TEST_CASE("checkpoint: folders appear whole; the newest complete one is chosen; bad state files are named") {

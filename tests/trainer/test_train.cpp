@@ -1,4 +1,4 @@
-// The training loop: schedule, AdamW against torch.optim.AdamW, exact gradient
+// The training loop: schedule, AdamW against torch.optim.AdamW, Muon against its formula, exact gradient
 // accumulation, the normalizer computed ahead of the forward, learning on synthetic data,
 // metrics.jsonl, options JSON, and the non-finite stop.
 #include <ATen/ATen.h>
@@ -115,6 +115,128 @@ torch.save({"w": w.detach(), "n": n.detach(), "m": opt.state[w]["exp_avg"], "v":
   missing.pop_back();
   CHECK_THROWS_WITH_AS(again.load_state(missing, 4, "opt.safetensors"),
                        "opt.safetensors: exp_avg_sq.n: missing optimizer state", FormatError);
+}
+
+namespace {
+
+// Muon as Jordan's post and torch.optim.Muon's docs write it, in double precision and in the
+// other (non-EMA) momentum form: B <- mu B + g; U <- g + mu B (Nesterov); the quintic
+// Newton-Schulz X <- a X + b (X X^T) X + c (X X^T)^2 X on the normalised U (transposed
+// when tall); W <- W (1 - lr wd) - lr adjust O. Both forms' U differ by the factor (1 - mu),
+// which the normalisation removes.
+struct MuonReference {
+  double a = 3.4445, b = -4.7750, c = 2.0315;
+  double mu = 0.95, wd = 0.1;
+  int ns_steps = 5;
+  at::Tensor w, buf;
+  explicit MuonReference(const at::Tensor& w0) : w(w0.to(at::kDouble)), buf(at::zeros_like(w)) {}
+  void step(const at::Tensor& grad, double lr) {
+    const at::Tensor g = grad.to(at::kDouble);
+    buf = mu * buf + g;
+    at::Tensor x = g + mu * buf;
+    const bool tall = x.size(0) > x.size(1);
+    if (tall) x = x.t();
+    x = x / x.norm();
+    for (int k = 0; k < ns_steps; ++k) {
+      const at::Tensor A = x.matmul(x.t());
+      x = a * x + b * A.matmul(x) + c * A.matmul(A).matmul(x);
+    }
+    if (tall) x = x.t();
+    const double rows = static_cast<double>(w.size(0)), cols = static_cast<double>(w.size(1));
+    w = w * (1 - lr * wd) - lr * 0.2 * std::sqrt(std::max(rows, cols)) * x;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("train: Muon steps equal the paper's update in double precision (1e-5); the split as speculators'") {
+  at::manual_seed(11);
+  // A tall and a wide matrix (the transposed and the plain path), three steps (momentum).
+  const at::Tensor t0 = at::randn({12, 5}), v0 = at::randn({4, 9});
+  std::vector<at::Tensor> gt, gv;
+  for (int i = 0; i < 3; ++i) gt.push_back(at::randn({12, 5})), gv.push_back(at::randn({4, 9}));
+  // Rates large enough that each update is a fair part of the weight, so float32's rounding
+  // of the stored weights stays far below the 1e-5 of the update compared.
+  const double lrs[3] = {0.5, 1.0, 0.25};
+
+  auto run = [&](const Muon::Options& mo) {
+    at::Tensor t = t0.clone().set_requires_grad(true), v = v0.clone().set_requires_grad(true);
+    Muon opt({{"t", t}, {"v", v}}, mo);
+    for (int i = 0; i < 3; ++i) {
+      t.mutable_grad() = gt[i].clone();
+      v.mutable_grad() = gv[i].clone();
+      opt.step(lrs[i]);
+    }
+    return std::make_pair(t.detach().clone(), v.detach().clone());
+  };
+  MuonReference rt(t0), rv(v0);
+  for (int i = 0; i < 3; ++i) rt.step(gt[i], lrs[i]), rv.step(gv[i], lrs[i]);
+  // Relative to the size of the weights' whole change, so the test sees the updates, not
+  // the starting weights.
+  auto update_diff = [](const at::Tensor& ours, const at::Tensor& ref, const at::Tensor& w0) {
+    const at::Tensor d_ours = ours.to(at::kDouble) - w0.to(at::kDouble), d_ref = ref - w0.to(at::kDouble);
+    return (d_ours - d_ref).abs().max().item<double>() / d_ref.abs().max().item<double>();
+  };
+  const auto [t, v] = run(Muon::Options{});
+  CHECK(update_diff(t, rt.w, t0) < 1e-5);
+  CHECK(update_diff(v, rv.w, v0) < 1e-5);
+
+  // What the comparison catches: a Newton-Schulz coefficient off by 1%, one iteration less,
+  // Nesterov off, the other learning-rate adjustment.
+  Muon::Options coef;
+  coef.ns_coefficients[1] *= 1.01;
+  CHECK(update_diff(run(coef).first, rt.w, t0) > 1e-3);
+  Muon::Options steps;
+  steps.ns_steps = 4;
+  CHECK(update_diff(run(steps).first, rt.w, t0) > 1e-3);
+  Muon::Options plain;
+  plain.nesterov = false;
+  CHECK(update_diff(run(plain).second, rv.w, v0) > 1e-3);
+  Muon::Options original;
+  original.adjust_lr = MuonLrAdjust::kOriginal;
+  CHECK(update_diff(run(original).second, rv.w, v0) > 1e-3);
+
+  // The orthogonalisation: singular values of NS_5(G) near 1 (Jordan: within about 0.5-1.5)
+  // where G's spread over two decades.
+  const at::Tensor g = at::randn({16, 8}).matmul(at::diag(at::logspace(0, 2, 8)));
+  const at::Tensor sv = std::get<1>(at::linalg_svd(newton_schulz(g, Muon::Options{}.ns_coefficients, 5, 1e-7)));
+  CHECK(sv.min().item<double>() > 0.5);
+  CHECK(sv.max().item<double>() < 1.5);
+
+  // Which parameters Muon takes: matrices with both sides > 1, but lm_head and embeddings.
+  CHECK(muon_takes("fc.weight", at::zeros({4, 12})));
+  CHECK(muon_takes("layers.0.self_attn.q_proj.weight", at::zeros({8, 4})));
+  CHECK_FALSE(muon_takes("lm_head.weight", at::zeros({20, 4})));
+  CHECK_FALSE(muon_takes("embed_tokens.weight", at::zeros({20, 4})));
+  CHECK_FALSE(muon_takes("norm.weight", at::zeros({4})));
+  CHECK_FALSE(muon_takes("gate", at::zeros({1, 4})));
+
+  // The pair: AdamW on the rest, Muon at lr * muon_lr_ratio; state restores, a missing
+  // buffer is named.
+  at::Tensor w = t0.clone().set_requires_grad(true), head = v0.clone().set_requires_grad(true);
+  DraftOptimizer::Options po;
+  po.muon = true;
+  po.muon_lr_ratio = 2.0;
+  DraftOptimizer pair({{"w", w}, {"lm_head.weight", head}}, po);
+  CHECK(pair.muon_parameters() == std::vector<std::string>{"w"});
+  w.mutable_grad() = gt[0].clone();
+  head.mutable_grad() = gv[0].clone();
+  pair.step(0.25);
+  MuonReference one(t0);
+  one.step(gt[0], 0.5);
+  CHECK(update_diff(w.detach(), one.w, t0) < 1e-5);
+  const auto state = pair.state();
+  REQUIRE(state.size() == 3);
+  CHECK(state[0].first == "exp_avg.lm_head.weight");
+  CHECK(state[2].first == "momentum_buffer.w");
+  CHECK(at::allclose(state[2].second, 0.05 * gt[0]));  // (1 - mu) g after one step
+  DraftOptimizer again({{"w", w}, {"lm_head.weight", head}}, po);
+  again.load_state(state, 1, "opt.safetensors");
+  CHECK(at::equal(again.state()[2].second, state[2].second));
+  auto missing = state;
+  missing.pop_back();
+  CHECK_THROWS_WITH_AS(again.load_state(missing, 1, "opt.safetensors"),
+                       "opt.safetensors: momentum_buffer.w: missing optimizer state", FormatError);
 }
 
 TEST_CASE("train: clip_grad_norm is torch's global-norm clipping") {

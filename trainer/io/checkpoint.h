@@ -4,7 +4,8 @@
 //   config.json, model.safetensors  the draft in export format (trainer/io/export.h), in the
 //                                   parameters' dtype (float32: bit-exact), so a checkpoint
 //                                   is also a servable draft and an --init-draft folder
-//   optimizer.safetensors           AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME" (float32)
+//   optimizer.safetensors           AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME", and with
+//                                   --optimizer muon Muon's "momentum_buffer.NAME" (float32)
 //   rng.safetensors                 LibTorch generator states, uint8: "cpu", and per visible
 //                                   CUDA device "cuda" (device 0), "cuda:1", "cuda:2", ...
 //   trainer_state.json              {"format": "eaglekit-checkpoint", "version": 1, "step",

@@ -88,12 +88,7 @@ std::unique_ptr<OpenRun> open_run(const RunPlan& plan, const dist::Mesh& mesh, c
   for (const auto& np : r.named_parameters) r.parameters.push_back(np.second);
   for (const auto& p : r.parameters) r.parameter_count += p.numel();
   if (mesh.world_size() > 1 && !resumed) broadcast_parameters(mesh.world(), r.parameters, 0);
-  AdamW::Options ao;
-  ao.beta1 = o.adam_beta1;
-  ao.beta2 = o.adam_beta2;
-  ao.eps = o.adam_eps;
-  ao.weight_decay = o.weight_decay;
-  r.optimizer.emplace(r.named_parameters, ao);
+  r.optimizer.emplace(r.named_parameters, draft_optimizer_options(o));
   if (resumed) {
     const TrainerState& st = resumed->checkpoint.state;
     r.optimizer->load_state(resumed->checkpoint.optimizer, st.optimizer_steps, resumed->dir + "/optimizer.safetensors");

@@ -49,7 +49,7 @@ struct OpenRun {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters;  // of the draft
   std::vector<at::Tensor> parameters;
   std::int64_t parameter_count = 0;
-  std::optional<AdamW> optimizer;                // training only
+  std::optional<DraftOptimizer> optimizer;       // training only
   std::unique_ptr<GradientSync> sync;            // training on more than one rank
   std::unique_ptr<SequenceContext> context;      // training: the mesh's (null: single rank)
   // A resumed run: the checkpoint's step and tokens (its optimizer, random and sampler state

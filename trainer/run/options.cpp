@@ -113,6 +113,22 @@ opt::Group optim_options(OptimOptions& o) {
               opt::below(at_least(field("adam_beta1", "X", o.adam_beta1, "AdamW beta1"), 0), 1),
               opt::below(at_least(field("adam_beta2", "X", o.adam_beta2, "AdamW beta2"), 0), 1),
               opt::positive(field("adam_eps", "X", o.adam_eps, "AdamW eps")),
+              opt::choice_of("optimizer", o.optimizer, kOptimizerNames,
+                             "adamw on every parameter, or muon: Newton-Schulz orthogonalised momentum on the 2-D "
+                             "weight matrices but lm_head, AdamW (the --adam-* and --weight-decay options) on "
+                             "lm_head and the norms, as speculators 0.9 pairs them (its CLI defaults to muon)"),
+              opt::note(opt::finite(at_least(field("muon_lr", "X", o.muon_lr,
+                                                   "Muon's peak learning rate, on the same schedule as --lr"),
+                                             0)),
+                        "--lr"),
+              opt::below(at_least(field("muon_momentum", "X", o.muon_momentum, "Muon momentum (Nesterov)"), 0), 1),
+              at_least(field("muon_weight_decay", "X", o.muon_weight_decay, "Muon decoupled weight decay"), 0),
+              opt::at_most(at_least(field("muon_ns_steps", "N", o.muon_ns_steps, "Muon Newton-Schulz iterations"), 1),
+                           99),
+              opt::choice_of("muon_adjust_lr", o.muon_adjust_lr, kMuonLrAdjustNames,
+                             "Muon's learning rate per matrix of R x C: match-rms-adamw scales it by "
+                             "0.2 sqrt(max(R, C)) (an update of AdamW's RMS, so --lr carries over), original by "
+                             "sqrt(max(1, R/C))"),
               opt::note(at_least(field("epochs", "N", o.epochs, "Epochs"), 0),
                         "1, or no limit when only --max-steps is given"),
               opt::note(at_least(field("max_steps", "N", o.max_steps, "Stop after this many optimizer steps"), 0),

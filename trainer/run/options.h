@@ -25,6 +25,15 @@ inline constexpr NameTable<Schedule, 3> kScheduleNames{
 inline std::string_view schedule_name(Schedule s) { return name_in(kScheduleNames, s); }
 inline std::optional<Schedule> parse_schedule(std::string_view name) { return value_in(kScheduleNames, name); }
 
+// --optimizer: AdamW on every parameter, or Muon on the 2-D weight matrices with AdamW on the
+// rest (trainer/run/optim.h). --muon-adjust-lr: how Muon scales its learning rate by a
+// matrix's shape (torch.optim.Muon's adjust_lr_fn).
+enum class OptimizerKind { kAdamW, kMuon };
+inline constexpr NameTable<OptimizerKind, 2> kOptimizerNames{{{OptimizerKind::kAdamW, "adamw"}, {OptimizerKind::kMuon, "muon"}}};
+enum class MuonLrAdjust { kMatchRmsAdamW, kOriginal };
+inline constexpr NameTable<MuonLrAdjust, 2> kMuonLrAdjustNames{
+    {{MuonLrAdjust::kMatchRmsAdamW, "match-rms-adamw"}, {MuonLrAdjust::kOriginal, "original"}}};
+
 // The compute dtype of the draft's forward and backward: float32, or bfloat16 autocast
 // (weights and optimizer state stay float32).
 enum class ComputeDType { kFloat32, kBFloat16 };
@@ -103,6 +112,12 @@ struct OptimOptions {
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.999;
   double adam_eps = 1e-8;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  double muon_lr = 0;  // 0: lr
+  double muon_momentum = 0.95;
+  double muon_weight_decay = 0.1;
+  std::int64_t muon_ns_steps = 5;
+  MuonLrAdjust muon_adjust_lr = MuonLrAdjust::kMatchRmsAdamW;
   std::int64_t epochs = 0;     // 0: 1, unless max_steps is set (then unbounded)
   std::int64_t max_steps = 0;  // optimizer steps; 0: no limit
 

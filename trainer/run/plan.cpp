@@ -430,6 +430,11 @@ void plan_steps(RunPlan& p, const std::optional<CheckpointInfo>& resumed) {
     const std::int64_t step = st.step;
     TrainOptions saved;
     saved.apply_json(resumed->options_json, resumed->dir + "/train_options.json");
+    if (saved.optimizer != o.optimizer) {  // the checkpoint holds the other optimizer's state
+      throw UsageError("--resume: " + resumed->dir + " was trained with --optimizer " +
+                       std::string(name_in(kOptimizerNames, saved.optimizer)) + "; resume with it (now " +
+                       std::string(name_in(kOptimizerNames, o.optimizer)) + ")");
+    }
     std::vector<std::string> changed;
     auto differs = [&](const char* flag, auto was, auto now) {
       if (was == now) return;
@@ -582,6 +587,10 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
                                           "cross-entropy (the same gradient; the reported loss includes the targets' "
                                           "entropy); --loss chooses another (rkl, js, tv, nla, lk-hybrid, ce or a mix)"
                                         : "--loss " + o.loss});
+  p.decisions.push_back({"optimizer", optimizer_text(o),
+                         o.optimizer == OptimizerKind::kAdamW
+                             ? "adamw, the default (speculators 0.9's CLI defaults to muon: --optimizer muon)"
+                             : "--optimizer muon"});
   p.ttt.autocast = autocast_type(o.compute_dtype);
   p.ttt.prenorm_hidden_states = p.norm.default_pre;
   p.ttt.loss_chunk_rows = o.loss_chunk_tokens;
