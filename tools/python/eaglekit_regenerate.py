@@ -259,6 +259,8 @@ def main():
 def run(args, i, n):
     convs = shard(read_conversations(args.data), i, n)
     partial = args.out + ".partial"
+    if os.path.dirname(args.out):
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
     if os.path.exists(args.out):
         have = {str(c.id) for c in read_conversations(args.out)}
         missing = [c.id for c in convs if c.id not in have]
