@@ -117,6 +117,21 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     check = Checks()
+    try:
+        run(args, check)
+    except Exception as e:  # a check that cannot go on is a failure, reported with the others
+        import traceback
+        traceback.print_exc()
+        check("the check ran to its end", False, f"stopped: {e!r}")
+    failed = [c for c in check.results if not c["ok"]]
+    if args.json:
+        print(json.dumps(check.results, indent=1))
+    print(f"check_dump_tools: {len(check.results) - len(failed)} of {len(check.results)} checks passed",
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+def run(args, check):
     w = args.work
     shutil.rmtree(w, ignore_errors=True)
     os.makedirs(w)
@@ -173,10 +188,10 @@ def main():
     check("regenerate resumed after an interruption equals the uninterrupted run",
           rc == 0 and open(p("res.jsonl")).read() == ref and "2 already" in err and "unfinished last line" in err
           and not os.path.exists(p("res.jsonl.partial")), f"exit {rc}")
-    before = os.stat(p("res.jsonl")).st_mtime_ns
-    rc, err = sh(REGEN, *common, "--data", p("in.jsonl"), "--out", p("res.jsonl"))
+    before = os.stat(p("ref.jsonl")).st_mtime_ns if rc == 0 else None
+    rc, err = sh(REGEN, *common, "--data", p("in.jsonl"), "--out", p("ref.jsonl"))
     check("regenerate with its output complete does nothing", rc == 0 and "nothing to do" in err
-          and os.stat(p("res.jsonl")).st_mtime_ns == before, f"exit {rc}")
+          and os.stat(p("ref.jsonl")).st_mtime_ns == before, f"exit {rc}")
     os.makedirs(p("shards"))
     for k in (0, 1):
         sh(REGEN, *common, "--data", p("in.jsonl"), "--out", p("shards", f"part-{k}.jsonl"), "--shard", f"{k}/2")
@@ -241,8 +256,8 @@ def main():
     unmasked = tok.decode(ids[~mask.bool()]) if mask is not None else ""
     check("dump's loss mask is 1 on exactly the assistant turns (two of them)",
           a1 in masked and a2 in masked and "topic2 bibo" not in masked and "topic3 rusi" in unmasked
-          and r3.get("hidden_states_prenorm") is False and r3["aux_hidden_states"].shape[1] == 3 * r3[
-              "hidden_states"].shape[1], f"masked {int(mask.sum()) if mask is not None else '?'} of "
+          and r3.get("hidden_states_prenorm") is False
+          and r3["aux_hidden_states"].shape[1] == 3 * r3["hidden_states"].shape[1], f"masked {int(mask.sum()) if mask is not None else '?'} of "
                                          f"{len(ids) if ids is not None else '?'} tokens")
     os.makedirs(p("dres"))
     shutil.copy(p("dref", "a.pt"), p("dres", "a.pt"))
@@ -259,13 +274,6 @@ def main():
     rc, err = sh(DUMP, *dcommon, "--out", p("dres"), "--loss-mask", "none")
     check("dump into a folder dumped with other settings is refused (exit 1)",
           rc == 1 and "other settings" in err and "loss_mask 'assistant' then, 'none' now" in err, f"exit {rc}")
-
-    failed = [c for c in check.results if not c["ok"]]
-    if args.json:
-        print(json.dumps(check.results, indent=1))
-    print(f"check_dump_tools: {len(check.results) - len(failed)} of {len(check.results)} checks passed",
-          file=sys.stderr)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
