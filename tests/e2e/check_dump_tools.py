@@ -188,7 +188,7 @@ def run(args, check):
     check("regenerate resumed after an interruption equals the uninterrupted run",
           rc == 0 and open(p("res.jsonl")).read() == ref and "2 already" in err and "unfinished last line" in err
           and not os.path.exists(p("res.jsonl.partial")), f"exit {rc}")
-    before = os.stat(p("ref.jsonl")).st_mtime_ns if rc == 0 else None
+    before = os.stat(p("ref.jsonl")).st_mtime_ns if os.path.exists(p("ref.jsonl")) else None
     rc, err = sh(REGEN, *common, "--data", p("in.jsonl"), "--out", p("ref.jsonl"))
     check("regenerate with its output complete does nothing", rc == 0 and "nothing to do" in err
           and os.stat(p("ref.jsonl")).st_mtime_ns == before, f"exit {rc}")
