@@ -456,9 +456,30 @@ Record normalize(const Archive& a, const std::string& id_path, std::vector<const
   };
   Record r;
   r.input_ids = *tensor({"input_ids"}, true, 2);
-  r.hidden_states = *tensor({"hidden_states", "hidden_state"}, true, 3);
-  r.aux_hidden_states =
-      *tensor({"aux_hidden_states", "aux_hidden_state", "hidden_state_features"}, true, 3);
+  const char* const kAuxKeys[] = {"aux_hidden_states", "aux_hidden_state", "hidden_state_features"};
+  if (root->get("target_last_hidden_states") != nullptr) {
+    // SpecForge 0.2's DSpark layout: `hidden_states` holds the k target layers side by side
+    // (the DFlash family's name for them) and `target_last_hidden_states` the last layer.
+    // Another last-layer or aux key beside them leaves no single reading.
+    for (const char* k : {"hidden_state", "aux_hidden_states", "aux_hidden_state", "hidden_state_features"})
+      if (const Value* v = root->get(k))
+        throw FormatError(path, v->offset, k,
+                          "beside 'target_last_hidden_states' (SpecForge's DSpark layout, whose "
+                          "'hidden_states' are the aux layers): two readings of the record");
+    r.hidden_states = *tensor({"target_last_hidden_states"}, true, 3);
+    r.aux_hidden_states = *tensor({"hidden_states"}, true, 3);
+  } else {
+    r.hidden_states = *tensor({"hidden_states", "hidden_state"}, true, 3);
+    bool has_aux = false;
+    for (const char* k : kAuxKeys) has_aux = has_aux || root->get(k) != nullptr;
+    if (!has_aux && root->get("hidden_states") && !root->get("hidden_state"))
+      throw FormatError(path, root->get("hidden_states")->offset, "aux_hidden_states",
+                        "missing: the record holds 'hidden_states' and no aux layers, as SpecForge 0.2's "
+                        "DFlash / Domino records do ('hidden_states' = the aux layers side by side, no "
+                        "last layer); EAGLE-3 needs both: capture with --strategy eagle3 or dspark");
+    r.aux_hidden_states =
+        *tensor({"aux_hidden_states", "aux_hidden_state", "hidden_state_features"}, true, 3);
+  }
   r.loss_mask = tensor({"loss_mask"}, false, 2);
   // ModelOpt and SpecForge name it conversation_id; TensorRT-LLM's raw dumps keep "id".
   const Value* id = root->get("conversation_id");

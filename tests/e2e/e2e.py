@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The end-to-end check: a real base model made here, its data dumped as ModelOpt's HF dumper
-does, eaglekit end to end on it (index, validate --base, vocab, train, evaluate, export in both
-layouts), and vLLM (its CPU build) serving the base with the draft. Run by scripts/e2e, which
+"""The end-to-end check: a real base model made here, its data regenerated and dumped by
+eaglekit's tools/python programs as ModelOpt's HF dumper does, eaglekit end to end on it
+(index, validate --base, vocab, train, evaluate, export in both layouts), and vLLM (its CPU build) serving the base with the draft. Run by scripts/e2e, which
 makes the virtual environment; see docs/e2e.md for what it checks and why.
 
 Usage: e2e.py [--work DIR] [--eaglekit PATH] [--quick] [--sensitivity] [--fresh] [--json]
@@ -81,7 +81,15 @@ def main():
     # 1. The base model.
     r.stage("make_base", "base/train_log.json",
             lambda: r.sh([py, os.path.join(HERE, "make_base.py"), base, "--steps", "300"]))
-    # 2. Its own greedy answers, dumped as ModelOpt's HF dumper does.
+    # 1b. eaglekit's regenerate and dump programs (tools/python): resume, shards, the loss mask,
+    # the server path and the refusals, on a few conversations of the base.
+    r.stage("dump_tools", "dump_tools.json", lambda: r.sh(
+        [py, os.path.join(HERE, "check_dump_tools.py"), base, r.path("dump_tools"), "--json"],
+        out=r.path("dump_tools.json"), ok=(0, 1)))
+    for c in json.load(open(r.path("dump_tools.json"))):
+        r.check("dump tools: " + c["check"], c["ok"], c["detail"])
+    # 2. Its own greedy answers (eaglekit_regenerate.py), dumped by eaglekit_dump.py as ModelOpt's
+    # HF dumper does.
     heldout = 24 if args.quick else 48
     r.stage("make_data", "data/data.json",
             lambda: r.sh([py, os.path.join(HERE, "make_data.py"), base, data, "--train", "1500",
@@ -97,9 +105,10 @@ def main():
             f"{100 * d['answer_words_most_likely_successor']:.1f}% its most likely successor")
 
     # 3. eaglekit end to end. make_data.py dumps LlamaModel's last_hidden_state, post-norm, as
-    # ModelOpt's HF dumper does: said with --hidden-states-norm post, as a user of that dumper
-    # would (measuring it works, z 4.7-5.0 on this base's samples, close to the refusal's 4;
-    # validate --base below checks the form on every record).
+    # ModelOpt's HF dumper does, and eaglekit_dump.py states it in every record
+    # (hidden_states_prenorm False); --hidden-states-norm post is what a user of ModelOpt's dumper,
+    # which states none, would pass (measuring it works, z 4.7-5.0 on this base's samples, close to
+    # the refusal's 4; validate --base below checks the form on every record).
     def eaglekit():
         for stale in ("run", "run-modelopt", "speculators"):  # of a run that stopped part way
             shutil.rmtree(r.path(stale), ignore_errors=True)

@@ -19,6 +19,8 @@
 #include "formats/format.h"
 #include "formats/pickle.h"
 #include "formats/pt_format.h"
+#include "formats/registry.h"
+#include "formats/safetensors_format.h"
 #include "formats/zip.h"
 #include "tests/formats/zip_regions.h"
 #include "tests/support.h"
@@ -854,9 +856,14 @@ TEST_CASE("pt: corruption table") {
   SUBCASE("missing and mistyped keys") {
     write_pt(d / "noaux.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {2})},
                               {"hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})}});
-    CHECK(open_error<FormatError>(d / "noaux.pt") ==
-          d / "noaux.pt" + ": aux_hidden_states: missing from the record (looked for "
-                           "'aux_hidden_states', 'aux_hidden_state', 'hidden_state_features')");
+    CHECK(has(open_error<FormatError>(d / "noaux.pt"),
+              d / "noaux.pt" + ": aux_hidden_states at byte "));
+    CHECK(has(open_error<FormatError>(d / "noaux.pt"), "holds 'hidden_states' and no aux layers"));
+    write_pt(d / "noaux2.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {2})},
+                               {"hidden_state", HostTensor::zeros(DType::kFloat32, {2, 2})}});
+    CHECK(open_error<FormatError>(d / "noaux2.pt") ==
+          d / "noaux2.pt" + ": aux_hidden_states: missing from the record (looked for "
+                            "'aux_hidden_states', 'aux_hidden_state', 'hidden_state_features')");
     write_pt(d / "strhid.pt", {{"input_ids", HostTensor::zeros(DType::kInt64, {2})},
                                {"hidden_states", std::string("oops")},
                                {"aux_hidden_states", HostTensor::zeros(DType::kFloat32, {2, 2})}});
@@ -962,4 +969,71 @@ for name in ["w-true", "w-false", "w-absent"]:
 )PY", {d.path()});
   REQUIRE_MESSAGE(back.exit_code == 0, back.err);
   CHECK(back.out == "w-true bool True\nw-false bool False\nw-absent str absent\n");
+}
+
+// SpecForge 0.2's per-strategy .ckpt keys, written with SpecForge's own layouts
+// (tests/data/specforge/make_fixture.py); expected values from its own reader and DSpark
+// normalizer.
+namespace {
+
+std::string specforge_fixture(const std::string& name) {
+  return test::source_dir() + "/tests/data/specforge/" + name;
+}
+
+}  // namespace
+
+TEST_CASE("pt: SpecForge 0.2 DSpark .ckpt / .ckpt.gz read as SpecForge's normalizer sees them") {
+  const auto want = SafetensorsFile::open(specforge_fixture("expected/dspark_0.safetensors"));
+  for (const char* name : {"dspark_0.ckpt", "dspark_0.ckpt.gz"}) {
+    CAPTURE(name);
+    const auto reader = open_reader(specforge_fixture(name));
+    const Record r = reader->read(0);
+    CHECK(r.conversation_id == "dspark_0");
+    CHECK(r.tokens() == 5);
+    CHECK(r.hidden_size() == 8);  // target_last_hidden_states [1, 5, 8]
+    CHECK(r.aux_hidden_states.shape == std::vector<std::int64_t>{5, 24});  // hidden_states [1, 5, 24]
+    CHECK(r.input_ids.equal(*want->get("input_ids")));
+    REQUIRE(r.loss_mask.has_value());
+    CHECK(r.loss_mask->equal(*want->get("loss_mask")));
+    CHECK(r.hidden_states.dtype == DType::kBFloat16);
+    CHECK(r.hidden_states.equal(*want->get("hidden_states")));
+    CHECK(r.aux_hidden_states.equal(*want->get("aux_hidden_states")));
+  }
+}
+
+TEST_CASE("pt: SpecForge 0.2 DFlash / DSpark records refused where they cannot be read one way") {
+  test::TempDir dir("specforge");
+  const std::string d = dir.path();
+  // DFlash / Domino: the aux layers only, no last layer.
+  for (const char* name : {"dflash_0.ckpt", "dflash_0.ckpt.gz"}) {
+    CAPTURE(name);
+    std::string msg = "<no error>";
+    try {
+      (void)open_reader(specforge_fixture(name))->read(0);
+    } catch (const FormatError& e) {
+      msg = e.what();
+    }
+    CHECK(has(msg, ": aux_hidden_states at byte "));
+    CHECK(has(msg, "as SpecForge 0.2's DFlash / Domino records do"));
+  }
+  // DSpark's keys beside an EAGLE-3 last-layer key.
+  const HostTensor ids = HostTensor::zeros(DType::kInt64, {2});
+  const HostTensor h = HostTensor::zeros(DType::kFloat32, {1, 2, 4});
+  const HostTensor aux = HostTensor::zeros(DType::kFloat32, {1, 2, 12});
+  write_pt(d + "/both.ckpt", {{"input_ids", ids}, {"hidden_states", aux},
+                              {"target_last_hidden_states", h}, {"hidden_state", h}});
+  const std::string both = open_error<FormatError>(d + "/both.ckpt");
+  CHECK(has(both, d + "/both.ckpt: hidden_state at byte "));
+  CHECK(has(both, "beside 'target_last_hidden_states'"));
+  // DSpark's last layer with the wrong token count.
+  write_pt(d + "/rows.ckpt", {{"input_ids", ids}, {"hidden_states", aux},
+                              {"target_last_hidden_states", HostTensor::zeros(DType::kFloat32, {1, 3, 4})}});
+  CHECK(open_error<FormatError>(d + "/rows.ckpt") ==
+        d + "/rows.ckpt: hidden_states: 3 rows but input_ids has 2 tokens");
+  // Truncated: the zip's end records are gone.
+  const auto src = ByteSource::open_file(specforge_fixture("dspark_0.ckpt"));
+  std::vector<char> bytes(reinterpret_cast<const char*>(src->data()),
+                          reinterpret_cast<const char*>(src->data()) + src->size() / 2);
+  std::ofstream(d + "/cut.ckpt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  CHECK(has(open_error<FormatError>(d + "/cut.ckpt"), d + "/cut.ckpt: "));
 }
