@@ -539,8 +539,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       " optimizer steps of " + std::to_string(plan.rows_per_step) + " rows on " + std::to_string(mesh.world_size()) +
       " rank(s), " + std::to_string(at::get_num_threads()) + " threads (OpenMP waiting " + plan.wait_policy +
       "), device " + run->device.str() +
-      ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
-      (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
+      (plan.block() ? ", DFlash block " + std::to_string(dc.block_size) + " (dense block attention)"
+                    : ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
+                          (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : "")));
   if (plan.resume_step < 0) say("learning rate: " + plan.schedule);
   if (const std::string w = schedule_warning(opts.lr, opts.schedule, opts.warmup_steps, plan.total_steps); !w.empty())
     say("warning: " + w);
