@@ -16,6 +16,7 @@
 #include "formats/error.h"
 #include "formats/registry.h"
 #include "lib/clock.h"
+#include "lib/loss_masks.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -53,7 +54,7 @@ struct Unit {
   std::optional<std::size_t> record;           // null: all records
 };
 
-std::vector<Record> read_unit(const Unit& u) {
+std::vector<Record> read_unit(const Unit& u, const LossMasks* masks) {
   std::shared_ptr<const RecordReader> reader = u.reader;
   if (!reader) reader = open_reader(u.path);
   std::vector<Record> out;
@@ -63,7 +64,10 @@ std::vector<Record> read_unit(const Unit& u) {
     for (std::size_t i = 0; i < reader->size(); ++i) out.push_back(reader->read(i));
   }
   // The form the source's layout implies is stated in the output, whose layout implies none.
-  for (Record& r : out) r.hidden_states_prenorm = r.known_prenorm();
+  for (Record& r : out) {
+    r.hidden_states_prenorm = r.known_prenorm();
+    if (masks) masks->apply(r, u.path);
+  }
   return out;
 }
 
@@ -148,6 +152,11 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
                             [&](const std::string& name) { return name == file; });
   }
 
+  // Opened (and checked whole) before any output is written.
+  std::unique_ptr<const LossMasks> masks;
+  if (!options.loss_masks.empty())
+    masks = std::make_unique<const LossMasks>(LossMasks::open(options.loss_masks));
+
   Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? -1 : 0);
   tbb::task_arena arena(options.jobs > 0 ? options.jobs : tbb::task_arena::automatic);
   std::atomic<std::int64_t> records{0}, files{0}, bytes{0};
@@ -159,7 +168,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
       tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
                         [&](const tbb::blocked_range<std::size_t>& range) {
         for (std::size_t u = range.begin(); u != range.end(); ++u) {
-          for (const Record& r : read_unit(units[u])) {
+          for (const Record& r : read_unit(units[u], masks.get())) {
             const std::string name = file_stem(r.conversation_id) + ext;
             {
               std::lock_guard<std::mutex> lock(mu);
@@ -190,7 +199,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
       arena.execute([&] {
         tbb::parallel_for(tbb::blocked_range<std::size_t>(b, e, 1),
                           [&](const tbb::blocked_range<std::size_t>& range) {
-          for (std::size_t u = range.begin(); u != range.end(); ++u) got[u - b] = read_unit(units[u]);
+          for (std::size_t u = range.begin(); u != range.end(); ++u) got[u - b] = read_unit(units[u], masks.get());
         });
       });
       for (std::size_t u = b; u < e; ++u) {
@@ -207,6 +216,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   }
   progress.finish();
   res.records = records.load();
+  if (masks) res.loss_masks_joined = res.records;
   res.files_written = files.load();
   res.bytes_written = bytes.load();
   res.seconds = seconds_since(start);

@@ -15,6 +15,9 @@
 // no file that looks complete. Records are read (and one-record outputs written) in
 // parallel on options.jobs threads; shard writers receive records in order.
 //
+// With options.loss_masks, each record's loss mask comes from speculators' prepared dataset
+// (lib/loss_masks.h), matched by the record file's row number and checked against its tokens.
+//
 // Errors: UsageError (DST is SRC, a shard format asked for a folder output...), Error
 // (two records with the same conversation id for a folder output, an empty SRC), IoError /
 // FormatError from reading and writing.
@@ -35,6 +38,9 @@ struct ConvertOptions {
   WriterOptions writer;          // codec / level for eks; format is overridden
   int jobs = 0;                  // 0: all cores
   bool progress = false;         // progress on stderr (lib/progress.h: a terminal, or plain lines in a log)
+  // A file of speculators' loss masks (lib/loss_masks.h); empty: none. Every record then
+  // takes the mask of the dataset row its file name hs_{i}.safetensors names.
+  std::string loss_masks;
 };
 
 struct ConvertResult {
@@ -43,6 +49,7 @@ struct ConvertResult {
   std::int64_t files_written = 0;
   std::int64_t bytes_written = 0;
   bool folder_output = false;
+  std::int64_t loss_masks_joined = 0;  // records that took a mask from options.loss_masks
   std::string output;  // DST
   double seconds = 0;
 };

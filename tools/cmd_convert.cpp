@@ -41,6 +41,9 @@ int run_convert(int argc, char** argv) {
        opt::choice_of("codec", codec, kEksCodecNames, "eks codec"),
        opt::field("level", "N", o.writer.level, "eks zstd level"),
        opt::field("jobs", "N", o.jobs, "Threads (0: all cores)"),
+       opt::field("loss-masks", "FILE", o.loss_masks,
+                  "speculators' loss masks (scripts/speculators/loss_masks.py wrote FILE from its "
+                  "prepared dataset): each hs_{i}.safetensors takes row i's mask"),
        opt::field("json", "", json, "Print the result as JSON")}}};
   const auto shard = [](const FormatRow& r) { return convert_writes(r) && !r.one_record; };
   const auto one_record = [](const FormatRow& r) { return convert_writes(r) && r.one_record; };
@@ -75,6 +78,7 @@ int run_convert(int argc, char** argv) {
     j["files"] = r.files_written;
     j["bytes"] = r.bytes_written;
     j["seconds"] = r.seconds;
+    if (!o.loss_masks.empty()) j["loss_masks_joined"] = r.loss_masks_joined;
     std::cout << j.dump(2) << "\n";
   } else {
     char line[512];
@@ -84,6 +88,9 @@ int run_convert(int argc, char** argv) {
                   static_cast<long long>(r.files_written),
                   human_bytes(static_cast<double>(r.bytes_written)).c_str(), r.seconds);
     std::cout << line;
+    if (!o.loss_masks.empty())
+      std::cout << "loss masks: " << r.loss_masks_joined << " records took their mask from "
+                << o.loss_masks << "\n";
   }
   return 0;
 }

@@ -16,6 +16,7 @@
 
 #include "formats/format.h"
 #include "formats/record.h"
+#include "formats/safetensors_format.h"
 #include "tests/support.h"
 
 using namespace eaglekit;
@@ -391,4 +392,77 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
   CHECK(r.err.find("0 pre-norm, 0 post-norm, 4 not stated, of which 0 pre-norm and 4 post-norm by their layout") !=
         std::string::npos);
   CHECK(r.err.find("no loss mask found") == std::string::npos);
+}
+
+// speculators keeps the loss mask in its prepared dataset folder, not in hs_{i}
+// (tests/data/speculators_masks/, written by speculators 0.9's own preprocessing):
+// convert --loss-masks joins it by row, and the converted records then train on it.
+TEST_CASE("producers cli: convert --loss-masks joins speculators' prepared-dataset masks by row") {
+  test::TempDir dir("producers-masks");
+  const std::string fx = test::source_dir() + "/tests/data/speculators_masks";
+  const std::string masks = fx + "/loss_masks.safetensors";
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "unused") + " --conversations 2 --hidden 8 --vocab 32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string dump = fx + "/prepared/hidden_states";
+  const std::string conversations = test::source_dir() + "/tests/data/speculators_fp8/conversations.jsonl";
+  const std::string flags = " --base " + test::quote(dir / "base") + " --aux-layer-ids 1,2 --batch-size 2"
+                            " --max-length 16 --eval-fraction 0 --eval-every -1 --dry-run";
+  // The dump alone: no mask anywhere, said by validate and the plan.
+  r = test::eaglekit("index " + test::quote(dump) + " --out " + test::quote(dir / "dump.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string dump_data = " --data " + test::quote(conversations) + " --index " + test::quote(dir / "dump.eki");
+  r = test::eaglekit("validate" + dump_data);
+  CHECK_MESSAGE(r.out.find("no loss mask found") != std::string::npos, r.out);
+  r = test::eaglekit("train" + dump_data + flags + " --out " + test::quote(dir / "run0"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE((r.out + r.err).find("no loss mask found") != std::string::npos, std::string(r.out + r.err));
+
+  // Joined: each hs_{i} takes row i's mask, as speculators' ArrowDataset pairs them.
+  r = test::eaglekit("convert " + test::quote(dump) + " " + test::quote(dir / "masked.eks") + " --loss-masks " +
+                     test::quote(masks) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["loss_masks_joined"] == 2);
+  r = test::eaglekit("convert " + test::quote(dump) + " " + test::quote(dir / "masked2.eks") + " --loss-masks " +
+                     test::quote(masks));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("loss masks: 2 records took their mask from " + masks) != std::string::npos, r.out);
+  const auto eks = open_reader(dir / "masked.eks");
+  REQUIRE(eks->size() == 2);
+  for (std::size_t k = 0; k < 2; ++k) {
+    const Record got = eks->read(k);
+    CAPTURE(got.conversation_id);
+    // The mask speculators' ArrowDataset gives with this hs_{i} (make_fixture.py).
+    const auto want = SafetensorsFile::open(fx + "/expected/" + got.conversation_id + ".safetensors");
+    REQUIRE(got.loss_mask.has_value());
+    CHECK(got.loss_mask->equal(*want->get("loss_mask")));
+  }
+  r = test::eaglekit("index " + test::quote(dir / "masked.eks") + " --out " + test::quote(dir / "masked.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string data = " --data " + test::quote(conversations) + " --index " + test::quote(dir / "masked.eki");
+  r = test::eaglekit("validate" + data);
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+  CHECK_MESSAGE(r.out.find("no loss mask found") == std::string::npos, r.out);
+  r = test::eaglekit("train" + data + flags + " --out " + test::quote(dir / "run1"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE((r.out + r.err).find("no loss mask found") == std::string::npos, std::string(r.out + r.err));
+
+  // A dump that is not the dataset's: refused, naming the row and the file; nothing written.
+  fs::create_directories(dir / "shifted");
+  fs::copy_file(dump + "/hs_0.safetensors", dir / "shifted/hs_1.safetensors");
+  r = test::eaglekit("convert " + test::quote(dir / "shifted") + " " + test::quote(dir / "shifted.eks") +
+                     " --loss-masks " + test::quote(masks));
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.err.find(masks + ": row 1 at byte ") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("holds 4 tokens, but " + (dir / "shifted/hs_1.safetensors") + " holds 6") != std::string::npos,
+                r.err);
+  CHECK_FALSE(fs::exists(dir / "shifted.eks"));
+  // A file name that names no row: bad usage.
+  fs::create_directories(dir / "renamed");
+  fs::copy_file(dump + "/hs_0.safetensors", dir / "renamed/x.safetensors");
+  r = test::eaglekit("convert " + test::quote(dir / "renamed") + " " + test::quote(dir / "renamed.eks") +
+                     " --loss-masks " + test::quote(masks));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find((dir / "renamed/x.safetensors") + ": --loss-masks pairs a record with its dataset row") !=
+                    std::string::npos, r.err);
 }

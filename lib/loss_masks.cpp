@@ -1,0 +1,123 @@
+#include "lib/loss_masks.h"
+
+#include <charconv>
+#include <filesystem>
+#include <optional>
+
+#include "formats/error.h"
+#include "formats/record.h"
+#include "formats/safetensors_format.h"
+
+namespace eaglekit {
+
+namespace {
+
+constexpr const char* kKind = "speculators loss masks";
+
+// Row i of hs_{i}.safetensors (hs_connectors' FileTransfer names them so); nullopt otherwise.
+std::optional<std::int64_t> row_of(const std::string& source) {
+  const std::string name = std::filesystem::path(source).filename().string();
+  const std::string pre = "hs_", post = ".safetensors";
+  if (name.size() <= pre.size() + post.size() || name.compare(0, pre.size(), pre) != 0 ||
+      name.compare(name.size() - post.size(), post.size(), post) != 0)
+    return std::nullopt;
+  const char* b = name.data() + pre.size();
+  const char* e = name.data() + name.size() - post.size();
+  if (*b == '0' && e - b > 1) return std::nullopt;  // hs_01 is no file the connector writes
+  std::int64_t i = 0;
+  const auto [p, ec] = std::from_chars(b, e, i);
+  if (ec != std::errc() || p != e || i < 0) return std::nullopt;
+  return i;
+}
+
+}  // namespace
+
+const std::string& LossMasks::path() const { return file_->path(); }
+
+LossMasks LossMasks::open(const std::string& path) {
+  LossMasks m;
+  m.file_ = SafetensorsFile::open(path);
+  const SafetensorsFile& f = *m.file_;
+  const auto kind = f.metadata().find("eaglekit");
+  if (kind == f.metadata().end() || kind->second != kKind)
+    throw FormatError(path, 8, "__metadata__",
+                      "not a loss-mask file (expected \"eaglekit\": \"" + std::string(kKind) +
+                          "\", written by scripts/speculators/loss_masks.py)");
+  auto need = [&](const char* name, DType dtype) {
+    const SafetensorsEntry* e = f.find(name);
+    if (e == nullptr) throw FormatError(path, 8, name, "missing from the header");
+    if (e->dtype != dtype || e->shape.size() != 1)
+      throw FormatError(path, f.data_start() + e->begin, name,
+                        "is " + e->dtype_code + " of " + std::to_string(e->shape.size()) +
+                            " dimensions, expected " + std::string(dtype_name(dtype)) + " [n]");
+    return std::make_pair(e, f.tensor(*e));
+  };
+  const auto [oe, offsets] = need("row_offsets", DType::kInt64);
+  const auto [ie, ids] = need("input_ids", DType::kInt64);
+  const auto [me, mask] = need("loss_mask", DType::kUInt8);
+  if (offsets.shape[0] < 1) throw FormatError(path, f.data_start() + oe->begin, "row_offsets", "is empty");
+  m.rows_ = offsets.shape[0] - 1;
+  const std::int64_t total = mask.shape[0];
+  if (ids.shape[0] != total)
+    throw FormatError(path, f.data_start() + ie->begin, "input_ids",
+                      "holds " + std::to_string(ids.shape[0]) + " tokens, loss_mask " +
+                          std::to_string(total));
+  const auto* off = reinterpret_cast<const std::int64_t*>(offsets.data);
+  for (std::int64_t i = 0; i <= m.rows_; ++i) {
+    const bool ok = i == 0 ? off[0] == 0 : (off[i] >= off[i - 1] && off[i] <= total);
+    if (!ok || (i == m.rows_ && off[i] != total))
+      throw FormatError(path, f.data_start() + oe->begin + 8 * static_cast<std::uint64_t>(i),
+                        "row_offsets[" + std::to_string(i) + "]",
+                        "is " + std::to_string(off[i]) + ": offsets must rise from 0 to the token count " +
+                            std::to_string(total));
+  }
+  for (std::int64_t t = 0; t < total; ++t)
+    if (mask.data[t] > 1)
+      throw FormatError(path, f.data_start() + me->begin + static_cast<std::uint64_t>(t),
+                        "loss_mask[" + std::to_string(t) + "]",
+                        "is " + std::to_string(mask.data[t]) + ", expected 0 or 1");
+  return m;
+}
+
+void LossMasks::apply(Record& r, const std::string& source) const {
+  const std::optional<std::int64_t> row = row_of(source);
+  if (!row)
+    throw UsageError(source + ": --loss-masks pairs a record with its dataset row by the file name "
+                              "hs_{row}.safetensors, as speculators does; this name has no row");
+  if (*row >= rows_)
+    throw UsageError(source + ": row " + std::to_string(*row) + " is past the end of " + path() +
+                     " (" + std::to_string(rows_) + " rows): the dump and the dataset differ");
+  const SafetensorsFile& f = *file_;
+  const HostTensor offsets = *f.get("row_offsets");
+  const auto* off = reinterpret_cast<const std::int64_t*>(offsets.data);
+  const std::int64_t b = off[*row], e = off[*row + 1];
+  const std::uint64_t ids_at = f.data_start() + f.find("input_ids")->begin + 8 * static_cast<std::uint64_t>(b);
+  if (e - b != r.tokens())
+    throw FormatError(path(), ids_at, "row " + std::to_string(*row),
+                      "holds " + std::to_string(e - b) + " tokens, but " + source + " holds " +
+                          std::to_string(r.tokens()) + ": the dump and the dataset differ");
+  const HostTensor ids = f.get("input_ids")->slice_rows(b, e);
+  const HostTensor rec_ids = r.input_ids.contiguous();
+  for (std::int64_t t = 0; t < e - b; ++t)
+    if (ids.get(t) != rec_ids.get(t))
+      throw FormatError(path(), ids_at + 8 * static_cast<std::uint64_t>(t),
+                        "row " + std::to_string(*row) + " input_ids[" + std::to_string(t) + "]",
+                        "is " + std::to_string(static_cast<long long>(ids.get(t))) + ", but " + source +
+                            " holds token " + std::to_string(static_cast<long long>(rec_ids.get(t))) +
+                            ": the dump and the dataset differ");
+  HostTensor mask = f.get("loss_mask")->slice_rows(b, e);
+  if (r.loss_mask) {
+    const HostTensor own = r.loss_mask->contiguous();
+    const std::uint64_t mask_at = f.data_start() + f.find("loss_mask")->begin + static_cast<std::uint64_t>(b);
+    for (std::int64_t t = 0; t < e - b; ++t)
+      if ((own.get(t) != 0) != (mask.get(t) != 0))
+        throw FormatError(path(), mask_at + static_cast<std::uint64_t>(t),
+                          "row " + std::to_string(*row) + " loss_mask[" + std::to_string(t) + "]",
+                          "is " + std::to_string(static_cast<int>(mask.get(t))) + ", but the loss_mask " + source +
+                              " holds is " + std::to_string(static_cast<int>(own.get(t))) +
+                              ": the dump and the dataset differ");
+  }
+  r.loss_mask = std::move(mask);
+}
+
+}  // namespace eaglekit
