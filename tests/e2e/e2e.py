@@ -153,6 +153,24 @@ def main():
               "--out", r.path("speculators31")])
     r.stage("eaglekit_31", "speculators31/config.json", eaglekit_31)
     ev31 = json.load(open(r.path("evaluate31.json")))
+
+    # 3c. DFlash (--draft-arch dflash, docs/dflash.md): the block-parallel drafter from the same
+    # dumps and seed, a block of 4 (the anchor and 3 predictions, as EAGLE's 3 draft tokens),
+    # the base's <pad> (id 0, never inside a conversation) as the mask token; 32 blocks per row
+    # of at most 160 tokens and 3 epochs keep the stage to minutes on 2 cores.
+    def eaglekit_dflash():
+        shutil.rmtree(r.path("run-dflash"), ignore_errors=True)
+        r.sh([ek, "train", "--hidden-states-norm", "post", "--base", base, "--data", r.path("data", "train.jsonl"),
+              "--index", r.path("train.idx"), "--max-length", "160", "--batch-size", "16", "--epochs", "3",
+              "--lr", "2e-3", "--warmup-steps", "20", "--eval-fraction", "0.02", "--seed", "7",
+              "--draft-arch", "dflash", "--block-size", "4", "--mask-token-id", "0", "--dflash-anchors", "32",
+              "--eval-every", "-1", "--out", r.path("run-dflash"),
+              "--no-progress"])
+        r.sh([ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft", r.path("run-dflash", "final"),
+              "--data", r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
+              "--json"], out=r.path("evaluate-dflash.json"))
+    r.stage("eaglekit_dflash", "evaluate-dflash.json", eaglekit_dflash)
+    evdf = json.load(open(r.path("evaluate-dflash.json")))
     v = json.load(open(r.path("validate.json")))
     sem = v.get("semantic", {})
     r.check("validate --base calls the dump post-norm and flags nothing",
@@ -251,7 +269,9 @@ def main():
             "draft": ["--base", base, "--draft", r.path("run", "final"), "--spec-tokens", "3"],
             "broken_no_d2t": ["--base", base, "--draft", r.path("broken-no-d2t"), "--spec-tokens", "3"],
             "draft31": ["--base", base, "--draft", r.path("run31", "final"), "--spec-tokens", "3"],
-            "broken_31_as_eagle3": ["--base", base, "--draft", r.path("broken-31-as-eagle3"), "--spec-tokens", "3"]}
+            "broken_31_as_eagle3": ["--base", base, "--draft", r.path("broken-31-as-eagle3"), "--spec-tokens", "3"],
+            "dflash": ["--base", base, "--draft", r.path("run-dflash", "final"), "--method", "dflash",
+                       "--spec-tokens", "3"]}
     if not args.quick:
         runs["speculators"] = ["--speculators", r.path("speculators")]
         runs["speculators31"] = ["--speculators", r.path("speculators31")]
@@ -310,13 +330,25 @@ def main():
     r.check("must-fail: EAGLE 3.1 served without its norms collapses acceptance", b31 - 1 <= 0.5 * (acc31 - 1),
             f"fc_norm weights and the fc_norm/norm_output flags dropped: mean acceptance length {b31:.3f} vs "
             f"{acc31:.3f} (must accept at most half as many draft tokens)")
+    # DFlash: exact, and the engine's acceptance against evaluate's est_ar_cond (the expected
+    # tokens per block: accepted positions plus the bonus token).
+    outdf = results["dflash"]["outputs"]
+    same = sum(a == b for a, b in zip(outdf, ref))
+    r.check("DFlash: greedy speculative decoding is exact", same == len(ref),
+            f"{same} of {len(ref)} outputs identical to the base's alone")
+    estdf = evdf.get("est_ar_cond", evdf["est_ar"])
+    accdf = results["dflash"]["spec"]["mean_acceptance_length"]
+    r.check("DFlash: engine acceptance matches eaglekit's est_ar_cond", abs(accdf - estdf) <= tol * estdf,
+            f"engine {accdf:.3f}, est_ar_cond {estdf:.3f} (est_ar {evdf['est_ar']:.3f}), difference "
+            f"{100 * (accdf - estdf) / estdf:+.1f}% (tolerance {100 * tol:.0f}%)")
     print(f"e2e: report: mean acceptance length on {len(ref)} prompts, 3 draft tokens: EAGLE-3 {acc_len:.3f}, "
-          f"EAGLE 3.1 {acc31:.3f} (same data, recipe and seed)", file=sys.stderr)
+          f"EAGLE 3.1 {acc31:.3f}, DFlash (block 4) {accdf:.3f} (same data, recipe and seed)", file=sys.stderr)
     for name in sensitivity:
         b = results[f"broken_{name}"]["spec"]["mean_acceptance_length"]
         print(f"e2e: report {name.replace('_', ' ')}: mean acceptance length {b:.3f} vs {acc_len:.3f}", file=sys.stderr)
 
-    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "evaluate31": ev31, "data": d, "oracle": o,
+    summary = {"stages": r.stages, "checks": r.checks, "evaluate": ev, "evaluate31": ev31, "evaluate_dflash": evdf,
+               "data": d, "oracle": o,
                "oracle31": o31,
                "engine": {k: {"spec": v["spec"], "load_seconds": v["load_seconds"],
                               "generate_seconds": v["generate_seconds"]} for k, v in results.items()},

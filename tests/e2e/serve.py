@@ -3,9 +3,11 @@
 and writes the outputs and the engine's own speculative-decoding counters.
 
 Usage: serve.py --base DIR --prompts prompts.json --out result.json
-                [--draft DIR [--spec-tokens N] | --speculators DIR] [--dtype float32|bfloat16]
+                [--draft DIR [--method eagle3|dflash] [--spec-tokens N] | --speculators DIR]
+                [--dtype float32|bfloat16]
 
---draft DIR         our export: vLLM is told "method": "eagle3" and the token count
+--draft DIR         our export: vLLM is told the method (eagle3, or dflash for a DFlash draft)
+                    and the token count
 --speculators DIR   a speculators-layout export served by its folder alone: vLLM reads the target
                     and the token count from its config.json (--base is not passed to vLLM)
 
@@ -46,6 +48,7 @@ def main():
     ap.add_argument("--base")
     ap.add_argument("--draft")
     ap.add_argument("--speculators")
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"])
     ap.add_argument("--spec-tokens", type=int, default=3)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
@@ -64,7 +67,7 @@ def main():
     else:
         llm_model = args.base
         if args.draft:
-            kw["speculative_config"] = {"method": "eagle3", "model": args.draft,
+            kw["speculative_config"] = {"method": args.method, "model": args.draft,
                                         "num_speculative_tokens": args.spec_tokens}
     t0 = time.time()
     llm = LLM(model=llm_model, **kw)

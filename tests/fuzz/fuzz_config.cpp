@@ -52,6 +52,8 @@ void check_same(const DraftConfig& d, const DraftConfig& back, const std::string
   EAGLEKIT_SAME(norm_before_fc);
   EAGLEKIT_SAME(norm_output);
   EAGLEKIT_SAME(norm_before_residual);
+  EAGLEKIT_SAME(block_size);
+  EAGLEKIT_SAME(mask_token_id);
   EAGLEKIT_SAME(torch_dtype);
 #undef EAGLEKIT_SAME
   if (eaglekit::trainer::draft_config_json(back) != written) fail("written again, the text differs", written);

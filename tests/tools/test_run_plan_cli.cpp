@@ -188,7 +188,7 @@ TEST_CASE("run plan cli: --dry-run says why it decided each thing, as text and a
   }
   CHECK(names == std::vector<std::string>{"mesh", "threads", "openmp waiting", "split", "evaluation", "norm form",
                                           "base", "draft", "architecture", "aux ids", "draft vocab", "rope", "loss",
-                                          "steps"});
+                                          "optimizer", "steps"});
   // The thread count says where it came from; --adapt-threads says what it does, and is for
   // the CPU only.
   r = test::eaglekit(args + " --threads 1 --adapt-threads");

@@ -98,7 +98,7 @@ TEST_CASE("architecture: an unknown name is refused with the known ones; a taken
     DraftModel d(c, fixtures::spread_d2t(c), at::Tensor());
     FAIL("accepted an unknown architecture");
   } catch (const UsageError& e) {
-    CHECK(std::string(e.what()).find("unknown draft architecture 'medusa' (known: eagle3.1, eagle3)") !=
+    CHECK(std::string(e.what()).find("unknown draft architecture 'medusa' (known: dflash, eagle3.1, eagle3)") !=
           std::string::npos);
   }
   CHECK_THROWS_AS(draft_config_json(c), UsageError);

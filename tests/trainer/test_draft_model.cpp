@@ -171,10 +171,10 @@ TEST_CASE("draft_model: ModelOpt norm form feeds input_layernorm(h) to hidden_no
   }
   const at::Tensor emb = at::randn({1, 5, 32}), h = at::randn({1, 5, 32});
   const RotaryTable rope = rope_table(c, at::arange(5, at::kLong));
-  const at::Tensor e = serving.net().norm_embeddings(emb);
-  const Qkv a = serving.net().qkv(e, h, rope, 0);
-  const Qkv b = modelopt.net().qkv(e, h, rope, 0);
-  const Qkv b_equiv = serving.net().qkv(e, serving.net().norm_embeddings(h), rope, 0);
+  const at::Tensor e = serving.ttt_net().norm_embeddings(emb);
+  const Qkv a = serving.ttt_net().qkv(e, h, rope, 0);
+  const Qkv b = modelopt.ttt_net().qkv(e, h, rope, 0);
+  const Qkv b_equiv = serving.ttt_net().qkv(e, serving.ttt_net().norm_embeddings(h), rope, 0);
   CHECK_FALSE(at::allclose(a.q, b.q));
   CHECK(at::allclose(b.q, b_equiv.q, 1e-5, 1e-6));
   CHECK(at::allclose(b.v, b_equiv.v, 1e-5, 1e-6));
@@ -185,8 +185,8 @@ TEST_CASE("draft_model: ModelOpt norm form feeds input_layernorm(h) to hidden_no
   q.narrow(1, 0, 32).zero_();
   DraftModel fresh(c, fixtures::spread_d2t(c), at::Tensor(), 5);
   fresh.load_parameter("midlayer.self_attn.q_proj.weight", q);
-  const Qkv x1 = fresh.net().qkv(fresh.net().norm_embeddings(emb), h, rope, 0);
-  const Qkv x2 = fresh.net().qkv(fresh.net().norm_embeddings(at::randn({1, 5, 32})), h, rope, 0);
+  const Qkv x1 = fresh.ttt_net().qkv(fresh.ttt_net().norm_embeddings(emb), h, rope, 0);
+  const Qkv x2 = fresh.ttt_net().qkv(fresh.ttt_net().norm_embeddings(at::randn({1, 5, 32})), h, rope, 0);
   CHECK(at::allclose(x1.q, x2.q));
   CHECK_FALSE(at::allclose(x1.k, x2.k));
 }

@@ -45,6 +45,11 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   DraftConfig config = draft.config();
   if (options.serving) config.torch_dtype = weights_dtype;
   const bool speculators = options.format == ExportFormat::kSpeculators;
+  const bool block = draft_architecture(config.architecture).unroll() == DraftUnrollKind::kBlock;
+  if (block && speculators)
+    throw UsageError("the speculators layout of a " + std::string(draft_architecture(config.architecture).title()) +
+                     " draft is not written yet: export without --format speculators (ModelOpt's names, which vLLM "
+                     "0.32 loads)");
   // Both throw before anything is written.
   const std::string config_text = speculators ? speculators_config_json(config, options.speculators, weights_dtype)
                                               : draft_config_json(config, weights_dtype);
@@ -56,7 +61,8 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   }
   // The speculators layout carries the mapping only for a reduced vocabulary (its model
   // has no d2t/t2d buffers otherwise); vLLM reads the absent d2t as the identity.
-  if (!speculators || config.draft_vocab_size < config.vocab_size) {
+  // A block drafter predicts with the base's lm_head over the whole vocabulary: no mapping.
+  if (!block && (!speculators || config.draft_vocab_size < config.vocab_size)) {
     tensors.push_back({"d2t", to_host_tensor(draft.d2t().to(at::kCPU).contiguous())});
     tensors.push_back({"t2d", to_host_tensor(draft.t2d().to(at::kCPU).contiguous())});
   }

@@ -38,6 +38,11 @@ struct ParameterShape {
   std::int64_t numel() const;
 };
 
+// Which unroll drives a row's network (trainer/model/draft_net.h): the TTT unroll
+// (trainer/unroll/ttt.h, EAGLE-3's training-time test) or the block-parallel one
+// (trainer/unroll/dflash.h, DFlash).
+enum class DraftUnrollKind { kTtt, kBlock };
+
 class DraftArchitecture {
  public:
   virtual ~DraftArchitecture() = default;
@@ -46,6 +51,8 @@ class DraftArchitecture {
   virtual std::string_view name() const = 0;
   // What users call it in messages ("EAGLE-3").
   virtual std::string_view title() const = 0;
+  // The unroll that trains it; its network is a TttNet or a BlockNet accordingly.
+  virtual DraftUnrollKind unroll() const { return DraftUnrollKind::kTtt; }
 
   // Whether a draft's flat config.json (a JSON object) describes this architecture. Rows are
   // asked in turn (registered ones first); the first that claims the config reads it.

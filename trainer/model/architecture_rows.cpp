@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/error.h"
+#include "trainer/model/dflash.h"
 #include "trainer/model/eagle3.h"
 
 namespace eaglekit::trainer {
@@ -12,7 +13,9 @@ namespace {
 // The built-in rows: one per architecture in this tree.
 const Eagle3Architecture kEagle3;
 const Eagle31Architecture kEagle31;
-const DraftArchitecture* const kBuiltIn[] = {&kEagle31, &kEagle3};
+const DFlashArchitecture kDFlash;
+// Asked in this order: EAGLE-3 claims every config without another row's keys.
+const DraftArchitecture* const kBuiltIn[] = {&kDFlash, &kEagle31, &kEagle3};
 
 std::vector<const DraftArchitecture*>& registered() {
   static std::vector<const DraftArchitecture*> rows;

@@ -377,6 +377,8 @@ DraftConfig draft_config_from_base(const BaseConfig& base, const DraftOptions& o
   d.norm_before_fc = options.norm_before_fc;
   d.norm_output = options.norm_output;
   d.norm_before_residual = options.norm_before_residual;
+  d.block_size = options.block_size;
+  d.mask_token_id = options.mask_token_id;
   d.torch_dtype = options.torch_dtype.empty() ? base.torch_dtype : options.torch_dtype;
   d.check();
   return d;
@@ -415,6 +417,22 @@ DraftConfig parse_draft_config(const std::string& json_text, const std::string& 
           throw FormatError(where, std::nullopt, "eagle_config.eagle_aux_hidden_state_layer_ids",
                             "expected layer indices from 0, got " + std::to_string(id));
         }
+        id += 1;
+      }
+    }
+  }
+  // DFlash (vLLM's DFlashDraftModel, ModelOpt's export): block_size at the top,
+  // dflash_config.mask_token_id and target_layer_ids (base layer indices: HF hidden_states
+  // index minus one).
+  d.block_size = get_int(j, "block_size", where, 0);
+  if (const auto dc = field(j, "dflash_config"); dc && dc->is_object()) {
+    d.mask_token_id = get_int(*dc, "mask_token_id", where, -1);
+    if (const auto ids = field(*dc, "target_layer_ids")) {
+      d.aux_layer_ids = get_int_list(*ids, "dflash_config.target_layer_ids", where);
+      for (auto& id : d.aux_layer_ids) {
+        if (id < 0 || id == std::numeric_limits<std::int64_t>::max())
+          throw FormatError(where, std::nullopt, "dflash_config.target_layer_ids",
+                            "expected layer indices from 0, got " + std::to_string(id));
         id += 1;
       }
     }

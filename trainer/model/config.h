@@ -57,6 +57,9 @@ struct DraftOptions {
   // copies them and check() refuses a combination the row does not compute.
   std::string architecture = "eagle3";
   bool fc_norm = false, norm_before_fc = false, norm_output = false, norm_before_residual = false;
+  // DFlash's (architecture "dflash"): DraftConfig::block_size and mask_token_id.
+  std::int64_t block_size = 0;
+  std::int64_t mask_token_id = -1;
   std::string torch_dtype;  // empty: the base's
 };
 

@@ -58,6 +58,22 @@ void DraftConfig::check() const {
     fail("fc_norm, norm_before_fc and norm_output are EAGLE 3.1's (architecture eagle3.1), not EAGLE-3's");
   if (architecture == "eagle3.1" && !v31)
     fail("EAGLE 3.1 (architecture eagle3.1) needs fc_norm, norm_before_fc or norm_output");
+  const bool block = architecture == "dflash";
+  if (block != (block_size != 0))
+    fail(block ? "a DFlash draft needs block_size (2 or more)" : "block_size is DFlash's (architecture dflash)");
+  if (block) {
+    if (block_size < 2) fail("block_size must be at least 2 (the anchor and one prediction), got " + std::to_string(block_size));
+    if (mask_token_id < 0 || mask_token_id >= vocab_size)
+      fail("mask_token_id " + std::to_string(mask_token_id) + " is not a token of the vocabulary [0, " +
+           std::to_string(vocab_size) + ")");
+    if (draft_vocab_size != vocab_size)
+      fail("a DFlash draft predicts over the base's whole vocabulary (its lm_head is the base's): draft_vocab_size " +
+           std::to_string(draft_vocab_size) + " != vocab_size " + std::to_string(vocab_size));
+    if (modelopt_norm || fc_norm || norm_before_fc || norm_output || norm_before_residual)
+      fail("the EAGLE norms (ModelOpt's form, fc_norm, norm_before_fc, norm_output, norm_before_residual) are not DFlash's");
+  } else if (mask_token_id != -1) {
+    fail("mask_token_id is DFlash's (architecture dflash)");
+  }
   if (modelopt_norm && (fc_norm || norm_before_fc || norm_output || norm_before_residual))
     fail("ModelOpt's norm form does not combine with fc_norm, norm_before_fc, norm_output or norm_before_residual");
 }

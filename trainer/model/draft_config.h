@@ -52,6 +52,12 @@ struct DraftConfig {
   bool norm_before_fc = false;
   bool norm_output = false;
   bool norm_before_residual = false;
+  // Block-parallel drafters (architecture "dflash", docs/dflash.md): the tokens one draft
+  // forward covers (the anchor, then block_size - 1 predictions), and the token id fed at
+  // the block's unknown positions, whose base embedding the draft reads. 0 and -1 for the
+  // TTT drafters (EAGLE-3, EAGLE 3.1).
+  std::int64_t block_size = 0;
+  std::int64_t mask_token_id = -1;
   // The dtype the draft is served in: the base's torch_dtype (bf16 when it names none).
   // Kept apart from the dtype of stored weights (float32 in checkpoints): config.json
   // carries it as eaglekit_serving_dtype beside torch_dtype.

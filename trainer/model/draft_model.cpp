@@ -50,14 +50,15 @@ DraftModel::DraftModel(const DraftConfig& config, const at::Tensor& d2t, const a
   for (auto& [name, p] : impl_->net->named_parameters()) {
     if (name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 && p.dim() == 2) p.normal_(0.0, 0.02, gen);
   }
-  if (base_lm_head.defined()) {
+  auto* ttt = dynamic_cast<TttNet*>(impl_->net.get());
+  if (base_lm_head.defined() && ttt != nullptr) {
     if (base_lm_head.dim() != 2 || base_lm_head.size(0) != config.vocab_size ||
         base_lm_head.size(1) != config.hidden_size) {
       throw UsageError("base lm_head has shape " + std::string(c10::str(base_lm_head.sizes())) +
                        ", expected [" + std::to_string(config.vocab_size) + ", " +
                        std::to_string(config.hidden_size) + "]");
     }
-    impl_->net->lm_head_weight().copy_(
+    ttt->lm_head_weight().copy_(
         base_lm_head.to(torch::kCPU).index_select(0, draft_to_target()).to(torch::kFloat));
   }
 }
@@ -91,6 +92,16 @@ std::vector<at::Tensor> DraftModel::parameters() const {
 
 const DraftNet& DraftModel::net() const { return *impl_->net; }
 
+const TttNet& DraftModel::ttt_net() const {
+  if (const auto* n = dynamic_cast<const TttNet*>(impl_->net.get())) return *n;
+  throw UsageError("the " + impl_->config.architecture + " draft is not driven by the TTT unroll");
+}
+
+const BlockNet& DraftModel::block_net() const {
+  if (const auto* n = dynamic_cast<const BlockNet*>(impl_->net.get())) return *n;
+  throw UsageError("the " + impl_->config.architecture + " draft is not a block-parallel drafter");
+}
+
 void DraftModel::load_parameter(const std::string& name, const at::Tensor& value) {
   for (auto& [n, p] : impl_->net->named_parameters()) {
     if (n != name) continue;
@@ -115,8 +126,9 @@ void DraftModel::to(c10::Device device, c10::ScalarType dtype) {
   impl_->d2t = impl_->d2t.to(device);
 }
 
-c10::Device DraftModel::device() const { return impl_->net->lm_head_weight().device(); }
-c10::ScalarType DraftModel::dtype() const { return impl_->net->lm_head_weight().scalar_type(); }
+// Every network has at least one parameter (DraftConfig::check asks for a layer).
+c10::Device DraftModel::device() const { return impl_->net->named_parameters().front().second.device(); }
+c10::ScalarType DraftModel::dtype() const { return impl_->net->named_parameters().front().second.scalar_type(); }
 void DraftModel::train(bool on) { impl_->net->train(on); }
 
 }  // namespace eaglekit::trainer

@@ -26,8 +26,9 @@ namespace eaglekit::trainer {
 class DraftModel {
  public:
   // A fresh draft of config.architecture (UsageError when no row has that name). Linear
-  // weights ~ N(0, 0.02) drawn on the CPU from `seed` (so equal on every device), norms 1. lm_head starts as the rows i + d2t[i] of `base_lm_head`
-  // [V, H] when that is defined, else random. d2t: [Vd] int64 (docs/draft.md). The
+  // weights ~ N(0, 0.02) drawn on the CPU from `seed` (so equal on every device), norms 1.
+  // A TTT draft's lm_head starts as the rows i + d2t[i] of `base_lm_head` [V, H] when that
+  // is defined, else random (a block draft has no lm_head: it uses the base's). d2t: [Vd] int64 (docs/draft.md). The
   // model lives on the CPU in float32 until to().
   DraftModel(const DraftConfig& config, const at::Tensor& d2t, const at::Tensor& base_lm_head,
              std::uint64_t seed = 0);
@@ -58,6 +59,10 @@ class DraftModel {
 
   // The architecture's network, which the unroll drives (trainer/model/draft_net.h).
   const DraftNet& net() const;
+  // The same network as the TTT unroll or the block unroll talks to it; UsageError naming
+  // the architecture when it is driven by the other unroll.
+  const TttNet& ttt_net() const;
+  const BlockNet& block_net() const;
 
  private:
   struct Impl;

@@ -4,6 +4,6 @@
 
 namespace eaglekit::trainer {
 
-at::Tensor DraftNet::logits(const at::Tensor& layer_out) const { return at::linear(final_norm(layer_out), lm_head_weight()); }
+at::Tensor TttNet::logits(const at::Tensor& layer_out) const { return at::linear(final_norm(layer_out), lm_head_weight()); }
 
 }  // namespace eaglekit::trainer

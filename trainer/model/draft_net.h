@@ -1,13 +1,20 @@
-// The network of a draft architecture, as the TTT unroll (trainer/unroll/ttt.h) drives it:
-// the interface the unroll talks to. A row of trainer/model/architecture.h makes one; the
-// draft model (trainer/model/draft_model.h) holds it with the config and d2t.
+// The network of a draft architecture, as its unroll drives it. A row of
+// trainer/model/architecture.h makes one and names its unroll (DraftUnrollKind); the draft
+// model (trainer/model/draft_model.h) holds it with the config and d2t. DraftNet is what
+// every network has (parameters, device); TttNet is what the TTT unroll (trainer/unroll/ttt.h)
+// talks to, BlockNet what the block-parallel unroll (trainer/unroll/dflash.h) talks to.
 //
-// One TTT step: hidden = fc(aux hidden states) at step 0 (the previous step's output after:
+// TttNet, one TTT step: hidden = fc(aux hidden states) at step 0 (the previous step's output after:
 // the last layer's, or its final_norm when norm_output()),
 // then for each decoder layer qkv() -> the unroll's attention over the layer's kept keys and
 // values of every step -> finish_layer(); the last layer's output goes through final_norm()
 // and lm_head. The unroll owns the attention, so context parallelism and the fused kernels
 // apply to every architecture. All tensors are [B, L, ...] batch-first.
+//
+// BlockNet (DFlash, docs/dflash.md): the context = hidden_norm(fc(aux hidden states)) once
+// per batch; then each decoder layer takes the block tokens' hidden states and that context,
+// attends from the block queries over [context keys, block keys] under the unroll's mask,
+// and the last layer's output goes through final_norm() and the base's lm_head.
 //
 // Ownership: the net owns its weights; DraftModel copies share one net. Thread safety: none
 // (one training loop drives a net). Shape errors throw c10::Error; a layer the net does not
@@ -45,6 +52,10 @@ class DraftNet {
   virtual void train(bool on) = 0;
 
   virtual std::int64_t num_layers() const = 0;
+};
+
+class TttNet : public DraftNet {
+ public:
   // The step-0 hidden input from the dump's aux hidden states: [B, L, k*Ht] -> [B, L, H].
   virtual at::Tensor fc(const at::Tensor& aux_hidden_states) const = 0;
   // The token embeddings as the layers read them (computed once per batch).
@@ -64,6 +75,20 @@ class DraftNet {
 
   // lm_head(final_norm(x)): [B, L, Vd].
   at::Tensor logits(const at::Tensor& layer_out) const;
+};
+
+class BlockNet : public DraftNet {
+ public:
+  // The target's context features from the dump's aux hidden states: [B, L, k*Ht] -> [B, L, H].
+  virtual at::Tensor context(const at::Tensor& aux_hidden_states) const = 0;
+  // Decoder layer `layer`: x [B, Q, H] the block tokens' hidden states, context [B, L, H].
+  // Queries: the Q block rows (rope_q, [B, Q, head_dim] tables); keys and values:
+  // cat(context, input_layernorm(x)) along the sequence (rope_kv, [B, L + Q, head_dim]);
+  // allowed: bool [B, Q, L + Q], no row all false. Returns the layer's output [B, Q, H].
+  virtual at::Tensor layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q,
+                           const RotaryTable& rope_kv, const at::Tensor& allowed, std::int64_t layer) const = 0;
+  // The norm before the base's lm_head.
+  virtual at::Tensor final_norm(const at::Tensor& x) const = 0;
 };
 
 }  // namespace eaglekit::trainer

@@ -6,6 +6,7 @@
 #include "trainer/model/cpu_kernels.h"
 #include "trainer/model/draft_config.h"
 #include "trainer/model/draft_net.h"
+#include "trainer/model/net_parts.h"
 
 // EAGLE-3's network (LibTorch); its row's other answers are in eagle3.cpp, which builds
 // without LibTorch.
@@ -14,27 +15,9 @@ namespace eaglekit::trainer {
 
 namespace {
 
-namespace F = torch::nn::functional;
-
-// Llama's RMSNorm: normalize in float32, scale in the input dtype (as Hugging Face does).
-struct RmsNormImpl : torch::nn::Module {
-  RmsNormImpl(std::int64_t n, double eps) : eps(eps) {
-    weight = register_parameter("weight", torch::ones({n}));
-  }
-  at::Tensor forward(const at::Tensor& x) const {
-    if (cpu_kernels::takes(x) && cpu_kernels::takes(weight)) return cpu_kernels::rms_norm(x, weight, eps);
-    const auto in_dtype = x.scalar_type();
-    at::Tensor xf = x.to(at::kFloat);
-    xf = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return weight * xf.to(in_dtype);
-  }
-  at::Tensor weight;
-  double eps;
-};
-
-torch::nn::Linear linear(std::int64_t in, std::int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
+using net_parts::linear;
+using net_parts::MlpImpl;
+using net_parts::RmsNormImpl;
 
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DraftConfig& c, std::int64_t in) {
@@ -44,27 +27,6 @@ struct AttentionImpl : torch::nn::Module {
     o_proj = register_module("o_proj", linear(c.num_attention_heads * c.head_dim, c.hidden_size));
   }
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-};
-
-struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const DraftConfig& c) {
-    gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size));
-    up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size));
-    down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    if (cpu_kernels::takes(x) && cpu_kernels::takes(gate_proj->weight)) {
-      // Both projections as one matmul, then silu(gate) * up in one pass.
-      const at::Tensor w = torch::cat({gate_proj->weight, up_proj->weight}, 0);
-      const at::Tensor gate_up = at::matmul(x, w.t());
-      if (cpu_kernels::takes(gate_up)) return down_proj(cpu_kernels::swiglu(gate_up));
-      // Under autocast the matmul ran in bf16: the composite on its two halves.
-      const std::int64_t i = gate_proj->weight.size(0);
-      return down_proj(F::silu(gate_up.narrow(-1, 0, i)) * gate_up.narrow(-1, i, i));
-    }
-    return down_proj(F::silu(gate_proj(x)) * up_proj(x));
-  }
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 
 // One decoder layer. The first (`first`) reads cat(input_layernorm(emb), hidden_norm(h)) with
@@ -129,7 +91,7 @@ const DecoderLayerImpl& layer_at(const DraftModuleImpl& m, std::int64_t layer) {
   return *m.layers[static_cast<std::size_t>(layer)];
 }
 
-class Eagle3Net final : public DraftNet {
+class Eagle3Net final : public TttNet {
  public:
   explicit Eagle3Net(const DraftConfig& c) : config_(c), module_(std::make_shared<DraftModuleImpl>(c)) {}
 

@@ -83,6 +83,22 @@ namespace {
 // --norm-before-residual (options.h): the arch's defaults where auto; a combination that is
 // not the arch asked for is refused with what to pass.
 void fresh_architecture(const TrainOptions& o, DraftOptions& d) {
+  if (o.draft_arch == DraftArch::kDFlash) {
+    // DFlash (trainer/model/dflash.h) has none of EAGLE's norms; its own two keys.
+    if (o.fc_norm != FcNorm::kAuto || o.norm_output != Switch::kAuto || o.norm_before_residual || o.modelopt_norm)
+      throw UsageError("--fc-norm, --norm-output, --norm-before-residual and --modelopt-norm are EAGLE's; a DFlash "
+                       "draft has none of them: drop them");
+    if (o.mask_token_id < 0)
+      throw UsageError("a fresh DFlash draft needs --mask-token-id: the token fed at a block's unknown positions, a "
+                       "reserved or otherwise unused token of the base's vocabulary (ModelOpt takes the tokenizer's "
+                       "mask token)");
+    d.architecture = "dflash";
+    d.block_size = o.block_size > 0 ? o.block_size : 8;
+    d.mask_token_id = o.mask_token_id;
+    return;
+  }
+  if (o.block_size > 0 || o.mask_token_id >= 0)
+    throw UsageError("--block-size and --mask-token-id are DFlash's: pass --draft-arch dflash, or drop them");
   bool v31 = o.draft_arch == DraftArch::kEagle31;
   const bool auto_arch = o.draft_arch == DraftArch::kAuto;
   const FcNorm fc = o.fc_norm != FcNorm::kAuto ? o.fc_norm : (v31 ? FcNorm::kPerLayer : FcNorm::kNone);
@@ -105,7 +121,10 @@ void fresh_architecture(const TrainOptions& o, DraftOptions& d) {
 // A draft read from a folder keeps its architecture and norms (they are in its weights): an
 // option that asks for other ones is refused, naming the draft's.
 void check_draft_architecture(const TrainOptions& o, const DraftConfig& c, const std::string& source) {
-  const std::string is = c.architecture + " (fc_norm " + (c.fc_norm ? "true" : "false") + ", norm_before_fc " +
+  const std::string is =
+      c.architecture == "dflash"
+          ? "dflash (block_size " + std::to_string(c.block_size) + ", mask_token_id " + std::to_string(c.mask_token_id) + ")"
+          : c.architecture + " (fc_norm " + (c.fc_norm ? "true" : "false") + ", norm_before_fc " +
                          (c.norm_before_fc ? "true" : "false") + ", norm_output " + (c.norm_output ? "true" : "false") +
                          ", norm_before_residual " + (c.norm_before_residual ? "true" : "false") + ")";
   auto refuse = [&](const std::string& flag) {
@@ -121,6 +140,9 @@ void check_draft_architecture(const TrainOptions& o, const DraftConfig& c, const
   if (o.norm_output != Switch::kAuto && (o.norm_output == Switch::kOn) != c.norm_output)
     refuse("--norm-output " + std::string(name_in(kSwitchNames, o.norm_output)));
   if (o.norm_before_residual && !c.norm_before_residual) refuse("--norm-before-residual");
+  if (o.block_size > 0 && o.block_size != c.block_size) refuse("--block-size " + std::to_string(o.block_size));
+  if (o.mask_token_id >= 0 && o.mask_token_id != c.mask_token_id)
+    refuse("--mask-token-id " + std::to_string(o.mask_token_id));
 }
 
 }  // namespace
@@ -183,14 +205,23 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     d.source = "--init-draft " + origin.dir + (origin.layout.empty() ? "" : " (" + origin.layout + ")");
   } else {
     DraftOptions dopts;
-    dopts.draft_vocab_size = fresh_draft_vocab_size(o, bc);
     dopts.num_aux_layers = aux_layers;
     dopts.aux_layer_ids = o.aux_layer_ids;
     dopts.modelopt_norm = o.modelopt_norm;
     fresh_architecture(o, dopts);
-    dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : 1;
+    const bool dflash = dopts.architecture == "dflash";
+    if (dflash && ((o.draft_vocab_size > 0 && o.draft_vocab_size != bc.vocab_size) || !o.d2t.empty()))
+      throw UsageError("a DFlash draft predicts over the base's whole vocabulary with the base's lm_head: drop "
+                       "--draft-vocab-size and --d2t");
+    dopts.draft_vocab_size = dflash ? bc.vocab_size : fresh_draft_vocab_size(o, bc);
+    // DFlash pairs one draft layer with each target layer (ModelOpt's default).
+    dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : dflash ? aux_layers : 1;
     d.config = draft_config_from_base(bc, dopts);
-    d.count_d2t = o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
+    if (dflash && o.draft_layers <= 0)
+      d.said.push_back("DFlash draft of " + std::to_string(d.config.num_hidden_layers) +
+                       " decoder layers, one per target layer of the dump as ModelOpt pairs them; pass "
+                       "--draft-layers to choose");
+    d.count_d2t = !dflash && o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
     d.source = "fresh from the base";
     d.aux_layer_ids_source = "--aux-layer-ids";
     if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {

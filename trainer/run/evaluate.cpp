@@ -57,6 +57,31 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
   return total;
 }
 
+TttStats evaluate_loader(DFlashUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
+                         const std::function<void(const TttStats&)>& on_batch) {
+  const dist::Mesh single = dist::Mesh::single();
+  const dist::Mesh& m = mesh ? *mesh : single;
+  const DraftConfig& c = unroll.draft().config();
+  TttStats total(c.block_size - 1);
+  c10::NoGradGuard no_grad;
+  unroll.draft().train(false);
+  std::int64_t done = 0;
+  while (max_batches < 0 || done < max_batches) {
+    std::optional<Batch> batch = loader.next();
+    if (!batch) break;
+    ++done;
+    if (batch->rows() > 0) {
+      Batch b = std::move(*batch);
+      b.epoch = 0;
+      total += unroll.forward(to_ttt_batch(b), dflash_batch_anchors(b, c, unroll.options().num_anchors, 0)).stats;
+    }
+    if (on_batch) on_batch(total);
+  }
+  unroll.draft().train(true);
+  if (m.world_size() > 1) total = all_reduce_stats(m.world(), total);
+  return total;
+}
+
 std::string EvaluateReport::to_json() const {
   nlohmann::ordered_json j = stats_json(stats, loss_decay);
   j["steps"] = stats.steps();
@@ -71,14 +96,17 @@ std::string EvaluateReport::to_text() const {
   std::ostringstream os;
   os << std::fixed;
   os << "evaluated " << samples << " samples, " << static_cast<std::int64_t>(stats.tokens())
-     << " scored positions, " << stats.steps() << " TTT steps in " << std::setprecision(1) << seconds
+     << " scored positions, " << stats.steps() << (loss_decay == 0 ? " block positions in " : " TTT steps in ") << std::setprecision(1) << seconds
      << " s\n";
   os << std::setprecision(4);
-  os << "loss      " << stats.loss(loss_decay) << "  (sum of " << loss_decay << "^s * loss_s)\n";
-  os << "step  loss      acc     cond_acc\n";
+  if (loss_decay == 0)
+    os << "loss      " << stats.loss(loss_decay) << "  (the mean over every scored position)\n";
+  else
+    os << "loss      " << stats.loss(loss_decay) << "  (sum of " << loss_decay << "^s * loss_s)\n";
+  os << (loss_decay == 0 ? "pos   loss      acc     cond_acc\n" : "step  loss      acc     cond_acc\n");
   const auto l = stats.loss_per_step(), a = stats.acc(), c = stats.cond_acc();
   for (std::int64_t s = 0; s < stats.steps(); ++s) {
-    os << std::left << std::setw(6) << s << std::setw(10) << l[static_cast<std::size_t>(s)] << std::setw(8)
+    os << std::left << std::setw(6) << (loss_decay == 0 ? s + 1 : s) << std::setw(10) << l[static_cast<std::size_t>(s)] << std::setw(8)
        << a[static_cast<std::size_t>(s)] << c[static_cast<std::size_t>(s)] << "\n";
   }
   os << std::setprecision(3) << "est_ar    " << stats.est_ar() << "  (conditional " << stats.est_ar_conditional()
@@ -100,15 +128,17 @@ EvaluateReport run_evaluate(const EvaluateOptions& options, const dist::Mesh* me
   const std::unique_ptr<OpenRun> run = open_run(plan, m, [](const std::string&) {});
   Progress progress("evaluate", run->loader->steps_in_epoch(), options.progress && m.is_main() ? -1 : 0);
   EvaluateReport report;
-  report.loss_decay = plan.options.loss_decay;
-  report.loss_fn = loss_spec_text(plan.ttt.loss_terms);
+  report.loss_decay = plan.report_decay();
+  report.loss_fn = plan.block() ? std::string(plan.dflash.self_distillation ? "dflash-kd" : "dflash-ce")
+                                : loss_spec_text(plan.ttt.loss_terms);
   report.summary = plan.summary + "\ndraft: " + plan.draft.source;
   for (const auto& w : plan.norm.warnings) report.summary += "\nwarning: " + w;
   report.summary += "\n" + plan.norm.said;
   for (const auto& line : plan.notes) report.summary += "\n" + line;
   report.samples = plan.train_samples;
-  report.stats = evaluate_loader(*run->unroll, *run->loader, &m, options.max_batches,
-                                 [&](const TttStats&) { progress.add(1); });
+  const auto tick = [&](const TttStats&) { progress.add(1); };
+  report.stats = plan.block() ? evaluate_loader(*run->block_unroll, *run->loader, &m, options.max_batches, tick)
+                              : evaluate_loader(*run->unroll, *run->loader, &m, options.max_batches, tick);
   progress.finish();
   report.seconds = seconds_since(t0);
   return report;

@@ -39,6 +39,13 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
                          std::int64_t max_batches = -1,
                          const std::function<void(const TttStats&)>& on_batch = {});
 
+// The same for a block drafter (DFlash): per block position, with the anchors every
+// evaluation draws alike (seed 0, epoch 0, the conversation id), so two evaluations of a
+// split score the same blocks.
+TttStats evaluate_loader(DFlashUnroll& unroll, Loader& loader, const dist::Mesh* mesh = nullptr,
+                         std::int64_t max_batches = -1,
+                         const std::function<void(const TttStats&)>& on_batch = {});
+
 // What `eaglekit evaluate` found: the pooled statistics and what matched.
 struct EvaluateReport {
   TttStats stats;

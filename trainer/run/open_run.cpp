@@ -78,7 +78,10 @@ std::unique_ptr<OpenRun> open_run(const RunPlan& plan, const dist::Mesh& mesh, c
   r.draft.emplace(resumed ? resumed->draft : build_draft(plan, r.base, say));
   r.draft->to(r.device, at::kFloat);
   if (training) r.draft->train(true);
-  r.unroll.emplace(r.base, *r.draft, plan.ttt);
+  if (plan.block())
+    r.block_unroll.emplace(r.base, *r.draft, plan.dflash);
+  else
+    r.unroll.emplace(r.base, *r.draft, plan.ttt);
   if (!training) return run;  // evaluate_loader makes its own sequence context
 
   r.named_parameters = r.draft->named_parameters();

@@ -27,6 +27,7 @@
 #include "trainer/parallel/data_parallel.h"
 #include "trainer/run/draft_setup.h"
 #include "trainer/run/optim.h"
+#include "trainer/unroll/dflash.h"
 #include "trainer/unroll/ttt.h"
 
 namespace eaglekit::dist {
@@ -43,7 +44,8 @@ struct OpenRun {
   std::optional<DraftModel> draft;  // on the device, float32; in training mode when training
   LoaderOptions loader_options;     // of `loader` (evaluation loaders start from them)
   std::unique_ptr<Loader> loader;   // this rank's share of the plan's train split
-  std::optional<TttUnroll> unroll;
+  std::optional<TttUnroll> unroll;           // a TTT draft's (EAGLE-3, EAGLE 3.1)
+  std::optional<DFlashUnroll> block_unroll;  // a block drafter's (DFlash): RunPlan::block()
   std::vector<std::pair<std::string, at::Tensor>> named_parameters;  // of the draft
   std::vector<at::Tensor> parameters;
   std::int64_t parameter_count = 0;

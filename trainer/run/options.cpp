@@ -30,9 +30,10 @@ opt::Group model_options(ModelOptions& m) {
                          "Aux layers of the dump, as HF hidden_states indices (e.g. 2,16,29)"),
                    "the data's, else 2,N/2,N-3 for 3 layers"),
               opt::choice_of("draft_arch", m.draft_arch, kDraftArchNames,
-                             "Draft architecture (docs/draft.md): eagle3, or eagle3.1 (EAGLE-3 with a learned norm "
+                             "Draft architecture (docs/draft.md): eagle3, eagle3.1 (EAGLE-3 with a learned norm "
                              "on the fc input and the final norm's output fed to the next step; served by vLLM >= "
-                             "0.32); auto: eagle3 for a fresh draft, else the --init-draft's or checkpoint's"),
+                             "0.32), or dflash (the block-parallel drafter, docs/dflash.md); auto: eagle3 for a "
+                             "fresh draft, else the --init-draft's or checkpoint's"),
               opt::choice_of("fc_norm", m.fc_norm, kFcNormNames,
                              "EAGLE 3.1's norm on the fc input: per-layer (one RMSNorm per aux layer, fc_norm), "
                              "concat (one over all of them, norm_before_fc), none; auto: per-layer for eagle3.1, "
@@ -65,6 +66,30 @@ opt::Group model_options(ModelOptions& m) {
                              "layout implies (speculators' stacked [T, k+1, H]: pre), else measured through the "
                              "base's head on a sample (the plan says which decided), an error (exit 2) when that "
                              "is unclear"),
+              note(at_least(field("block_size", "N", m.block_size,
+                                  "DFlash: tokens one draft forward covers, the anchor and N-1 predictions "
+                                  "(speculators trains 16)"),
+                            0),
+                   "8 (ModelOpt 0.47's) for a fresh draft, else the draft's"),
+              note(field("mask_token_id", "ID", m.mask_token_id,
+                         "DFlash: the token fed at a block's unknown positions (a reserved or otherwise unused "
+                         "token of the base's vocabulary; ModelOpt takes the tokenizer's mask token)"),
+                   "required for a fresh DFlash draft, else the draft's"),
+              at_least(field("dflash_anchors", "N", m.dflash_anchors,
+                             "DFlash: blocks drawn per sequence (anchors inside the loss mask, seeded by --seed, "
+                             "the epoch and the conversation id)"),
+                       1),
+              opt::choice_of("dflash_weights", m.dflash_weights, kDFlashWeightsNames,
+                             "DFlash: the loss weights of block positions: dpace (D-PACE, ModelOpt 0.47's default) "
+                             "or decay (exp(-(k-1)/gamma), --dflash-decay)"),
+              opt::at_most(opt::positive(field("dpace_alpha", "X", m.dpace_alpha, "DFlash: D-PACE's smoothing alpha")), 1),
+              at_least(field("dflash_decay", "X", m.dflash_decay,
+                             "DFlash: gamma of --dflash-weights decay (ModelOpt suggests 4 for block 8, 7 for 16; 0: "
+                             "every position alike)"),
+                       0),
+              opt::choice_of("dflash_distill", m.dflash_distill, kSwitchNames,
+                             "DFlash: on, each position learns the base's distribution (self-logit distillation, "
+                             "ModelOpt's default); off, the dumped token (cross-entropy)"),
               opt::choice_of("ttt_attention", m.ttt_attention, kTttAttentionNames,
                              "TTT attention kernel (docs/ttt.md, two implementations): local keeps O(L^2) scores per "
                              "head for backward, tiled recomputes them in tiles and keeps O(L) (any device), fused "

@@ -49,9 +49,16 @@ inline constexpr NameTable<HiddenStatesNorm, 3> kHiddenStatesNormNames{
 
 // --draft-arch: the draft architecture row of a fresh draft (trainer/model/architecture.h);
 // auto: EAGLE-3 for a fresh draft, else the --init-draft's or the checkpoint's.
-enum class DraftArch { kAuto, kEagle3, kEagle31 };
-inline constexpr NameTable<DraftArch, 3> kDraftArchNames{
-    {{DraftArch::kAuto, "auto"}, {DraftArch::kEagle3, "eagle3"}, {DraftArch::kEagle31, "eagle3.1"}}};
+enum class DraftArch { kAuto, kEagle3, kEagle31, kDFlash };
+inline constexpr NameTable<DraftArch, 4> kDraftArchNames{{{DraftArch::kAuto, "auto"},
+                                                          {DraftArch::kEagle3, "eagle3"},
+                                                          {DraftArch::kEagle31, "eagle3.1"},
+                                                          {DraftArch::kDFlash, "dflash"}}};
+// --dflash-weights: how DFlash's loss weighs block positions (trainer/unroll/dflash.h
+// DFlashWeighting): D-PACE (ModelOpt 0.47's default) or an exponential decay.
+enum class DFlashWeights { kDpace, kDecay };
+inline constexpr NameTable<DFlashWeights, 2> kDFlashWeightsNames{
+    {{DFlashWeights::kDpace, "dpace"}, {DFlashWeights::kDecay, "decay"}}};
 // --fc-norm: EAGLE 3.1's norm on the fc input (DraftConfig::fc_norm, norm_before_fc); auto:
 // per-layer for eagle3.1, none for eagle3.
 enum class FcNorm { kAuto, kPerLayer, kConcat, kNone };
@@ -83,6 +90,16 @@ struct ModelOptions {
   std::string loss;                          // trainer/unroll/losses.h spec; "": kl (soft CE)
   HiddenStatesNorm hidden_states_norm = HiddenStatesNorm::kAuto;
   TttAttention ttt_attention = TttAttention::kAuto;
+  // DFlash (--draft-arch dflash; docs/dflash.md). block_size 0: a fresh draft takes 8
+  // (ModelOpt 0.47's default), else the draft's; mask_token_id < 0: the draft's, required
+  // for a fresh one.
+  std::int64_t block_size = 0;
+  std::int64_t mask_token_id = -1;
+  std::int64_t dflash_anchors = 512;
+  DFlashWeights dflash_weights = DFlashWeights::kDpace;
+  double dpace_alpha = 0.5;
+  double dflash_decay = 0.0;  // gamma of --dflash-weights decay; 0: every position alike
+  Switch dflash_distill = Switch::kOn;  // the teacher: the base's distribution (on) or the dumped token (off)
 };
 
 struct OptimOptions {

@@ -22,6 +22,7 @@
 #include "trainer/io/metrics_log.h"
 #include "trainer/model/architecture_rows.h"
 #include "trainer/model/base_model.h"
+#include "trainer/model/dflash.h"
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/threads.h"
@@ -259,6 +260,7 @@ std::string architecture_text(const DraftConfig& c) {
 std::string architecture_why(const RunPlan& p) {
   const TrainOptions& o = p.options;
   if (p.draft_kind != DraftOrigin::Kind::kFresh) return "the draft's own (" + p.draft.source + ")";
+  if (o.draft_arch == DraftArch::kDFlash) return "--draft-arch dflash";
   if (o.draft_arch != DraftArch::kAuto)
     return "--draft-arch " + std::string(name_in(kDraftArchNames, o.draft_arch)) +
            (o.fc_norm != FcNorm::kAuto || o.norm_output != Switch::kAuto ? " with --fc-norm/--norm-output as given"
@@ -269,6 +271,53 @@ std::string architecture_why(const RunPlan& p) {
 }
 
 // The draft's config as the figures and decisions show it.
+// A DFlash draft (RunPlan::block): the block unroll's options, the decision that says them
+// and where its target layers come from (docs/dflash.md).
+void plan_dflash(RunPlan& p) {
+  if (!p.block()) return;
+  const TrainOptions& o = p.options;
+  const DraftConfig& c = p.draft.config;
+  if (o.mode == CollateMode::kPack)
+    throw UsageError("DFlash does not train on packed rows (several documents in a row): use --mode pad or longest");
+  if (!o.loss.empty())
+    throw UsageError("--loss chooses the TTT unroll's loss; DFlash's is its own: --dflash-weights and --dflash-distill");
+  p.dflash.num_anchors = o.dflash_anchors;
+  p.dflash.weighting = o.dflash_weights == DFlashWeights::kDecay ? DFlashWeighting::kDecay : DFlashWeighting::kDpace;
+  p.dflash.dpace_alpha = o.dpace_alpha;
+  p.dflash.decay_gamma = o.dflash_decay;
+  p.dflash.self_distillation = o.dflash_distill != Switch::kOff;
+  p.dflash.autocast = autocast_type(o.compute_dtype);
+  p.dflash.prenorm_hidden_states = p.norm.default_pre;
+  std::ostringstream alpha, gamma;
+  alpha << o.dpace_alpha;
+  gamma << o.dflash_decay;
+  const std::string weights = o.dflash_weights == DFlashWeights::kDpace ? "D-PACE weights (alpha " + alpha.str() + ")"
+                              : o.dflash_decay > 0 ? "decay weights exp(-(k-1)/" + gamma.str() + ")"
+                                                   : "every block position alike";
+  p.decisions.push_back(
+      {"dflash",
+       "block " + std::to_string(c.block_size) + ", mask token " + std::to_string(c.mask_token_id) + "; up to " +
+           std::to_string(o.dflash_anchors) + " blocks per sequence; " + weights + "; teacher: " +
+           (p.dflash.self_distillation ? "the base's distribution (self-logit distillation)" : "the dumped token"),
+       "ModelOpt 0.47's defaults where not set (block 8, 512 anchors, D-PACE alpha 0.5, self-logit distillation); "
+       "anchors drawn inside the loss mask, seeded by --seed, the epoch and the conversation id (a resumed or "
+       "data-parallel run draws the same)"});
+  if (!c.aux_layer_ids.empty()) {
+    std::vector<std::int64_t> base_ids;
+    for (auto id : c.aux_layer_ids) base_ids.push_back(id - 1);
+    std::string line = "DFlash target layers: base layers " + ids_text(base_ids) + " (the dump's aux layers, HF ids " +
+                       ids_text(c.aux_layer_ids) + ")";
+    if (p.base.num_hidden_layers >= c.num_hidden_layers) {
+      const auto modelopt = dflash_default_target_layers(p.base.num_hidden_layers, c.num_hidden_layers);
+      line += modelopt == base_ids ? ", ModelOpt's default for this draft and base"
+                                   : "; ModelOpt's default for a " + std::to_string(c.num_hidden_layers) +
+                                         "-layer draft on this " + std::to_string(p.base.num_hidden_layers) +
+                                         "-layer base would be " + ids_text(modelopt) + ", which this dump does not hold";
+    }
+    p.notes.push_back(line);
+  }
+}
+
 void describe_draft(RunPlan& p, const std::string& draft_why) {
   const DraftConfig& c = p.draft.config;
   p.draft_config_json = draft_config_json(c);
@@ -516,7 +565,9 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   } else {
     why = "neither --resume nor --init-draft: built from the base's config, " +
           (o.draft_layers > 0 ? "--draft-layers " + std::to_string(o.draft_layers)
-                              : std::string("1 decoder layer (the default; --draft-layers N for more)"));
+           : o.draft_arch == DraftArch::kDFlash
+               ? std::string("one decoder layer per target layer of the dump (DFlash's default; --draft-layers N to choose)")
+               : std::string("1 decoder layer (the default; --draft-layers N for more)"));
   }
   p.draft = decide_draft(o, p.base, p.shape, origin);
   for (const auto& line : p.draft.said) p.notes.push_back(line);
@@ -531,7 +582,7 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   p.ttt.steps = o.ttt_steps;
   p.ttt.loss_decay = o.loss_decay;
   p.ttt.loss_terms = parse_loss_spec(o.loss);
-  p.decisions.push_back({"loss", loss_spec_text(p.ttt.loss_terms),
+  if (!p.block()) p.decisions.push_back({"loss", loss_spec_text(p.ttt.loss_terms),
                          o.loss.empty() ? "kl, the default: forward KL to the base's distribution, computed as the soft "
                                           "cross-entropy (the same gradient; the reported loss includes the targets' "
                                           "entropy); --loss chooses another (rkl, js, tv, nla, lk-hybrid, ce or a mix)"
@@ -545,6 +596,7 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   p.ttt.loss_chunk_rows = o.loss_chunk_tokens;
   p.ttt.recompute = o.recompute;
   p.ttt.attention = o.ttt_attention;
+  plan_dflash(p);
 
   plan_steps(p, resumed);
   plan_padding(p);
@@ -641,6 +693,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   p.ttt.autocast = autocast_type(o.compute_dtype);
   p.ttt.prenorm_hidden_states = p.norm.default_pre;
   p.ttt.attention = o.ttt_attention;
+  plan_dflash(p);
   p.steps_per_epoch = p.total_steps = p.micro_batches_per_epoch;
   return p;
 }

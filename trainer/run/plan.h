@@ -85,6 +85,13 @@ struct RunPlan {
   // plan prints it among its notes).
   std::vector<std::string> schedule_said;
   TttOptions ttt;                 // the unroll's (steps, decay, autocast, norm form, kernel)
+  // A DFlash draft (the block unroll, trainer/unroll/dflash.h) takes these instead; block()
+  // says which unroll the draft's row names.
+  DFlashOptions dflash;
+  bool block() const { return draft.config.architecture == "dflash"; }
+  // The decay the figures are reported with: --loss-decay for TTT, 0 (the mean over every
+  // counted position, TttStats::loss) for a block drafter.
+  double report_decay() const { return block() ? 0.0 : options.loss_decay; }
   std::int64_t epochs = 1;        // the loader's; 0: until --max-steps
   std::int64_t micro_batches_per_epoch = 0;  // of a dp rank, in the epoch the run starts in
 

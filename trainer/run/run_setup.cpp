@@ -146,6 +146,15 @@ TttBatch to_ttt_batch(const Batch& batch) {
   return t;
 }
 
+DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
+                                   std::uint64_t seed) {
+  if (batch.document_ids.defined())
+    throw UsageError("DFlash does not train on packed rows (several documents in a row): use --mode pad or longest");
+  std::vector<std::uint64_t> seeds;
+  for (const std::string& id : batch.conversation_ids) seeds.push_back(dflash_row_seed(seed, batch.epoch, id));
+  return dflash_anchors(batch.loss_mask, config.block_size, num_anchors, seeds);
+}
+
 at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {
   at::Tensor out = at::zeros({steps}, at::kDouble);
   if (batch.rows() == 0 || batch.input_ids.size(1) == 0) return out;

@@ -20,6 +20,7 @@
 #include "lib/loader.h"
 #include "trainer/run/options.h"
 #include "trainer/run/semantic_check.h"
+#include "trainer/unroll/dflash.h"
 #include "trainer/unroll/ttt.h"
 
 namespace eaglekit::dist {
@@ -68,6 +69,12 @@ NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<Samp
 
 // The loader's batch as the unroll takes it (tensors shared, not copied).
 TttBatch to_ttt_batch(const Batch& batch);
+
+// The DFlash anchors of a loader batch (trainer/unroll/dflash.h): each row's from `seed`, the
+// batch's epoch and the row's conversation id, so that they do not depend on the batch, the
+// rank, the thread count or a resume.
+DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
+                                   std::uint64_t seed);
 
 // The sum over the batch, per TTT step s < steps, of the loss weights the unroll uses
 // (the loss mask of the next token, from position s on; inside a document when packed):

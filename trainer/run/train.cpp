@@ -138,7 +138,9 @@ class TrainLoop {
  public:
   TrainLoop(const RunPlan& plan, OpenRun& run, const dist::Mesh& mesh, const TrainHooks& hooks, Say say)
       : plan_(plan), o_(plan.options), run_(run), mesh_(mesh), hooks_(hooks), say_(std::move(say)),
-        main_rank_(mesh.is_main()), steps_s_(plan.options.ttt_steps), step_(run.step), tokens_total_(run.tokens),
+        main_rank_(mesh.is_main()),
+        steps_s_(plan.block() ? plan.draft.config.block_size - 1 : plan.options.ttt_steps),
+        report_decay_(plan.report_decay()), step_(run.step), tokens_total_(run.tokens),
         run_stats_(steps_s_), window_(steps_s_), epoch_of_step_(run.loader->state().epoch) {
     result_.summary = plan.summary;
     result_.start_step = step_;
@@ -203,9 +205,9 @@ class TrainLoop {
     return micro;
   }
 
-  // One optimizer step over `micro`, its metrics, progress, checkpoint and evaluation.
-  // True when the run stops here (a signal or a hook).
-  bool train_step(const std::vector<Batch>& micro, Clock::time_point t0, double cpu0, double waited) {
+  // The forward and backward of a TTT draft's step over `micro`: its stats on this rank and
+  // the tokens of the global batch.
+  TttStats backward_ttt(const std::vector<Batch>& micro, double& step_tokens) {
     const c10::Device device = run_.device;
     // The normalizer of this step: mask sums over every micro-batch of every rank.
     at::Tensor sums = at::zeros({steps_s_ + 1}, at::kDouble);
@@ -216,9 +218,8 @@ class TrainLoop {
     sums = reduce_sum(mesh_.world(), sums, device);
     at::Tensor normalizer = sums.narrow(0, 0, steps_s_).to(device, at::kFloat);
     if (hooks_.normalizer_scale) normalizer = normalizer * hooks_.normalizer_scale(step_);
-    const double step_tokens = sums[steps_s_].item<double>();
+    step_tokens = sums[steps_s_].item<double>();
 
-    run_.optimizer->zero_grad();
     TttStats local(steps_s_);
     std::int64_t last_real = -1;
     for (std::size_t i = 0; i < micro.size(); ++i)
@@ -233,6 +234,45 @@ class TrainLoop {
       local += r.stats;
     }
     if (run_.sync) run_.sync->finish();
+    return local;
+  }
+
+  // The same for a block drafter (DFlash, trainer/unroll/dflash.h): every micro-batch's
+  // forward first, since its loss weights (D-PACE) come from the forward; then the weight
+  // sum of the global batch normalizes each backward, so that the ranks' summed gradients
+  // are those of one rank with the whole batch.
+  TttStats backward_block(const std::vector<Batch>& micro, double& step_tokens) {
+    const c10::Device device = run_.device;
+    TttStats local(steps_s_);
+    std::vector<DFlashResult> results;
+    double sums_local[2] = {0, 0};  // weight sum, tokens
+    for (const Batch& b : micro) {
+      sums_local[1] += static_cast<double>(b.tokens);
+      if (b.rows() == 0) continue;
+      const DFlashAnchors anchors =
+          dflash_batch_anchors(b, plan_.draft.config, plan_.dflash.num_anchors, static_cast<std::uint64_t>(o_.seed));
+      results.push_back(run_.block_unroll->forward(to_ttt_batch(b), anchors));
+      sums_local[0] += results.back().weight_sum;
+      local += results.back().stats;
+    }
+    const at::Tensor sums = reduce_sum(mesh_.world(), at::tensor({sums_local[0], sums_local[1]}, at::kDouble), device);
+    const double weight_sum = sums[0].item<double>();
+    step_tokens = sums[1].item<double>();
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (run_.sync && i + 1 == results.size()) run_.sync->prepare();
+      dflash_loss(results[i].weighted_loss, weight_sum).backward();
+    }
+    if (run_.sync) run_.sync->finish();
+    return local;
+  }
+
+  // One optimizer step over `micro`, its metrics, progress, checkpoint and evaluation.
+  // True when the run stops here (a signal or a hook).
+  bool train_step(const std::vector<Batch>& micro, Clock::time_point t0, double cpu0, double waited) {
+    const c10::Device device = run_.device;
+    run_.optimizer->zero_grad();
+    double step_tokens = 0;
+    const TttStats local = plan_.block() ? backward_block(micro, step_tokens) : backward_ttt(micro, step_tokens);
 
     // Metrics of the global batch, and whether any rank was asked to stop.
     at::Tensor flat =
@@ -241,7 +281,7 @@ class TrainLoop {
     const TttStats step_stats = TttStats::from_tensor(flat.narrow(0, 0, 5 * steps_s_).reshape({5, steps_s_}));
     bool stop = flat[5 * steps_s_].item<double>() > 0;
 
-    const double loss = step_stats.loss(o_.loss_decay);
+    const double loss = step_stats.loss(report_decay_);
     grad_norm_ = clip_grad_norm(run_.parameters, o_.grad_clip);
     if (!std::isfinite(loss) || !std::isfinite(grad_norm_)) {
       if (show_progress_) std::cerr << "\n";
@@ -332,7 +372,7 @@ class TrainLoop {
   void log_window() {
     if (window_.empty()) return;
     const std::string line =
-        window_.take_line(step_, epoch_of_step_, lr_, grad_norm_, o_.loss_decay, seconds_since(loop_start_),
+        window_.take_line(step_, epoch_of_step_, lr_, grad_norm_, report_decay_, seconds_since(loop_start_),
                           governor_ ? threads_of_step_ : 0);
     if (log_) log_->write(line);
   }
@@ -389,12 +429,13 @@ class TrainLoop {
     elo.sampler.epochs = 1;
     Loader eval_loader(plan_.eval_data->dataset, plan_.eval_data->samples, elo);
     const auto t0 = Clock::now();
-    const TttStats stats = evaluate_loader(*run_.unroll, eval_loader, &mesh_);
+    const TttStats stats = plan_.block() ? evaluate_loader(*run_.block_unroll, eval_loader, &mesh_)
+                                         : evaluate_loader(*run_.unroll, eval_loader, &mesh_);
     json j;
     j["split"] = "eval";
     j["step"] = step_;
     j["epoch"] = run_.loader->state().epoch;
-    j.update(stats_json(stats, o_.loss_decay));
+    j.update(stats_json(stats, report_decay_));
     j["seconds"] = seconds_since(t0);
     if (log_) log_->write(j.dump());
     result_.eval_stats = stats;
@@ -440,7 +481,8 @@ class TrainLoop {
   const TrainHooks& hooks_;
   const Say say_;
   const bool main_rank_;
-  const std::int64_t steps_s_;
+  const std::int64_t steps_s_;  // TTT steps, or a block's predicted positions
+  const double report_decay_;   // RunPlan::report_decay
   std::unique_ptr<MetricsLog> log_;
   TrainResult result_;
   std::int64_t step_;
@@ -497,8 +539,9 @@ TrainResult run_training(const TrainOptions& opts, const dist::Mesh* mesh_arg, c
       " optimizer steps of " + std::to_string(plan.rows_per_step) + " rows on " + std::to_string(mesh.world_size()) +
       " rank(s), " + std::to_string(at::get_num_threads()) + " threads (OpenMP waiting " + plan.wait_policy +
       "), device " + run->device.str() +
-      ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
-      (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : ""));
+      (plan.block() ? ", DFlash block " + std::to_string(dc.block_size) + " (dense block attention)"
+                    : ", TTT attention " + std::string(ttt_attention_name(opts.ttt_attention)) +
+                          (opts.cp_size > 1 ? " (--cp > 1: the ring's own)" : "")));
   if (plan.resume_step < 0) say("learning rate: " + plan.schedule);
   if (const std::string w = schedule_warning(opts.lr, opts.schedule, opts.warmup_steps, plan.total_steps); !w.empty())
     say("warning: " + w);

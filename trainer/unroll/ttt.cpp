@@ -17,6 +17,7 @@
 #include "trainer/model/cpu_kernels.h"
 #include "trainer/model/recompute.h"
 #include "trainer/model/soft_ce.h"
+#include "trainer/unroll/autocast.h"
 
 namespace eaglekit::trainer {
 
@@ -24,55 +25,6 @@ namespace {
 
 constexpr double kLossEps = 1e-5;  // docs/ttt.md, loss per step: ce_s / (N_s + 1e-5)
 const double kNegInf = -std::numeric_limits<double>::infinity();
-
-// Enables autocast for one device type for the guard's lifetime and restores the previous
-// state. The API moved in LibTorch 2.4 (per-device-type setters).
-class AutocastGuard {
- public:
-  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype) : device_(device) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    prev_enabled_ = at::autocast::is_autocast_enabled(device);
-    prev_dtype_ = at::autocast::get_autocast_dtype(device);
-    at::autocast::set_autocast_enabled(device, true);
-    at::autocast::set_autocast_dtype(device, dtype);
-#else
-    if (device == c10::DeviceType::CUDA) {
-      prev_enabled_ = at::autocast::is_enabled();
-      prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(dtype);
-    } else {
-      prev_enabled_ = at::autocast::is_cpu_enabled();
-      prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
-      at::autocast::set_cpu_enabled(true);
-      at::autocast::set_autocast_cpu_dtype(dtype);
-    }
-#endif
-    at::autocast::increment_nesting();
-  }
-  ~AutocastGuard() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(device_, prev_enabled_);
-    at::autocast::set_autocast_dtype(device_, prev_dtype_);
-#else
-    if (device_ == c10::DeviceType::CUDA) {
-      at::autocast::set_enabled(prev_enabled_);
-      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
-    } else {
-      at::autocast::set_cpu_enabled(prev_enabled_);
-      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
-    }
-#endif
-  }
-  AutocastGuard(const AutocastGuard&) = delete;
-  AutocastGuard& operator=(const AutocastGuard&) = delete;
-
- private:
-  c10::DeviceType device_;
-  bool prev_enabled_ = false;
-  c10::ScalarType prev_dtype_ = c10::ScalarType::BFloat16;
-};
 
 // Named ranges for LibTorch's autograd profiler (bench/bench_train_step reads them), one
 // open at a time: begin() closes the previous one. Nearly free when no profiler runs.
@@ -384,6 +336,14 @@ double acceptance(const std::vector<double>& acc) {
 std::vector<double> TttStats::loss_per_step() const { return ratio(ce_sum, mask_sum); }
 
 double TttStats::loss(double decay) const {
+  if (decay == 0.0) {
+    double ce = 0.0, n = 0.0;
+    for (std::size_t s = 0; s < ce_sum.size(); ++s) {
+      ce += ce_sum[s];
+      n += mask_sum[s];
+    }
+    return n > 0 ? ce / n : 0.0;
+  }
   double total = 0.0, w = 1.0;
   for (double l : loss_per_step()) {
     total += w * l;
@@ -572,7 +532,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
     if (packed) loss_weight = loss_weight * next_same_doc.to(at::kFloat);
   }
   // The architecture's network (trainer/model/draft_net.h) computes everything but the attention.
-  const DraftNet& net = draft.net();
+  const TttNet& net = draft.ttt_net();
   const at::Tensor emb_normed = net.norm_embeddings(emb);
   at::Tensor hidden = net.fc(batch.aux_hidden_states.to(device, dtype));
 
@@ -609,7 +569,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       Qkv qkv;
       if (recompute_layers) {
         const std::vector<at::Tensor> r = recompute(under_autocast([draft, rope, layer](const std::vector<at::Tensor>& x) {
-                                                      Qkv y = draft.net().qkv(x[0], x[1], rope, layer);
+                                                      Qkv y = draft.ttt_net().qkv(x[0], x[1], rope, layer);
                                                       return std::vector<at::Tensor>{y.q, y.k, y.v};
                                                     }),
                                                     {emb_normed, out}, params);
@@ -624,7 +584,7 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
       scope.begin("ttt.layer");
       if (recompute_layers) {
         out = recompute(under_autocast([draft, layer](const std::vector<at::Tensor>& x) {
-                          return std::vector<at::Tensor>{draft.net().finish_layer(x[0], x[1], layer)};
+                          return std::vector<at::Tensor>{draft.ttt_net().finish_layer(x[0], x[1], layer)};
                         }),
                         {out, attn}, params)[0];
       } else {

@@ -207,7 +207,9 @@ struct TttStats {
   TttStats& operator+=(const TttStats& o);  // throws UsageError on a step-count mismatch
 
   std::vector<double> loss_per_step() const;  // ce_sum / mask_sum (0 where nothing counted)
-  double loss(double decay) const;            // sum_s decay^s * loss_per_step[s]
+  // sum_s decay^s * loss_per_step[s]; decay 0: the mean over every counted position,
+  // sum ce_sum / sum mask_sum (what the block unroll reports, trainer/unroll/dflash.h).
+  double loss(double decay) const;
   std::vector<double> acc() const;
   std::vector<double> cond_acc() const;
   double est_ar() const;              // 1 + sum_s prod_{j<=s} acc_j

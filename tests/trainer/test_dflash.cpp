@@ -1,0 +1,235 @@
+// The DFlash row and its block unroll (trainer/model/dflash.h, trainer/unroll/dflash.h)
+// against NVIDIA ModelOpt 0.47's own code: tests/data/dflash_modelopt/fixture.safetensors holds
+// a tiny draft, a batch, anchors, and the loss, accuracy and gradients ModelOpt's
+// DFlashModule and HFDFlashModel computed from them (make_fixture.py beside it); plus the
+// anchor sampler's promises and ModelOpt's default choice of target layers.
+#include "tests/torch_doctest.h"
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "formats/error.h"
+#include "formats/safetensors_format.h"
+#include "tests/support.h"
+#include "trainer/model/architecture_rows.h"
+#include "trainer/model/base_model.h"
+#include "trainer/model/config.h"
+#include "trainer/model/dflash.h"
+#include "trainer/unroll/dflash.h"
+
+using namespace eaglekit;
+using namespace eaglekit::trainer;
+
+namespace {
+
+struct Fixture {
+  std::map<std::string, at::Tensor> t;
+  nlohmann::json config;
+  const at::Tensor& operator[](const std::string& name) const {
+    const auto it = t.find(name);
+    REQUIRE_MESSAGE(it != t.end(), "fixture has no tensor " << name);
+    return it->second;
+  }
+};
+
+const Fixture& fixture() {
+  static const Fixture f = [] {
+    Fixture out;
+    const auto file = SafetensorsFile::open(test::source_dir() + "/tests/data/dflash_modelopt/fixture.safetensors");
+    for (const auto& e : file->entries()) out.t[e.name] = tensor_from_host(file->tensor(e));
+    out.config = nlohmann::json::parse(file->metadata().at("config"));
+    return out;
+  }();
+  return f;
+}
+
+DraftConfig fixture_config() {
+  const nlohmann::json& j = fixture().config;
+  DraftConfig c;
+  c.architecture = "dflash";
+  c.hidden_size = j["hidden_size"];
+  c.intermediate_size = j["intermediate_size"];
+  c.num_attention_heads = j["num_attention_heads"];
+  c.num_key_value_heads = j["num_key_value_heads"];
+  c.head_dim = j["head_dim"];
+  c.rms_norm_eps = j["rms_norm_eps"];
+  c.rope_theta = j["rope_theta"];
+  c.vocab_size = j["vocab_size"];
+  c.draft_vocab_size = c.vocab_size;
+  c.target_hidden_size = c.hidden_size;
+  c.num_aux_layers = j["num_aux_layers"];
+  c.num_hidden_layers = j["num_hidden_layers"];
+  c.max_position_embeddings = 256;
+  for (std::int64_t id : j["target_layer_ids"].get<std::vector<std::int64_t>>()) c.aux_layer_ids.push_back(id + 1);
+  c.block_size = j["block_size"];
+  c.mask_token_id = j["mask_token_id"];
+  c.torch_dtype = "float32";
+  return c;
+}
+
+DraftModel fixture_draft() {
+  const DraftConfig c = fixture_config();
+  DraftModel d(c, at::zeros({c.vocab_size}, at::kLong), at::Tensor(), 1);
+  for (const auto& [name, p] : d.named_parameters()) d.load_parameter(name, fixture()["w." + name]);
+  return d;
+}
+
+BaseModel fixture_base() {
+  BaseModel b;
+  b.embed_tokens = fixture()["embed_tokens"];
+  b.lm_head = fixture()["lm_head"];
+  b.config.rms_norm_eps = 1e-6;
+  return b;
+}
+
+TttBatch fixture_batch() {
+  TttBatch b;
+  b.input_ids = fixture()["input_ids"];
+  b.loss_mask = fixture()["loss_mask"];
+  b.attention_mask = b.loss_mask;
+  b.hidden_states = fixture()["hidden_states"];
+  b.aux_hidden_states = fixture()["aux_hidden_states"];
+  return b;
+}
+
+DFlashAnchors fixture_anchors() { return {fixture()["anchors"], fixture()["keep"].to(at::kBool)}; }
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+struct CaseResult {
+  double loss = 0, acc = 0;
+  std::map<std::string, at::Tensor> grads;
+};
+
+CaseResult run_case(const DFlashOptions& o, const DFlashAnchors& anchors) {
+  DraftModel d = fixture_draft();
+  DFlashUnroll unroll(fixture_base(), d, o);
+  const DFlashResult r = unroll.forward(fixture_batch(), anchors);
+  const at::Tensor loss = dflash_loss(r.weighted_loss, r.weight_sum);
+  loss.backward();
+  CaseResult out;
+  out.loss = loss.item<double>();
+  double hits = 0, counted = 0;
+  for (std::int64_t k = 0; k < r.stats.steps(); ++k) {
+    hits += r.stats.correct[static_cast<std::size_t>(k)];
+    counted += r.stats.mask_sum[static_cast<std::size_t>(k)];
+  }
+  out.acc = hits / (counted + 1e-6);
+  for (const auto& [name, p] : d.named_parameters()) out.grads[name] = p.grad().clone();
+  return out;
+}
+
+DFlashOptions options_of(const std::string& name) {
+  DFlashOptions o;
+  if (name == "decay" || name == "ce") {
+    o.weighting = DFlashWeighting::kDecay;
+    o.decay_gamma = 4.0;
+  }
+  o.self_distillation = name != "ce";
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("dflash: loss, accuracy and gradients equal ModelOpt 0.47's on the same draft, batch and anchors") {
+  for (const std::string name : {"dpace", "decay", "ce"}) {
+    CAPTURE(name);
+    const CaseResult ours = run_case(options_of(name), fixture_anchors());
+    const double want = fixture()[name + ".loss"].item<double>();
+    CHECK(rel(ours.loss, want) < 1e-6);
+    CHECK(std::abs(ours.acc - fixture()[name + ".acc"].item<double>()) < 1e-6);
+    for (const auto& [param, g] : ours.grads) {
+      CAPTURE(param);
+      const at::Tensor ref = fixture()[name + ".g." + param];
+      const double scale = std::max(ref.abs().max().item<double>(), 1e-12);
+      CHECK((g - ref).abs().max().item<double>() / scale < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("dflash: the fixture tells a causal block and an anchor off by one from the trained function") {
+  // ModelOpt's causal block gives another loss than the bidirectional one we match ...
+  const CaseResult ours = run_case(options_of("dpace"), fixture_anchors());
+  CHECK(rel(ours.loss, fixture()["causal.loss"].item<double>()) > 1e-4);
+  // ... and so does every kept anchor moved one token later.
+  DFlashAnchors shifted = fixture_anchors();
+  shifted.positions = shifted.positions + shifted.keep.to(at::kLong);
+  CHECK(rel(run_case(options_of("dpace"), shifted).loss, fixture()["dpace.loss"].item<double>()) > 1e-4);
+}
+
+TEST_CASE("dflash: anchors lie in the loss mask, fit a block, do not repeat, and follow only their row's seed") {
+  const std::int64_t L = 64, block = 8;
+  at::Tensor mask = at::zeros({3, L});
+  mask[0].narrow(0, 20, 44).fill_(1);  // 44 positions, 37 of them <= L - block
+  mask[1].narrow(0, 10, 4).fill_(1);  // 4 positions
+  mask[2].narrow(0, 60, 4).fill_(1);  // none a block fits after
+  const std::vector<std::uint64_t> seeds{dflash_row_seed(7, 0, "a"), dflash_row_seed(7, 0, "b"), dflash_row_seed(7, 0, "c")};
+  const DFlashAnchors a = dflash_anchors(mask, block, 16, seeds);
+  REQUIRE(a.positions.sizes() == at::IntArrayRef({3, 16}));
+  for (std::int64_t r = 0; r < 3; ++r) {
+    std::set<std::int64_t> seen;
+    std::int64_t kept = 0;
+    for (std::int64_t i = 0; i < 16; ++i) {
+      if (!a.keep[r][i].item<bool>()) continue;
+      ++kept;
+      const std::int64_t p = a.positions[r][i].item<std::int64_t>();
+      CHECK(mask[r][p].item<float>() == 1.0f);
+      CHECK(p <= L - block);
+      CHECK(seen.insert(p).second);
+    }
+    CHECK(kept == std::vector<std::int64_t>{16, 4, 0}[static_cast<std::size_t>(r)]);
+  }
+  // Row 0 alone, or beside other rows: the same anchors; another epoch: others.
+  const DFlashAnchors alone = dflash_anchors(mask.narrow(0, 0, 1), block, 16, {seeds[0]});
+  CHECK(at::equal(alone.positions[0], a.positions[0]));
+  const DFlashAnchors next = dflash_anchors(mask.narrow(0, 0, 1), block, 16, {dflash_row_seed(7, 1, "a")});
+  CHECK_FALSE(at::equal(next.positions[0], a.positions[0]));
+  // Over many seeds every allowed position is drawn, and none other.
+  std::set<std::int64_t> drawn;
+  for (std::uint64_t s = 0; s < 200; ++s) {
+    const DFlashAnchors x = dflash_anchors(mask.narrow(0, 0, 1), block, 4, {dflash_row_seed(s, 0, "a")});
+    for (std::int64_t i = 0; i < 4; ++i) drawn.insert(x.positions[0][i].item<std::int64_t>());
+  }
+  CHECK(drawn.size() == 37);
+}
+
+TEST_CASE("dflash: the default target layers follow ModelOpt's build_target_layer_ids") {
+  // Values from modelopt.torch.speculative.plugins.modeling_dflash.build_target_layer_ids.
+  CHECK(dflash_default_target_layers(36, 5) == std::vector<std::int64_t>{1, 9, 17, 25, 33});
+  CHECK(dflash_default_target_layers(32, 5) == std::vector<std::int64_t>{1, 8, 15, 22, 29});
+  CHECK(dflash_default_target_layers(64, 5) == std::vector<std::int64_t>{1, 16, 31, 46, 61});
+  CHECK(dflash_default_target_layers(8, 1) == std::vector<std::int64_t>{4});
+  CHECK(dflash_default_target_layers(8, 3) == std::vector<std::int64_t>{1, 3, 5});
+  CHECK_THROWS_AS(dflash_default_target_layers(2, 3), UsageError);
+}
+
+TEST_CASE("dflash: the served config names vLLM's DFlashDraftModel and reads back as the same draft") {
+  const DraftConfig c = fixture_config();
+  const std::string text = draft_config_json(c);
+  const nlohmann::json j = nlohmann::json::parse(text);
+  CHECK(j["architectures"][0] == "DFlashDraftModel");
+  CHECK(j["block_size"] == 4);
+  CHECK(j["dflash_config"]["mask_token_id"] == 39);
+  CHECK(j["dflash_config"]["target_layer_ids"] == nlohmann::json({1, 3, 5}));
+  const DraftConfig back = parse_draft_config(text, "config.json");
+  CHECK(back.architecture == "dflash");
+  CHECK(back.aux_layer_ids == c.aux_layer_ids);
+  CHECK(back.block_size == 4);
+  CHECK(back.mask_token_id == 39);
+  CHECK(draft_config_json(back) == text);
+  // The row's parameter list is the network's, in order.
+  const DraftModel d = fixture_draft();
+  const auto shapes = draft_architecture("dflash").parameters(c);
+  const auto params = d.named_parameters();
+  REQUIRE(shapes.size() == params.size());
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    CHECK(shapes[i].name == params[i].first);
+    CHECK(at::IntArrayRef(shapes[i].shape) == params[i].second.sizes());
+  }
+}

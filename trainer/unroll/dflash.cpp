@@ -1,0 +1,263 @@
+#include "trainer/unroll/dflash.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "formats/error.h"
+#include "trainer/model/draft_net.h"
+#include "trainer/model/rotary.h"
+#include "trainer/unroll/autocast.h"
+
+namespace eaglekit::trainer {
+
+namespace {
+
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// A uniform draw in [0, n) (Lemire's multiply-shift; the bias is below 2^-40 for any n here).
+std::int64_t below(std::uint64_t& state, std::int64_t n) {
+  return static_cast<std::int64_t>((static_cast<unsigned __int128>(splitmix64(state)) * static_cast<std::uint64_t>(n)) >> 64);
+}
+
+}  // namespace
+
+std::uint64_t dflash_row_seed(std::uint64_t seed, std::uint64_t epoch, const std::string& conversation_id) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the id
+  for (unsigned char ch : conversation_id) h = (h ^ ch) * 0x100000001b3ULL;
+  std::uint64_t state = seed ^ (epoch * 0xd1b54a32d192ed03ULL) ^ h;
+  return splitmix64(state);
+}
+
+DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, std::int64_t block_size, std::int64_t num_anchors,
+                             const std::vector<std::uint64_t>& row_seeds) {
+  if (!loss_mask.defined() || loss_mask.dim() != 2) throw UsageError("DFlash anchors: loss_mask must be [B, L]");
+  if (block_size < 1 || num_anchors < 1) throw UsageError("DFlash anchors: block_size and num_anchors must be positive");
+  const std::int64_t b = loss_mask.size(0), n = loss_mask.size(1);
+  if (static_cast<std::int64_t>(row_seeds.size()) != b)
+    throw UsageError("DFlash anchors: " + std::to_string(row_seeds.size()) + " row seeds for " + std::to_string(b) + " rows");
+  const at::Tensor lm = loss_mask.to(at::kCPU, at::kFloat).contiguous();
+  const float* m = lm.data_ptr<float>();
+  const std::int64_t last = std::max<std::int64_t>(n - block_size, 0);  // the last anchor a block fits after
+  std::vector<std::vector<std::int64_t>> valid(static_cast<std::size_t>(b));
+  std::int64_t most = 0;
+  for (std::int64_t r = 0; r < b; ++r) {
+    for (std::int64_t p = 0; p <= last && p < n; ++p)
+      if (m[r * n + p] > 0.5f) valid[static_cast<std::size_t>(r)].push_back(p);
+    most = std::max<std::int64_t>(most, static_cast<std::int64_t>(valid[static_cast<std::size_t>(r)].size()));
+  }
+  const std::int64_t cols = std::min(num_anchors, most - 1);
+  DFlashAnchors out;
+  if (cols <= 0) {  // nothing to learn in this batch (ModelOpt's empty case)
+    out.positions = at::zeros({b, 1}, at::kLong);
+    out.keep = at::zeros({b, 1}, at::kBool);
+    return out;
+  }
+  out.positions = at::zeros({b, cols}, at::kLong);
+  out.keep = at::zeros({b, cols}, at::kBool);
+  std::int64_t* pos = out.positions.data_ptr<std::int64_t>();
+  bool* keep = out.keep.data_ptr<bool>();
+  for (std::int64_t r = 0; r < b; ++r) {
+    std::vector<std::int64_t>& v = valid[static_cast<std::size_t>(r)];
+    const std::int64_t count = static_cast<std::int64_t>(v.size()), take = std::min(count, cols);
+    std::uint64_t state = row_seeds[static_cast<std::size_t>(r)];
+    for (std::int64_t i = 0; i < take; ++i) std::swap(v[static_cast<std::size_t>(i)], v[static_cast<std::size_t>(i + below(state, count - i))]);
+    std::sort(v.begin(), v.begin() + take);
+    for (std::int64_t i = 0; i < take; ++i) {
+      pos[r * cols + i] = v[static_cast<std::size_t>(i)];
+      keep[r * cols + i] = true;
+    }
+  }
+  return out;
+}
+
+at::Tensor dpace_weights(const at::Tensor& confidences, double alpha, const at::Tensor& valid) {
+  if (!(alpha > 0.0 && alpha <= 1.0)) throw UsageError("D-PACE alpha must be in (0, 1], got " + std::to_string(alpha));
+  at::NoGradGuard no_grad;
+  const at::Tensor keep = valid.to(at::kBool);
+  at::Tensor q = alpha + (1.0 - alpha) * confidences.to(at::kFloat);
+  q = at::where(keep, q, at::ones_like(q));
+  const at::Tensor c = at::cumprod(q, -1) * keep.to(at::kFloat);
+  const at::Tensor inclusive = at::cumsum(c, -1);
+  return (inclusive.narrow(-1, inclusive.size(-1) - 1, 1) - inclusive + c).to(confidences.scalar_type());
+}
+
+at::Tensor dflash_loss(const at::Tensor& weighted_loss, double weight_sum) {
+  if (!(weight_sum > 1.0)) return weighted_loss * 0.0;
+  return weighted_loss / (weight_sum + 1e-6);
+}
+
+struct DFlashUnroll::Impl {
+  DraftModel draft;
+  DFlashOptions options;
+  at::Tensor embed_tokens;  // [V, H] frozen
+  at::Tensor lm_head;       // [V, H] frozen
+  at::Tensor final_norm;    // [H] float32, when the base has it
+  double final_norm_eps = 1e-6;
+};
+
+DFlashUnroll::DFlashUnroll(const BaseModel& base, DraftModel draft, DFlashOptions options)
+    : impl_(std::make_unique<Impl>(Impl{std::move(draft), options, {}, {}, {}, 1e-6})) {
+  const DraftConfig& c = impl_->draft.config();
+  impl_->draft.block_net();  // UsageError unless a block drafter
+  if (base.embed_tokens.size(0) != c.vocab_size || base.embed_tokens.size(1) != c.hidden_size)
+    throw UsageError("the base's embeddings are " + c10::str(base.embed_tokens.sizes()) + ", the DFlash draft needs [" +
+                     std::to_string(c.vocab_size) + ", " + std::to_string(c.hidden_size) + "]");
+  if (options.num_anchors < 1) throw UsageError("DFlash: num_anchors must be positive");
+  if (options.decay_gamma < 0) throw UsageError("DFlash: the decay gamma must be >= 0");
+  dpace_weights(at::ones({1}), options.dpace_alpha, at::ones({1}));  // checks alpha
+  const c10::Device device = impl_->draft.device();
+  impl_->embed_tokens = base.embed_tokens.detach().to(device);
+  impl_->lm_head = base.lm_head.detach().to(device);
+  if (options.prenorm_hidden_states && !base.final_norm.defined())
+    throw UsageError("pre-norm hidden states need the base's final norm weight (model.norm.weight)");
+  if (base.final_norm.defined()) {
+    impl_->final_norm = base.final_norm.detach().to(device, at::kFloat);
+    impl_->final_norm_eps = base.config.rms_norm_eps;
+  }
+}
+
+DFlashUnroll::~DFlashUnroll() = default;
+DFlashUnroll::DFlashUnroll(DFlashUnroll&&) noexcept = default;
+DFlashUnroll& DFlashUnroll::operator=(DFlashUnroll&&) noexcept = default;
+DraftModel& DFlashUnroll::draft() { return impl_->draft; }
+const DFlashOptions& DFlashUnroll::options() const { return impl_->options; }
+
+DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& anchors) {
+  DraftModel& draft = impl_->draft;
+  const DraftConfig& c = draft.config();
+  const DFlashOptions& o = impl_->options;
+  const BlockNet& net = draft.block_net();
+  const std::int64_t bs = c.block_size;
+  const c10::Device device = draft.device();
+  const c10::ScalarType dtype = draft.dtype();
+
+  if (!batch.input_ids.defined() || batch.input_ids.dim() != 2) throw UsageError("DFlash batch: input_ids must be [B, L]");
+  const std::int64_t b = batch.input_ids.size(0), n = batch.input_ids.size(1);
+  auto check = [&](const at::Tensor& t, const char* name, std::vector<std::int64_t> shape) {
+    if (!t.defined() || t.sizes() != at::IntArrayRef(shape))
+      throw UsageError(std::string("DFlash batch: ") + name + " has shape " +
+                       (t.defined() ? c10::str(t.sizes()) : std::string("(none)")) + ", expected " +
+                       c10::str(at::IntArrayRef(shape)));
+  };
+  check(batch.loss_mask, "loss_mask", {b, n});
+  check(batch.hidden_states, "hidden_states", {b, n, c.hidden_size});
+  check(batch.aux_hidden_states, "aux_hidden_states", {b, n, c.aux_width()});
+  if (batch.document_ids.defined())
+    throw UsageError("DFlash does not train on packed rows (several documents in a row): collate with --mode pad or longest");
+  if (!anchors.positions.defined() || anchors.positions.dim() != 2 || anchors.positions.size(0) != b ||
+      !anchors.keep.defined() || anchors.keep.sizes() != anchors.positions.sizes())
+    throw UsageError("DFlash batch: anchors must be [B, N] positions and keep for the batch's " + std::to_string(b) + " rows");
+  if (n < 1) throw UsageError("DFlash batch: empty sequence");
+
+  std::optional<AutocastGuard> autocast;
+  if (o.autocast) autocast.emplace(device.type(), *o.autocast);
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
+  const std::int64_t blocks = anchors.positions.size(1), q_len = blocks * bs;
+  const at::Tensor ids = batch.input_ids.to(device, at::kLong);
+  const at::Tensor anchor = anchors.positions.to(device, at::kLong);
+  const at::Tensor keep = anchors.keep.to(device, at::kBool);
+  const at::Tensor offsets = at::arange(bs, long_opts);
+  const at::Tensor label = anchor.unsqueeze(-1) + offsets.view({1, 1, bs});  // [B, N, bs]: the token each slot predicts
+  const at::Tensor in_bounds = label < n;
+  const at::Tensor safe = label.clamp_max(n - 1).view({b, q_len});
+  const at::Tensor target_ids = ids.gather(1, safe).view({b, blocks, bs});
+
+  at::Tensor emb, teacher_p, rope_positions;
+  {
+    at::NoGradGuard no_grad;
+    // The block's tokens: the anchor's own token, then mask_token_id (all of it for a block not kept).
+    at::Tensor block_ids = at::full({b, blocks, bs}, c.mask_token_id, long_opts);
+    block_ids.select(2, 0).copy_(at::where(keep, ids.gather(1, anchor.clamp(0, n - 1)), at::full_like(anchor, c.mask_token_id)));
+    emb = at::embedding(impl_->embed_tokens, block_ids.view({b, q_len})).to(dtype);
+    if (o.self_distillation) {
+      // The teacher for the token at anchor + k is the base's distribution after token
+      // anchor + k - 1: lm_head of that hidden state (after the final norm when pre-norm).
+      at::Tensor hs = batch.hidden_states.to(device).gather(
+          1, (safe - 1).clamp_min(0).unsqueeze(-1).expand({b, q_len, c.hidden_size}));
+      at::Tensor pre;
+      if (batch.hidden_states_prenorm.defined()) {
+        check(batch.hidden_states_prenorm, "hidden_states_prenorm", {b, n});
+        const at::Tensor f = batch.hidden_states_prenorm.to(device, at::kLong).gather(1, (safe - 1).clamp_min(0));
+        pre = o.prenorm_hidden_states ? f != 0 : f == 1;
+      }
+      const bool any_pre = pre.defined() ? pre.any().item<bool>() : o.prenorm_hidden_states;
+      if (any_pre) {
+        if (!impl_->final_norm.defined())
+          throw UsageError("DFlash batch: records state pre-norm hidden states but the base was loaded without its "
+                           "final norm weight (model.norm.weight)");
+        const at::Tensor x = hs.to(at::kFloat);
+        const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
+        hs = pre.defined() ? at::where(pre.unsqueeze(-1), normed, x) : normed;
+      }
+      const at::Tensor teacher = at::matmul(hs.to(impl_->lm_head.scalar_type()), impl_->lm_head.t()).to(at::kFloat);
+      teacher_p = at::softmax(teacher, -1);
+    }
+    rope_positions = at::cat({at::arange(n, long_opts).unsqueeze(0).expand({b, n}), label.view({b, q_len})}, 1);
+  }
+  const RotaryTable rope_kv = rope_table(c, rope_positions);
+  const RotaryTable rope_q{rope_kv.cos.narrow(1, n, q_len), rope_kv.sin.narrow(1, n, q_len)};
+
+  // Block j's queries see the context strictly before its anchor and the whole block j,
+  // nothing when the block is not kept.
+  at::Tensor allowed;
+  {
+    const at::Tensor anchor_q = anchor.repeat_interleave(bs, 1);  // [B, Q]
+    const at::Tensor keep_q = keep.repeat_interleave(bs, 1);
+    const at::Tensor ctx_ok = at::arange(n, long_opts).view({1, 1, n}) < anchor_q.unsqueeze(-1);
+    const at::Tensor block_of = at::arange(q_len, long_opts).div(bs, "floor");
+    const at::Tensor same_block = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).unsqueeze(0).expand({b, q_len, q_len});
+    allowed = at::cat({ctx_ok, same_block}, 2) & keep_q.unsqueeze(-1);
+  }
+
+  const at::Tensor context = net.context(batch.aux_hidden_states.to(device, dtype));
+  at::Tensor x = emb;
+  for (std::int64_t i = 0; i < net.num_layers(); ++i) x = net.layer(x, context, rope_q, rope_kv, allowed, i);
+  const at::Tensor out = net.final_norm(x);
+  const at::Tensor logits = at::matmul(out, impl_->lm_head.to(out.scalar_type()).t()).to(at::kFloat).view({b, blocks, bs, -1});
+  const at::Tensor logp = at::log_softmax(logits, -1);
+  const at::Tensor hard = -logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1);  // [B, N, bs]
+  const at::Tensor per_token =
+      o.self_distillation ? -(teacher_p.view({b, blocks, bs, -1}) * logp).sum(-1) : hard;
+
+  // The positions that count: a kept block, inside the sequence, after the anchor, in the loss mask.
+  const at::Tensor lm = batch.loss_mask.to(device, at::kFloat).gather(1, safe).view({b, blocks, bs});
+  const at::Tensor counted =
+      keep.unsqueeze(-1).to(at::kFloat) * in_bounds.to(at::kFloat) * (offsets > 0).to(at::kFloat).view({1, 1, bs}) * lm;
+  at::Tensor weights = counted;
+  if (o.weighting == DFlashWeighting::kDpace) {
+    at::Tensor dp = at::ones_like(counted);
+    dp.narrow(2, 1, bs - 1).copy_(dpace_weights(at::exp(-hard.detach().narrow(2, 1, bs - 1)), o.dpace_alpha,
+                                                counted.narrow(2, 1, bs - 1)));
+    weights = counted * dp;
+  } else if (o.decay_gamma > 0) {
+    weights = counted * at::exp(-(offsets - 1).clamp_min(0).to(at::kFloat) / o.decay_gamma).view({1, 1, bs});
+  }
+  DFlashResult r;
+  r.weighted_loss = (per_token * weights).sum();
+  r.weight_sum = weights.sum().item<double>();
+
+  {  // per block position 1..bs-1
+    at::NoGradGuard no_grad;
+    const at::Tensor m = counted.narrow(2, 1, bs - 1).to(at::kDouble);
+    const at::Tensor right = (logits.argmax(-1) == target_ids).narrow(2, 1, bs - 1).to(at::kDouble);
+    const at::Tensor hit = m * right;
+    // The block was right at every earlier counted position (1 at position 1).
+    const at::Tensor chain = at::cat({at::ones_like(hit.narrow(2, 0, 1)), at::cumprod(hit, 2).narrow(2, 0, bs - 2)}, 2);
+    const std::vector<std::int64_t> rows_blocks{0, 1};  // summed over rows and blocks, per position
+    const at::Tensor rows = at::stack({(per_token.detach().narrow(2, 1, bs - 1).to(at::kDouble) * m).sum(rows_blocks),
+                                       m.sum(rows_blocks), hit.sum(rows_blocks), (hit * chain).sum(rows_blocks),
+                                       (m * chain).sum(rows_blocks)})
+                                .cpu();
+    r.stats = TttStats::from_tensor(rows);
+  }
+  return r;
+}
+
+}  // namespace eaglekit::trainer
