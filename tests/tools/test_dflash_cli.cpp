@@ -62,6 +62,9 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
   r = test::eaglekit("train" + data + flags + dflash + " --mode pack --out " + test::quote(dir / "x") + " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--mode pad or longest") != std::string::npos);
+  r = test::eaglekit("train" + data + flags + dflash + " --cp 2 --out " + test::quote(dir / "x") + " --dry-run");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("does not run under context parallelism") != std::string::npos);
   r = test::eaglekit("train" + data + flags + " --block-size 4 --out " + test::quote(dir / "x") + " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("are DFlash's: pass --draft-arch dflash") != std::string::npos);

@@ -281,6 +281,10 @@ void plan_dflash(RunPlan& p) {
     throw UsageError("DFlash does not train on packed rows (several documents in a row): use --mode pad or longest");
   if (!o.loss.empty())
     throw UsageError("--loss chooses the TTT unroll's loss; DFlash's is its own: --dflash-weights and --dflash-distill");
+  if (p.cp_size > 1)
+    throw UsageError("DFlash does not run under context parallelism (--cp " + std::to_string(p.cp_size) +
+                     "): each block attends to the whole context before its anchor, which no rank holds; use data "
+                     "parallelism (--cp 1)");
   p.dflash.num_anchors = o.dflash_anchors;
   p.dflash.weighting = o.dflash_weights == DFlashWeights::kDecay ? DFlashWeighting::kDecay : DFlashWeighting::kDpace;
   p.dflash.dpace_alpha = o.dpace_alpha;
