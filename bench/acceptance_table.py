@@ -166,9 +166,16 @@ def main():
             same = sum(a == b for a, b in zip(sv["outputs"], ref))
             if same != len(ref):
                 differ.append(tag)
+            # Each draft accepts k of its 3 tokens; accepted_per_pos[j] counts the drafts with k > j,
+            # so the counts give k's distribution and the standard error of the mean (drafts taken
+            # as independent, which those of one prompt are not quite).
+            n, pp = spec["drafts"], spec["accepted_per_pos"] or []
+            ks = [(pp[j] - (pp[j + 1] if j + 1 < len(pp) else 0), j + 1) for j in range(len(pp))]
+            m1 = sum(c * k for c, k in ks) / n
+            var = sum(c * k * k for c, k in ks) / n - m1 * m1
             r = {"setting": name, "what": SETTINGS[name][0], "flags": flags, "seed": seed,
                  "train_seconds": tr["seconds"], "steps": steps,
-                 "mean_acceptance_length": spec["mean_acceptance_length"], "drafts": spec["drafts"],
+                 "mean_acceptance_length": spec["mean_acceptance_length"], "drafts": spec["drafts"], "engine_stderr": (var / n) ** 0.5 if pp else None,
                  "accepted_per_pos": spec["accepted_per_pos"], "est_ar_cond": ev.get("est_ar_cond"),
                  "est_ar": ev.get("est_ar"), "cond_acc": ev.get("cond_acc"),
                  "outputs_identical": f"{same}/{len(ref)}"}
