@@ -45,6 +45,8 @@ SETTINGS = {
     "eagle3-muon": ("EAGLE-3, forward KL, Muon", ["--optimizer", "muon"]),
     "eagle3-tv-ce": ("EAGLE-3, --loss tv:0.9,ce:0.1, AdamW", ["--loss", "tv:0.9,ce:0.1"]),
     "eagle3.1-muon": ("EAGLE 3.1, forward KL, Muon", ["--draft-arch", "eagle3.1", "--optimizer", "muon"]),
+    "eagle3.1-tv-ce": ("EAGLE 3.1, --loss tv:0.9,ce:0.1, AdamW",
+                       ["--draft-arch", "eagle3.1", "--loss", "tv:0.9,ce:0.1"]),
     "eagle3-lk-hybrid": ("EAGLE-3, --loss lk-hybrid, AdamW", ["--loss", "lk-hybrid"]),
     "eagle3-rkl": ("EAGLE-3, --loss rkl, AdamW", ["--loss", "rkl"]),
 }
