@@ -22,7 +22,8 @@ runs, into --out/SETTING/seedN/:
 Resumable: a stage whose result file exists is skipped (train: run/final/config.json and
 train.json; evaluate: evaluate.json; serve: serve.json); a stage that stopped part way is redone.
 At the end it writes --out/results.json and --out/table.md (one row per setting: acceptance per
-seed, mean, spread = max - min over the seeds, est_ar_cond per seed, train seconds per seed).
+seed, mean, spread = max - min over the seeds, est_ar_cond per seed, train wall seconds and
+median CPU ms per step per seed; results.json adds each run's engine standard error).
 
 Exit 0 when every run finished and every speculative output equals the base's; 1 when a stage
 fails (the message names it and the command) or an output differs; 2 on usage errors.
@@ -145,7 +146,12 @@ def main():
                 write_json(train_json, {"seconds": round(secs, 1), "command": cmd})
             tr = json.load(open(train_json))
             with open(os.path.join(run, "metrics.jsonl")) as f:
-                steps = max((json.loads(line).get("step", 0) for line in f if line.strip()), default=None)
+                ms = [json.loads(line) for line in f if line.strip()]
+            steps = max((m.get("step", 0) for m in ms), default=None)
+            # Process CPU per step (train's cpu_ms, every logged training line): steadier than wall
+            # seconds on a shared machine.
+            cpu = sorted(m["cpu_ms"] for m in ms if "cpu_ms" in m and m.get("split") != "eval")
+            cpu_ms = cpu[len(cpu) // 2] if cpu else None
             ev_json = os.path.join(d, "evaluate.json")
             if not os.path.exists(ev_json):
                 sh(f"evaluate {tag}", [ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft",
@@ -176,7 +182,7 @@ def main():
             m1 = sum(c * k for c, k in ks) / n
             var = sum(c * k * k for c, k in ks) / n - m1 * m1
             r = {"setting": name, "what": SETTINGS[name][0], "flags": flags, "seed": seed,
-                 "train_seconds": tr["seconds"], "steps": steps,
+                 "train_seconds": tr["seconds"], "cpu_ms_per_step": cpu_ms, "steps": steps,
                  "mean_acceptance_length": spec["mean_acceptance_length"], "drafts": spec["drafts"], "engine_stderr": (var / n) ** 0.5 if pp else None,
                  "accepted_per_pos": spec["accepted_per_pos"], "est_ar_cond": ev.get("est_ar_cond"),
                  "est_ar": ev.get("est_ar"), "cond_acc": ev.get("cond_acc"),
@@ -187,8 +193,8 @@ def main():
                   f"identical {r['outputs_identical']}", file=sys.stderr)
 
     rows = ["| setting | acceptance, seed " + ", ".join(str(s) for s in seeds) + " | mean | spread | "
-            "est_ar_cond, per seed | train s, per seed | steps | outputs = base |",
-            "|---|---|---|---|---|---|---|---|"]
+            "est_ar_cond, per seed | train s, per seed | CPU ms/step, per seed | steps | outputs = base |",
+            "|---|---|---|---|---|---|---|---|---|"]
     table = {}
     for name in settings:
         rs = [r for r in results if r["setting"] == name]
@@ -200,6 +206,7 @@ def main():
                     + ", ".join(f"{a:.3f}" for a in acc) + f" | {mean:.3f} | {spread:.3f} | "
                     + ", ".join(f"{r['est_ar_cond']:.3f}" for r in rs) + " | "
                     + ", ".join(f"{r['train_seconds']:.0f}" for r in rs) + " | "
+                    + ", ".join(f"{r['cpu_ms_per_step']:.0f}" if r["cpu_ms_per_step"] else "-" for r in rs) + " | "
                     + ", ".join(str(r["steps"]) for r in rs) + " | "
                     + ", ".join(r["outputs_identical"] for r in rs) + " |")
     write_json(os.path.join(out, "results.json"), {"epochs": args.epochs, "seeds": seeds, "table": table,
