@@ -251,8 +251,8 @@ TEST_CASE("dataset: nothing matched says what was expected") {
   const DatasetIndex none = DatasetIndex::load(index_path);
   CHECK(error_of<Error>([&] { match_dataset(convs({"7"}), none); }) ==
         "no records to train on: the index " + index_path +
-            " (built from /empty) holds none; expected record files there (pt, pt.gz, safetensors, hdf5 "
-            "or eks)");
+            " (built from /empty) holds none; expected record files there (pt, pt.gz, safetensors, hdf5, "
+            "eks or deepspec)");
   CHECK(error_of<Error>([&] { match_dataset({}, index); }) ==
         "no conversations to train on: the data holds none");
 }

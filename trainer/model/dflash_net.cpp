@@ -68,18 +68,9 @@ struct ModuleImpl : torch::nn::Module {
   std::shared_ptr<RmsNormImpl> norm;
 };
 
-class DFlashNet final : public BlockNet {
+class DFlashNet final : public net_parts::ModuleNet<BlockNet, ModuleImpl> {
  public:
-  explicit DFlashNet(const DraftConfig& c) : config_(c), module_(std::make_shared<ModuleImpl>(c)) {}
-
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& p : module_->named_parameters()) out.emplace_back(p.key(), p.value());
-    return out;
-  }
-  void to(c10::Device device, c10::ScalarType dtype) override { module_->to(device, dtype); }
-  void train(bool on) override { module_->train(on); }
-  std::int64_t num_layers() const override { return config_.num_hidden_layers; }
+  using ModuleNet::ModuleNet;
 
   at::Tensor context(const at::Tensor& aux) const override { return module_->hidden_norm->forward(module_->fc(aux)); }
 
@@ -87,10 +78,6 @@ class DFlashNet final : public BlockNet {
                    const at::Tensor& allowed, std::int64_t layer) const override;
 
   at::Tensor final_norm(const at::Tensor& x) const override { return module_->norm->forward(x); }
-
- private:
-  DraftConfig config_;
-  std::shared_ptr<ModuleImpl> module_;
 };
 
 at::Tensor DFlashNet::layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q,

@@ -91,18 +91,9 @@ const DecoderLayerImpl& layer_at(const DraftModuleImpl& m, std::int64_t layer) {
   return *m.layers[static_cast<std::size_t>(layer)];
 }
 
-class Eagle3Net final : public TttNet {
+class Eagle3Net final : public net_parts::ModuleNet<TttNet, DraftModuleImpl> {
  public:
-  explicit Eagle3Net(const DraftConfig& c) : config_(c), module_(std::make_shared<DraftModuleImpl>(c)) {}
-
-  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const override {
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& p : module_->named_parameters()) out.emplace_back(p.key(), p.value());
-    return out;
-  }
-  void to(c10::Device device, c10::ScalarType dtype) override { module_->to(device, dtype); }
-  void train(bool on) override { module_->train(on); }
-  std::int64_t num_layers() const override { return config_.num_hidden_layers; }
+  using ModuleNet::ModuleNet;
   at::Tensor fc(const at::Tensor& aux) const override;
   at::Tensor norm_embeddings(const at::Tensor& emb) const override {
     return module_->layers[0]->input_layernorm->forward(emb);
@@ -113,10 +104,6 @@ class Eagle3Net final : public TttNet {
   at::Tensor final_norm(const at::Tensor& layer_out) const override { return module_->norm->forward(layer_out); }
   const at::Tensor& lm_head_weight() const override { return module_->lm_head->weight; }
   bool norm_output() const override { return config_.norm_output; }
-
- private:
-  DraftConfig config_;
-  std::shared_ptr<DraftModuleImpl> module_;
 };
 
 // fc over the aux hidden states, after EAGLE 3.1's norms: one over the whole input

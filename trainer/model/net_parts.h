@@ -10,6 +10,7 @@
 
 #include "trainer/model/cpu_kernels.h"
 #include "trainer/model/draft_config.h"
+#include "trainer/model/draft_net.h"
 
 namespace eaglekit::trainer::net_parts {
 
@@ -54,6 +55,28 @@ struct MlpImpl : torch::nn::Module {
     return down_proj(F::silu(gate_proj(x)) * up_proj(x));
   }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+
+// What a network built on one torch module (Module, constructed from the config) answers
+// for every DraftNet: its parameters in registration order, device and dtype, train mode,
+// depth. Base: TttNet or BlockNet.
+template <typename Base, typename Module>
+class ModuleNet : public Base {
+ public:
+  explicit ModuleNet(const DraftConfig& c) : config_(c), module_(std::make_shared<Module>(c)) {}
+
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const override {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& p : module_->named_parameters()) out.emplace_back(p.key(), p.value());
+    return out;
+  }
+  void to(c10::Device device, c10::ScalarType dtype) override { module_->to(device, dtype); }
+  void train(bool on) override { module_->train(on); }
+  std::int64_t num_layers() const override { return config_.num_hidden_layers; }
+
+ protected:
+  DraftConfig config_;
+  std::shared_ptr<Module> module_;
 };
 
 }  // namespace eaglekit::trainer::net_parts

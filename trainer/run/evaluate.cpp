@@ -31,6 +31,29 @@ namespace eaglekit::trainer {
 
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// The stats of `forward` pooled over the loader's next epoch (or max_batches batches), with
+// no gradients and the draft in eval mode, summed over the mesh's ranks.
+template <typename Forward>
+TttStats pool_batches(DraftModel& draft, std::int64_t steps, Loader& loader, const dist::Mesh& m,
+                      std::int64_t max_batches, const std::function<void(const TttStats&)>& on_batch,
+                      Forward&& forward) {
+  TttStats total(steps);
+  c10::NoGradGuard no_grad;
+  draft.train(false);
+  std::int64_t done = 0;
+  while (max_batches < 0 || done < max_batches) {
+    std::optional<Batch> batch = loader.next();
+    if (!batch) break;
+    ++done;
+    if (batch->rows() > 0) total += forward(*batch);
+    if (on_batch) on_batch(total);
+  }
+  draft.train(true);
+  if (m.world_size() > 1) total = all_reduce_stats(m.world(), total);
+  return total;
+}
+
 }  // namespace
 
 TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
@@ -38,23 +61,10 @@ TttStats evaluate_loader(TttUnroll& unroll, Loader& loader, const dist::Mesh* me
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
   const std::unique_ptr<SequenceContext> context = make_sequence_context(m, unroll.options().attention);
-  TttStats total(unroll.options().steps);
-  c10::NoGradGuard no_grad;
-  unroll.draft().train(false);
-  std::int64_t done = 0;
-  while (max_batches < 0 || done < max_batches) {
-    std::optional<Batch> batch = loader.next();
-    if (!batch) break;
-    ++done;
-    if (batch->rows() > 0) {
-      prepare_context(context.get(), *batch);
-      total += unroll.forward(to_ttt_batch(*batch), context.get()).stats;
-    }
-    if (on_batch) on_batch(total);
-  }
-  unroll.draft().train(true);
-  if (m.world_size() > 1) total = all_reduce_stats(m.world(), total);
-  return total;
+  return pool_batches(unroll.draft(), unroll.options().steps, loader, m, max_batches, on_batch, [&](Batch& b) {
+    prepare_context(context.get(), b);
+    return unroll.forward(to_ttt_batch(b), context.get()).stats;
+  });
 }
 
 TttStats evaluate_loader(DFlashUnroll& unroll, Loader& loader, const dist::Mesh* mesh, std::int64_t max_batches,
@@ -62,24 +72,10 @@ TttStats evaluate_loader(DFlashUnroll& unroll, Loader& loader, const dist::Mesh*
   const dist::Mesh single = dist::Mesh::single();
   const dist::Mesh& m = mesh ? *mesh : single;
   const DraftConfig& c = unroll.draft().config();
-  TttStats total(c.block_size - 1);
-  c10::NoGradGuard no_grad;
-  unroll.draft().train(false);
-  std::int64_t done = 0;
-  while (max_batches < 0 || done < max_batches) {
-    std::optional<Batch> batch = loader.next();
-    if (!batch) break;
-    ++done;
-    if (batch->rows() > 0) {
-      Batch b = std::move(*batch);
-      b.epoch = 0;
-      total += unroll.forward(to_ttt_batch(b), dflash_batch_anchors(b, c, unroll.options().num_anchors, 0)).stats;
-    }
-    if (on_batch) on_batch(total);
-  }
-  unroll.draft().train(true);
-  if (m.world_size() > 1) total = all_reduce_stats(m.world(), total);
-  return total;
+  return pool_batches(unroll.draft(), c.block_size - 1, loader, m, max_batches, on_batch, [&](Batch& b) {
+    b.epoch = 0;  // the same anchors in every evaluation of the split
+    return unroll.forward(to_ttt_batch(b), dflash_batch_anchors(b, c, unroll.options().num_anchors, 0)).stats;
+  });
 }
 
 std::string EvaluateReport::to_json() const {

@@ -80,7 +80,7 @@ opt::Group model_options(ModelOptions& m) {
                              "the epoch and the conversation id)"),
                        1),
               opt::choice_of("dflash_weights", m.dflash_weights, kDFlashWeightsNames,
-                             "DFlash: the loss weights of block positions: dpace (D-PACE, ModelOpt 0.47's default) "
+                             "DFlash: the loss weights of block positions: dpace (D-PACE, what ModelOpt 0.47 uses unless told) "
                              "or decay (exp(-(k-1)/gamma), --dflash-decay)"),
               opt::at_most(opt::positive(field("dpace_alpha", "X", m.dpace_alpha, "DFlash: D-PACE's smoothing alpha")), 1),
               at_least(field("dflash_decay", "X", m.dflash_decay,
@@ -116,7 +116,7 @@ opt::Group optim_options(OptimOptions& o) {
               opt::choice_of("optimizer", o.optimizer, kOptimizerNames,
                              "adamw on every parameter, or muon: Newton-Schulz orthogonalised momentum on the 2-D "
                              "weight matrices but lm_head, AdamW (the --adam-* and --weight-decay options) on "
-                             "lm_head and the norms, as speculators 0.9 pairs them (its CLI defaults to muon)"),
+                             "lm_head and the norms, as speculators 0.9 pairs them (muon is what its CLI uses unless told)"),
               opt::note(opt::finite(at_least(field("muon_lr", "X", o.muon_lr,
                                                    "Muon's peak learning rate, on the same schedule as --lr"),
                                              0)),
