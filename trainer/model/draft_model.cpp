@@ -35,6 +35,10 @@ struct DraftModel::Impl {
   DraftConfig config;
   std::shared_ptr<DraftNet> net;
   at::Tensor d2t;
+  // The net's first parameter, which device() and dtype() read: Module::to moves a parameter
+  // in place (set_data), so the handle follows it; asking the net would build its whole
+  // parameter list on every forward.
+  at::Tensor first_parameter;
 };
 
 DraftModel::DraftModel(const DraftConfig& config, const at::Tensor& d2t, const at::Tensor& base_lm_head,
@@ -44,6 +48,7 @@ DraftModel::DraftModel(const DraftConfig& config, const at::Tensor& d2t, const a
   check_d2t(d2t, config);
   impl_->config = config;
   impl_->net = draft_architecture(config.architecture).make_net(config);
+  impl_->first_parameter = impl_->net->named_parameters().front().second;
   impl_->d2t = d2t.to(torch::kCPU).clone();
   torch::NoGradGuard no_grad;
   auto gen = at::detail::createCPUGenerator(seed);
@@ -127,8 +132,8 @@ void DraftModel::to(c10::Device device, c10::ScalarType dtype) {
 }
 
 // Every network has at least one parameter (DraftConfig::check asks for a layer).
-c10::Device DraftModel::device() const { return impl_->net->named_parameters().front().second.device(); }
-c10::ScalarType DraftModel::dtype() const { return impl_->net->named_parameters().front().second.scalar_type(); }
+c10::Device DraftModel::device() const { return impl_->first_parameter.device(); }
+c10::ScalarType DraftModel::dtype() const { return impl_->first_parameter.scalar_type(); }
 void DraftModel::train(bool on) { impl_->net->train(on); }
 
 }  // namespace eaglekit::trainer

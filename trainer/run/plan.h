@@ -44,6 +44,7 @@
 
 #include "lib/loader.h"
 #include "trainer/io/checkpoint.h"
+#include "trainer/model/architecture_rows.h"
 #include "trainer/model/config.h"
 #include "trainer/run/draft_setup.h"
 #include "trainer/run/options.h"
@@ -88,7 +89,7 @@ struct RunPlan {
   // A DFlash draft (the block unroll, trainer/unroll/dflash.h) takes these instead; block()
   // says which unroll the draft's row names.
   DFlashOptions dflash;
-  bool block() const { return draft.config.architecture == "dflash"; }
+  bool block() const { return draft_architecture(draft.config.architecture).unroll() == DraftUnrollKind::kBlock; }
   // The decay the figures are reported with: --loss-decay for TTT, 0 (the mean over every
   // counted position, TttStats::loss) for a block drafter.
   double report_decay() const { return block() ? 0.0 : options.loss_decay; }
