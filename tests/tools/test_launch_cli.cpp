@@ -510,3 +510,70 @@ TEST_CASE("launch cli: DP edge cases and CP=2 in pack mode equal one process; an
                            "same world size and cp (now 2 ranks, cp 1)") != std::string::npos, rank0);
   CHECK_FALSE(fs::exists(d + "/cp-pack/checkpoint-4"));
 }
+
+TEST_CASE("launch cli: DFlash under DP=2 equals one process on the global batch (D-PACE; decay with --grad-accum 2)") {
+  // The DFlash loss is sum(w * l) / sum(w) with the weight sum of the global batch (every
+  // micro-batch of every rank, trainer/run/train.cpp's backward_block): two ranks must give
+  // the single process's weights, loss, per-position figures and gradient norm.
+  //   dpace: DP=2 x 2 rows = one process x 4 rows, D-PACE weights (they come from the forward).
+  //   decay: DP=2 x 2 rows x --grad-accum 2 = one process x 8 rows, exp(-(k-1)/2) weights.
+  const Fixture& f = fixture();
+  const std::string d = f.dir.path() + "/dflash-dp";
+  fs::create_directories(d);
+  const std::string base = f.common() + " --draft-arch dflash --block-size 4 --mask-token-id 47 --dflash-anchors 5"
+                                        " --max-steps 3";
+  struct Pair {
+    const char* name;
+    std::string single, mesh;
+  };
+  const std::vector<Pair> pairs = {
+      {"dpace", " --batch-size 4", " --batch-size 2"},
+      {"decay", " --batch-size 8 --dflash-weights decay --dflash-decay 2",
+       " --batch-size 2 --grad-accum 2 --dflash-weights decay --dflash-decay 2"},
+  };
+  std::vector<std::string> cmds;
+  for (const auto& p : pairs) {
+    const std::string ref = d + "/" + p.name + "-single";
+    cmds.push_back(test::quote(exe()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
+                   " > " + test::quote(ref + ".out") + " 2> " + test::quote(ref + ".err"));
+    cmds.push_back(launch(2, d + "/logs-" + p.name, "train" + base + p.mesh + " --json --out " + test::quote(d + "/" + p.name)));
+  }
+  const auto codes = run_concurrently(cmds);
+  for (std::size_t i = 0; i < pairs.size(); ++i) {
+    const std::string ref = d + "/" + pairs[i].name + "-single";
+    REQUIRE_MESSAGE(codes[2 * i] == 0, read_text(ref + ".err"));
+    REQUIRE_MESSAGE(codes[2 * i + 1] == 0, logs_of(d + "/logs-" + pairs[i].name, 2));
+  }
+
+  for (const auto& p : pairs) {
+    const std::string name = p.name;
+    CAPTURE(name);
+    const std::string ref = d + "/" + p.name + "-single", run = d + "/" + p.name;
+    const test::AdamWBound bound = test::AdamWBound::from_run(ref, 3, 1e-4);
+    const auto w = test::agreement(run + "/final/model.safetensors", ref + "/final/model.safetensors", bound);
+    CHECK_MESSAGE(w.holds(), p.name << ": " << w.text());
+    // The bound can tell one step of training.
+    CHECK_FALSE(test::agreement(ref + "/checkpoint-2/model.safetensors", ref + "/checkpoint-3/model.safetensors", bound).holds());
+    const auto want = read_jsonl(ref + "/metrics.jsonl"), got = read_jsonl(run + "/metrics.jsonl");
+    REQUIRE(want.size() == 3);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t s = 0; s < want.size(); ++s) {
+      CAPTURE(s);
+      CHECK(got[s]["step"] == want[s]["step"]);
+      CHECK(got[s]["tokens"] == want[s]["tokens"]);
+      CHECK(rel(got[s]["loss"], want[s]["loss"]) < 1e-5);
+      // Per block position 1..3: the unweighted loss, the accuracy and the conditional
+      // accuracy of the global batch (counts summed over the ranks).
+      REQUIRE(want[s]["loss_per_step"].size() == 3);
+      REQUIRE(got[s]["loss_per_step"].size() == 3);
+      for (std::size_t k = 0; k < 3; ++k) {
+        CAPTURE(k);
+        CHECK(rel(got[s]["loss_per_step"][k], want[s]["loss_per_step"][k]) < 1e-5);
+        CHECK(got[s]["acc"][k].get<double>() == doctest::Approx(want[s]["acc"][k].get<double>()).epsilon(1e-12));
+        CHECK(got[s]["cond_acc"][k].get<double>() == doctest::Approx(want[s]["cond_acc"][k].get<double>()).epsilon(1e-12));
+      }
+    }
+    // The gradients' scale: a normalizer other than the global weight sum shows here first.
+    CHECK(test::metric_rel_diff(run + "/metrics.jsonl", ref + "/metrics.jsonl", "grad_norm") < 1e-4);
+  }
+}
