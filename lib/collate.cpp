@@ -595,6 +595,7 @@ Batch BatchBuilder::finish(const std::vector<Placement>& placements, bool parall
     }
     b.conversation_ids.push_back(p.conversation_id);
     b.sample_rows.push_back(out_row[static_cast<std::size_t>(p.row)]);
+    b.sample_documents.push_back(m.pack ? p.document : 0);
     b.tokens += m.spans[i].end - m.spans[i].begin;
     b.bytes += m.bytes[i];
   }

@@ -73,6 +73,7 @@ struct Batch {
   std::int64_t last_token = 0;
   std::vector<std::string> conversation_ids;  // samples collated, in row order
   std::vector<std::int64_t> sample_rows;      // row of each of those samples
+  std::vector<std::int64_t> sample_documents; // document id of each in its row (document_ids; 0 unless pack)
   std::int64_t tokens = 0;                    // sum of attention_mask
   std::int64_t skipped = 0;                   // bad records left out of this batch
   std::uint64_t bytes = 0;                    // record bytes copied into the batch

@@ -146,6 +146,8 @@ TEST_CASE("collate: pack mode writes documents back to back with document and po
   CHECK(at::equal(b.hidden_states[1].slice(0, 4, 6), tensor_of(recs[3].hidden_states)));
   CHECK(b.hidden_states[1].slice(0, 6).abs().sum().item<float>() == 0);
   CHECK(b.sample_rows == std::vector<std::int64_t>{0, 0, 1, 1});
+  CHECK(b.sample_documents == std::vector<std::int64_t>{0, 1, 0, 1});
+  CHECK(b.conversation_ids == std::vector<std::string>{"a", "b", "c", "d"});
 }
 
 TEST_CASE("collate: token windows and context-parallel chunks tile the full batch") {

@@ -1,7 +1,8 @@
 // `eaglekit train --draft-arch dflash` as a user runs it: the plan says the block, the anchors,
 // the weights, the teacher and where the target layers come from; the run learns (held-out
-// accuracy at block position 1 up), exports what vLLM's DFlashDraftModel loads, evaluates per
-// block position, resumes exactly; what DFlash does not take is refused with what to pass.
+// accuracy at block position 1 up), trains on packed rows, exports what vLLM's DFlashDraftModel
+// loads, evaluates per block position, resumes exactly; what DFlash does not take is refused
+// with what to pass.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -59,9 +60,6 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
   r = test::eaglekit("train" + data + flags + " --draft-arch dflash --out " + test::quote(dir / "x") + " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("needs --mask-token-id") != std::string::npos);
-  r = test::eaglekit("train" + data + flags + dflash + " --mode pack --out " + test::quote(dir / "x") + " --dry-run");
-  CHECK(r.exit_code == 2);
-  CHECK(r.err.find("--mode pad or longest") != std::string::npos);
   r = test::eaglekit("train" + data + flags + dflash + " --cp 2 --out " + test::quote(dir / "x") + " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("does not run under context parallelism") != std::string::npos);
@@ -72,6 +70,17 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
                      " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("whole vocabulary") != std::string::npos);
+
+  // Packed rows train too (each document as a row of its own, docs/dflash.md), and say so.
+  r = test::eaglekit("train" + data + flags + dflash + " --mode pack --max-steps 2 --out " + test::quote(dir / "pack") +
+                     " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+  r = test::eaglekit("train" + data + flags + dflash + " --mode pack --max-steps 2 --out " + test::quote(dir / "p") +
+                     " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(plan_decision(nlohmann::json::parse(r.out), "dflash")["why"].get<std::string>().find(
+            "in packed rows each document draws as a row of its own") != std::string::npos);
 
   // Trains; held-out figures per block position, before and after.
   r = test::eaglekit("train" + data + flags + dflash + " --max-steps 1 --lr 1e-9 --out " + test::quote(dir / "r0"));

@@ -16,11 +16,13 @@
 
 #include "formats/error.h"
 #include "formats/safetensors_format.h"
+#include "lib/collate.h"
 #include "tests/support.h"
 #include "trainer/model/architecture_rows.h"
 #include "trainer/model/base_model.h"
 #include "trainer/model/config.h"
 #include "trainer/model/dflash.h"
+#include "trainer/run/run_setup.h"
 #include "trainer/unroll/dflash.h"
 
 using namespace eaglekit;
@@ -135,6 +137,119 @@ DFlashOptions options_of(const std::string& name) {
   return o;
 }
 
+// Four conversations of 9, 7, 6 and 10 tokens (random ids and features, loss mask 0 at
+// position 2), on the fixture's draft. Packed into rows of 24 they make {0, 1, 2} and {3}:
+// every block near a document's end runs into the next document or the row's padding.
+std::vector<Record> pack_records() {
+  const DraftConfig c = fixture_config();
+  at::manual_seed(42);
+  std::vector<Record> recs;
+  const std::vector<std::int64_t> lengths{9, 7, 6, 10};
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    const std::int64_t t = lengths[i];
+    Record r;
+    r.conversation_id = "doc" + std::to_string(i);
+    r.input_ids = to_host_tensor(at::randint(0, c.vocab_size, {t}, at::kLong));
+    r.hidden_states = to_host_tensor(at::randn({t, c.hidden_size}));
+    r.aux_hidden_states = to_host_tensor(at::randn({t, c.aux_width()}));
+    at::Tensor mask = at::ones({t}, at::kLong);
+    mask[2] = 0;
+    r.loss_mask = to_host_tensor(mask);
+    recs.push_back(std::move(r));
+  }
+  return recs;
+}
+
+Batch collate_as(CollateMode mode) {
+  CollateOptions o;
+  o.mode = mode;
+  o.max_length = 24;
+  return collate_records(pack_records(), o);
+}
+
+// Where each conversation of a batch lies: its row and first column.
+std::map<std::string, std::pair<std::int64_t, std::int64_t>> document_places(const Batch& b) {
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>> out;
+  for (std::size_t i = 0; i < b.conversation_ids.size(); ++i) {
+    const std::int64_t r = b.sample_rows[i];
+    std::int64_t col = 0;
+    if (b.document_ids.defined())
+      col = (b.document_ids[r] == b.sample_documents[i]).nonzero()[0][0].item<std::int64_t>();
+    out[b.conversation_ids[i]] = {r, col};
+  }
+  return out;
+}
+
+// The kept anchors of a batch per conversation, as positions in the conversation.
+std::map<std::string, std::vector<std::int64_t>> anchors_by_document(const Batch& b, const DFlashAnchors& a) {
+  std::map<std::string, std::vector<std::int64_t>> out;
+  for (const auto& [id, place] : document_places(b)) {
+    const auto [r, start] = place;
+    const std::int64_t doc = b.document_ids.defined() ? b.document_ids[r][start].item<std::int64_t>() : 0;
+    for (std::int64_t i = 0; i < a.positions.size(1); ++i) {
+      if (!a.keep[r][i].item<bool>()) continue;
+      const std::int64_t col = a.positions[r][i].item<std::int64_t>();
+      if (b.document_ids.defined() && b.document_ids[r][col].item<std::int64_t>() != doc) continue;
+      out[id].push_back(col - start);
+    }
+  }
+  return out;
+}
+
+// Anchors at the given positions of each conversation, laid out for batch `b`.
+DFlashAnchors anchors_at(const Batch& b, const std::map<std::string, std::vector<std::int64_t>>& want) {
+  std::vector<std::vector<std::int64_t>> rows(static_cast<std::size_t>(b.rows()));
+  for (const auto& [id, place] : document_places(b))
+    for (std::int64_t p : want.at(id)) rows[static_cast<std::size_t>(place.first)].push_back(place.second + p);
+  std::size_t cols = 1;
+  for (auto& r : rows) {
+    std::sort(r.begin(), r.end());
+    cols = std::max(cols, r.size());
+  }
+  DFlashAnchors a{at::zeros({b.rows(), static_cast<std::int64_t>(cols)}, at::kLong),
+                  at::zeros({b.rows(), static_cast<std::int64_t>(cols)}, at::kBool)};
+  for (std::size_t r = 0; r < rows.size(); ++r)
+    for (std::size_t i = 0; i < rows[r].size(); ++i) {
+      a.positions[static_cast<std::int64_t>(r)][static_cast<std::int64_t>(i)] = rows[r][i];
+      a.keep[static_cast<std::int64_t>(r)][static_cast<std::int64_t>(i)] = true;
+    }
+  return a;
+}
+
+struct BatchRun {
+  double loss = 0, weight_sum = 0;
+  TttStats stats;
+  std::map<std::string, at::Tensor> grads;
+};
+
+BatchRun run_batch(const DFlashOptions& o, const Batch& b, const DFlashAnchors& anchors) {
+  DraftModel d = fixture_draft();
+  DFlashUnroll unroll(fixture_base(), d, o);
+  const DFlashResult r = unroll.forward(to_ttt_batch(b), anchors);
+  const at::Tensor loss = dflash_loss(r.weighted_loss, r.weight_sum);
+  loss.backward();
+  BatchRun out{loss.item<double>(), r.weight_sum, r.stats, {}};
+  for (const auto& [name, p] : d.named_parameters()) out.grads[name] = p.grad().clone();
+  return out;
+}
+
+void check_same(const BatchRun& packed, const BatchRun& padded) {
+  CHECK(padded.weight_sum > 1);
+  CHECK(rel(packed.loss, padded.loss) < 1e-6);
+  CHECK(rel(packed.weight_sum, padded.weight_sum) < 1e-6);
+  CHECK(packed.stats.mask_sum == padded.stats.mask_sum);
+  CHECK(packed.stats.correct == padded.stats.correct);
+  CHECK(packed.stats.cond_correct == padded.stats.cond_correct);
+  CHECK(packed.stats.cond_total == padded.stats.cond_total);
+  for (std::size_t k = 0; k < padded.stats.ce_sum.size(); ++k)
+    CHECK(rel(packed.stats.ce_sum[k], padded.stats.ce_sum[k]) < 1e-6);
+  for (const auto& [param, g] : padded.grads) {
+    CAPTURE(param);
+    const double scale = std::max(g.abs().max().item<double>(), 1e-12);
+    CHECK((packed.grads.at(param) - g).abs().max().item<double>() / scale < 1e-5);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("dflash: loss, accuracy and gradients equal ModelOpt 0.47's on the same draft, batch and anchors") {
@@ -231,5 +346,41 @@ TEST_CASE("dflash: the served config names vLLM's DFlashDraftModel and reads bac
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     CHECK(shapes[i].name == params[i].first);
     CHECK(at::IntArrayRef(shapes[i].shape) == params[i].second.sizes());
+  }
+}
+
+TEST_CASE("dflash: a packed row gives each document the loss and gradients of a padded row of its own") {
+  const Batch packed = collate_as(CollateMode::kPack), padded = collate_as(CollateMode::kPad);
+  REQUIRE(packed.rows() == 2);  // {doc0, doc1, doc2} and {doc3}
+  REQUIRE(padded.rows() == 4);
+  REQUIRE(at::equal(packed.document_ids[0].narrow(0, 0, 23),
+                    at::tensor({0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, -1}, at::kLong)));
+  const DraftConfig c = fixture_config();
+  REQUIRE(c.block_size == 4);
+  // Anchors drawn by the trainer's own path: each document seeded by its conversation id
+  // draws in the packed row what it draws as a padded row (few blocks and ModelOpt's 512).
+  for (const std::int64_t n : {3, 512}) {
+    CAPTURE(n);
+    const DFlashAnchors a_pack = dflash_batch_anchors(packed, c, n, 7), a_pad = dflash_batch_anchors(padded, c, n, 7);
+    const auto by_doc = anchors_by_document(padded, a_pad);
+    CHECK(anchors_by_document(packed, a_pack) == by_doc);
+    std::size_t drawn = 0;
+    for (const auto& [id, v] : by_doc) drawn += v.size();
+    // 3 each, or min(512, 9 - 1) = 8 of the 8, 6, 5 and 9 positions in the mask that fit a block in 24
+    CHECK(drawn == (n == 3 ? 12u : 27u));
+    for (const std::string name : {"dpace", "decay", "ce"}) {
+      CAPTURE(name);
+      check_same(run_batch(options_of(name), packed, a_pack), run_batch(options_of(name), padded, a_pad));
+    }
+  }
+  // Forced anchors whose blocks run past their document's end (into the next document or
+  // the padding), at a document's first position and at its last.
+  const std::map<std::string, std::vector<std::int64_t>> forced{
+      {"doc0", {0, 3, 7}}, {"doc1", {2, 5}}, {"doc2", {1, 4, 5}}, {"doc3", {0, 6, 8}}};
+  const DFlashAnchors f_pack = anchors_at(packed, forced), f_pad = anchors_at(padded, forced);
+  CHECK(anchors_by_document(packed, f_pack) == forced);
+  for (const std::string name : {"dpace", "decay", "ce"}) {
+    CAPTURE(name);
+    check_same(run_batch(options_of(name), packed, f_pack), run_batch(options_of(name), padded, f_pad));
   }
 }

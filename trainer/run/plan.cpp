@@ -277,8 +277,6 @@ void plan_dflash(RunPlan& p) {
   if (!p.block()) return;
   const TrainOptions& o = p.options;
   const DraftConfig& c = p.draft.config;
-  if (o.mode == CollateMode::kPack)
-    throw UsageError("DFlash does not train on packed rows (several documents in a row): use --mode pad or longest");
   if (!o.loss.empty())
     throw UsageError("--loss chooses the TTT unroll's loss; DFlash's is its own: --dflash-weights and --dflash-distill");
   if (p.cp_size > 1)
@@ -305,7 +303,8 @@ void plan_dflash(RunPlan& p) {
            (p.dflash.self_distillation ? "the base's distribution (self-logit distillation)" : "the dumped token"),
        "ModelOpt 0.47's defaults where not set (block 8, 512 anchors, D-PACE alpha 0.5, self-logit distillation); "
        "anchors drawn inside the loss mask, seeded by --seed, the epoch and the conversation id (a resumed or "
-       "data-parallel run draws the same)"});
+       "data-parallel run draws the same; in packed rows each document draws as a row of its own and sees only "
+       "itself)"});
   if (!c.aux_layer_ids.empty()) {
     std::vector<std::int64_t> base_ids;
     for (auto id : c.aux_layer_ids) base_ids.push_back(id - 1);

@@ -148,11 +148,23 @@ TttBatch to_ttt_batch(const Batch& batch) {
 
 DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
                                    std::uint64_t seed) {
-  if (batch.document_ids.defined())
-    throw UsageError("DFlash does not train on packed rows (several documents in a row): use --mode pad or longest");
-  std::vector<std::uint64_t> seeds;
-  for (const std::string& id : batch.conversation_ids) seeds.push_back(dflash_row_seed(seed, batch.epoch, id));
-  return dflash_anchors(batch.loss_mask, config.block_size, num_anchors, seeds);
+  // Each document's own seed, pad or pack: the collator lists each sample's row and its
+  // document in that row.
+  if (batch.sample_rows.size() != batch.conversation_ids.size() || batch.sample_documents.size() != batch.conversation_ids.size())
+    throw UsageError("DFlash anchors: the batch lists " + std::to_string(batch.conversation_ids.size()) +
+                     " conversations but " + std::to_string(batch.sample_rows.size()) + " rows and " +
+                     std::to_string(batch.sample_documents.size()) + " documents of them");
+  std::vector<std::vector<std::uint64_t>> seeds(static_cast<std::size_t>(batch.rows()));
+  for (std::size_t i = 0; i < batch.conversation_ids.size(); ++i) {
+    const std::int64_t r = batch.sample_rows[i], d = batch.sample_documents[i];
+    if (r < 0 || r >= batch.rows() || d < 0)
+      throw UsageError("DFlash anchors: sample " + std::to_string(i) + " lies in row " + std::to_string(r) +
+                       ", document " + std::to_string(d) + " of a batch of " + std::to_string(batch.rows()) + " rows");
+    std::vector<std::uint64_t>& row = seeds[static_cast<std::size_t>(r)];
+    if (row.size() <= static_cast<std::size_t>(d)) row.resize(static_cast<std::size_t>(d) + 1, 0);
+    row[static_cast<std::size_t>(d)] = dflash_row_seed(seed, batch.epoch, batch.conversation_ids[i]);
+  }
+  return dflash_anchors(batch.loss_mask, batch.document_ids, batch.position_ids, config.block_size, num_anchors, seeds);
 }
 
 at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {

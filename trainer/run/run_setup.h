@@ -70,9 +70,9 @@ NormPlan plan_hidden_states_norm(HiddenStatesNorm option, const std::vector<Samp
 // The loader's batch as the unroll takes it (tensors shared, not copied).
 TttBatch to_ttt_batch(const Batch& batch);
 
-// The DFlash anchors of a loader batch (trainer/unroll/dflash.h): each row's from `seed`, the
-// batch's epoch and the row's conversation id, so that they do not depend on the batch, the
-// rank, the thread count or a resume.
+// The DFlash anchors of a loader batch (trainer/unroll/dflash.h): each row's (each document's,
+// in pack mode) from `seed`, the batch's epoch and its conversation id, so that they do not
+// depend on the batch, the rank, the thread count, a resume or the collate mode.
 DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
                                    std::uint64_t seed);
 

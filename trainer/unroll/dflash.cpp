@@ -38,41 +38,94 @@ std::uint64_t dflash_row_seed(std::uint64_t seed, std::uint64_t epoch, const std
 
 DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, std::int64_t block_size, std::int64_t num_anchors,
                              const std::vector<std::uint64_t>& row_seeds) {
+  std::vector<std::vector<std::uint64_t>> seeds;
+  for (std::uint64_t s : row_seeds) seeds.push_back({s});
+  return dflash_anchors(loss_mask, at::Tensor(), at::Tensor(), block_size, num_anchors, seeds);
+}
+
+DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
+                             std::int64_t block_size, std::int64_t num_anchors,
+                             const std::vector<std::vector<std::uint64_t>>& document_seeds) {
   if (!loss_mask.defined() || loss_mask.dim() != 2) throw UsageError("DFlash anchors: loss_mask must be [B, L]");
   if (block_size < 1 || num_anchors < 1) throw UsageError("DFlash anchors: block_size and num_anchors must be positive");
   const std::int64_t b = loss_mask.size(0), n = loss_mask.size(1);
-  if (static_cast<std::int64_t>(row_seeds.size()) != b)
-    throw UsageError("DFlash anchors: " + std::to_string(row_seeds.size()) + " row seeds for " + std::to_string(b) + " rows");
+  if (static_cast<std::int64_t>(document_seeds.size()) != b)
+    throw UsageError("DFlash anchors: " + std::to_string(document_seeds.size()) + " row seeds for " + std::to_string(b) + " rows");
+  const bool packed = document_ids.defined();
+  if (packed && (document_ids.sizes() != loss_mask.sizes() || !position_ids.defined() ||
+                 position_ids.sizes() != loss_mask.sizes()))
+    throw UsageError("DFlash anchors: packed rows need document_ids and position_ids of the loss mask's shape " +
+                     c10::str(loss_mask.sizes()));
   const at::Tensor lm = loss_mask.to(at::kCPU, at::kFloat).contiguous();
   const float* m = lm.data_ptr<float>();
-  const std::int64_t last = std::max<std::int64_t>(n - block_size, 0);  // the last anchor a block fits after
-  std::vector<std::vector<std::int64_t>> valid(static_cast<std::size_t>(b));
+  at::Tensor docs_t, pos_t;
+  if (packed) {
+    docs_t = document_ids.to(at::kCPU, at::kLong).contiguous();
+    pos_t = position_ids.to(at::kCPU, at::kLong).contiguous();
+  }
+  const std::int64_t* docs = packed ? docs_t.data_ptr<std::int64_t>() : nullptr;
+  const std::int64_t* pos = packed ? pos_t.data_ptr<std::int64_t>() : nullptr;
+  // The last anchor (a position in its document) whose block fits in a row of its own.
+  const std::int64_t last = std::max<std::int64_t>(n - block_size, 0);
+  struct Doc {
+    std::int64_t id = 0;
+    std::vector<std::int64_t> valid;  // row columns
+  };
+  std::vector<std::vector<Doc>> rows(static_cast<std::size_t>(b));
   std::int64_t most = 0;
   for (std::int64_t r = 0; r < b; ++r) {
-    for (std::int64_t p = 0; p <= last && p < n; ++p)
-      if (m[r * n + p] > 0.5f) valid[static_cast<std::size_t>(r)].push_back(p);
-    most = std::max<std::int64_t>(most, static_cast<std::int64_t>(valid[static_cast<std::size_t>(r)].size()));
+    std::vector<Doc>& row = rows[static_cast<std::size_t>(r)];
+    if (!packed) row.push_back(Doc{});
+    for (std::int64_t col = 0; col < n; ++col) {
+      const std::int64_t d = packed ? docs[r * n + col] : 0;
+      if (d < 0) continue;  // padding
+      if (packed && (row.empty() || row.back().id != d)) {
+        for (const Doc& seen : row)
+          if (seen.id == d)
+            throw UsageError("DFlash anchors: document " + std::to_string(d) + " of row " + std::to_string(r) +
+                             " is not contiguous");
+        row.push_back(Doc{d, {}});
+      }
+      const std::int64_t p = packed ? pos[r * n + col] : col;
+      if (p <= last && m[r * n + col] > 0.5f) row.back().valid.push_back(col);
+    }
+    for (const Doc& doc : row) {
+      if (doc.id >= static_cast<std::int64_t>(document_seeds[static_cast<std::size_t>(r)].size()))
+        throw UsageError("DFlash anchors: no seed for document " + std::to_string(doc.id) + " of row " + std::to_string(r));
+      most = std::max<std::int64_t>(most, static_cast<std::int64_t>(doc.valid.size()));
+    }
   }
-  const std::int64_t cols = std::min(num_anchors, most - 1);
+  const std::int64_t per_doc = std::min(num_anchors, most - 1);
   DFlashAnchors out;
-  if (cols <= 0) {  // nothing to learn in this batch (ModelOpt's empty case)
+  if (per_doc <= 0) {  // nothing to learn in this batch (ModelOpt's empty case)
     out.positions = at::zeros({b, 1}, at::kLong);
     out.keep = at::zeros({b, 1}, at::kBool);
     return out;
   }
+  std::vector<std::vector<std::int64_t>> picks(static_cast<std::size_t>(b));
+  std::int64_t cols = 1;
+  for (std::int64_t r = 0; r < b; ++r) {
+    std::vector<std::int64_t>& pick = picks[static_cast<std::size_t>(r)];
+    for (Doc& doc : rows[static_cast<std::size_t>(r)]) {
+      std::vector<std::int64_t>& v = doc.valid;
+      const std::int64_t count = static_cast<std::int64_t>(v.size()), take = std::min(count, per_doc);
+      std::uint64_t state = document_seeds[static_cast<std::size_t>(r)][static_cast<std::size_t>(doc.id)];
+      for (std::int64_t i = 0; i < take; ++i)
+        std::swap(v[static_cast<std::size_t>(i)], v[static_cast<std::size_t>(i + below(state, count - i))]);
+      pick.insert(pick.end(), v.begin(), v.begin() + take);
+    }
+    std::sort(pick.begin(), pick.end());
+    cols = std::max<std::int64_t>(cols, static_cast<std::int64_t>(pick.size()));
+  }
   out.positions = at::zeros({b, cols}, at::kLong);
   out.keep = at::zeros({b, cols}, at::kBool);
-  std::int64_t* pos = out.positions.data_ptr<std::int64_t>();
+  std::int64_t* out_pos = out.positions.data_ptr<std::int64_t>();
   bool* keep = out.keep.data_ptr<bool>();
   for (std::int64_t r = 0; r < b; ++r) {
-    std::vector<std::int64_t>& v = valid[static_cast<std::size_t>(r)];
-    const std::int64_t count = static_cast<std::int64_t>(v.size()), take = std::min(count, cols);
-    std::uint64_t state = row_seeds[static_cast<std::size_t>(r)];
-    for (std::int64_t i = 0; i < take; ++i) std::swap(v[static_cast<std::size_t>(i)], v[static_cast<std::size_t>(i + below(state, count - i))]);
-    std::sort(v.begin(), v.begin() + take);
-    for (std::int64_t i = 0; i < take; ++i) {
-      pos[r * cols + i] = v[static_cast<std::size_t>(i)];
-      keep[r * cols + i] = true;
+    const std::vector<std::int64_t>& pick = picks[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < pick.size(); ++i) {
+      out_pos[r * cols + static_cast<std::int64_t>(i)] = pick[i];
+      keep[r * cols + static_cast<std::int64_t>(i)] = true;
     }
   }
   return out;
@@ -150,8 +203,11 @@ DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& a
   check(batch.loss_mask, "loss_mask", {b, n});
   check(batch.hidden_states, "hidden_states", {b, n, c.hidden_size});
   check(batch.aux_hidden_states, "aux_hidden_states", {b, n, c.aux_width()});
-  if (batch.document_ids.defined())
-    throw UsageError("DFlash does not train on packed rows (several documents in a row): collate with --mode pad or longest");
+  const bool packed = batch.document_ids.defined();
+  if (packed) {
+    check(batch.document_ids, "document_ids", {b, n});
+    check(batch.position_ids, "position_ids", {b, n});
+  }
   if (!anchors.positions.defined() || anchors.positions.dim() != 2 || anchors.positions.size(0) != b ||
       !anchors.keep.defined() || anchors.keep.sizes() != anchors.positions.sizes())
     throw UsageError("DFlash batch: anchors must be [B, N] positions and keep for the batch's " + std::to_string(b) + " rows");
@@ -166,8 +222,20 @@ DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& a
   const at::Tensor keep = anchors.keep.to(device, at::kBool);
   const at::Tensor offsets = at::arange(bs, long_opts);
   const at::Tensor label = anchor.unsqueeze(-1) + offsets.view({1, 1, bs});  // [B, N, bs]: the token each slot predicts
-  const at::Tensor in_bounds = label < n;
   const at::Tensor safe = label.clamp_max(n - 1).view({b, q_len});
+  // Packed rows: each token's document, each block's (its anchor's) and each token's
+  // position in its document; a row of its own is document 0 at positions 0, 1, ...
+  at::Tensor docs, anchor_doc, positions;
+  if (packed) {
+    docs = batch.document_ids.to(device, at::kLong);
+    anchor_doc = docs.gather(1, anchor.clamp(0, n - 1));
+    positions = batch.position_ids.to(device, at::kLong);
+  } else {
+    positions = at::arange(n, long_opts).unsqueeze(0).expand({b, n});
+  }
+  // A block's positions past its row's end, or past its document's, do not count.
+  at::Tensor in_bounds = label < n;
+  if (packed) in_bounds = in_bounds & (docs.gather(1, safe).view({b, blocks, bs}) == anchor_doc.unsqueeze(-1));
   const at::Tensor target_ids = ids.gather(1, safe).view({b, blocks, bs});
 
   at::Tensor emb, teacher_p, rope_positions;
@@ -200,18 +268,21 @@ DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& a
       const at::Tensor teacher = at::matmul(hs.to(impl_->lm_head.scalar_type()), impl_->lm_head.t()).to(at::kFloat);
       teacher_p = at::softmax(teacher, -1);
     }
-    rope_positions = at::cat({at::arange(n, long_opts).unsqueeze(0).expand({b, n}), label.view({b, q_len})}, 1);
+    // RoPE: the context at its positions in its document, the block at its anchor's plus 0, 1, ...
+    const at::Tensor block_positions = positions.gather(1, anchor.clamp(0, n - 1)).unsqueeze(-1) + offsets.view({1, 1, bs});
+    rope_positions = at::cat({positions, block_positions.view({b, q_len})}, 1);
   }
   const RotaryTable rope_kv = rope_table(c, rope_positions);
   const RotaryTable rope_q{rope_kv.cos.narrow(1, n, q_len), rope_kv.sin.narrow(1, n, q_len)};
 
-  // Block j's queries see the context strictly before its anchor and the whole block j,
-  // nothing when the block is not kept.
+  // Block j's queries see the context strictly before its anchor (in its anchor's document)
+  // and the whole block j, nothing when the block is not kept.
   at::Tensor allowed;
   {
     const at::Tensor anchor_q = anchor.repeat_interleave(bs, 1);  // [B, Q]
     const at::Tensor keep_q = keep.repeat_interleave(bs, 1);
-    const at::Tensor ctx_ok = at::arange(n, long_opts).view({1, 1, n}) < anchor_q.unsqueeze(-1);
+    at::Tensor ctx_ok = at::arange(n, long_opts).view({1, 1, n}) < anchor_q.unsqueeze(-1);
+    if (packed) ctx_ok = ctx_ok & (docs.unsqueeze(1) == anchor_doc.repeat_interleave(bs, 1).unsqueeze(-1));
     const at::Tensor block_of = at::arange(q_len, long_opts).div(bs, "floor");
     const at::Tensor same_block = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).unsqueeze(0).expand({b, q_len, q_len});
     allowed = at::cat({ctx_ok, same_block}, 2) & keep_q.unsqueeze(-1);

@@ -60,7 +60,19 @@ struct DFlashAnchors {
 // n_r >= 2 draws none. loss_mask: [B, L], any numeric dtype.
 DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, std::int64_t block_size, std::int64_t num_anchors,
                              const std::vector<std::uint64_t>& row_seeds);
-// The seed of a row's anchors: of the run's seed, the epoch and the row's conversation id.
+// The same for rows that hold several documents (pack mode, docs/dflash.md): document_ids
+// [B, L] (0, 1, ... per document of a row, -1 on padding) and position_ids [B, L] (a token's
+// position in its document); document_seeds[r][d] seeds document d of row r. Each document
+// draws as the row of its own it is in pad mode: among its positions p <= L - block_size
+// (positions in the document) whose loss_mask is set, with its own seed, up to
+// min(num_anchors, max_d n_d - 1) over the batch's documents. A row's blocks are its
+// documents' (row columns, ascending), N the most of any row. So a packed batch draws for
+// each document what the padded batch of the same documents draws for that row.
+DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
+                             std::int64_t block_size, std::int64_t num_anchors,
+                             const std::vector<std::vector<std::uint64_t>>& document_seeds);
+// The seed of a row's anchors (of a document's, in a packed row): of the run's seed, the
+// epoch and the conversation id.
 std::uint64_t dflash_row_seed(std::uint64_t seed, std::uint64_t epoch, const std::string& conversation_id);
 
 // D-PACE's position weights (detached) from confidences [..., P] (exp(-CE) at positions
@@ -94,9 +106,11 @@ class DFlashUnroll {
   DFlashUnroll(DFlashUnroll&&) noexcept;
   DFlashUnroll& operator=(DFlashUnroll&&) noexcept;
 
-  // One forward over `batch` (pad or longest rows; packed rows are refused) with `anchors`
-  // from dflash_anchors. Call dflash_loss(...).backward() to train; under at::NoGradGuard it
-  // evaluates.
+  // One forward over `batch` with `anchors` from dflash_anchors. A packed batch (document_ids
+  // and position_ids defined) gives each document what it gives as a padded row of its own
+  // with the same anchors: a block sees its own document's context before its anchor, at
+  // RoPE positions within the document, and counts no position past the document's end.
+  // Call dflash_loss(...).backward() to train; under at::NoGradGuard it evaluates.
   DFlashResult forward(const TttBatch& batch, const DFlashAnchors& anchors);
 
   DraftModel& draft();
