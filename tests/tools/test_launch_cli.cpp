@@ -515,21 +515,23 @@ TEST_CASE("launch cli: DFlash under DP=2 equals one process on the global batch 
   // The DFlash loss is sum(w * l) / sum(w) with the weight sum of the global batch (every
   // micro-batch of every rank, trainer/run/train.cpp's backward_block): two ranks must give
   // the single process's weights, loss, per-position figures and gradient norm.
-  //   dpace: DP=2 x 2 rows = one process x 4 rows, D-PACE weights (they come from the forward).
-  //   decay: DP=2 x 2 rows x --grad-accum 2 = one process x 8 rows, exp(-(k-1)/2) weights.
+  //   dpace: DP=2 x 2 rows = one process x 4 rows, D-PACE weights (they come from the forward),
+  //          ModelOpt's 512 anchors: the blocks per row, min(anchors, max n - 1), then come
+  //          from the global batch's longest row, which only one rank holds.
+  //   decay: DP=2 x 2 rows x --grad-accum 2 = one process x 8 rows, exp(-(k-1)/2) weights,
+  //          5 anchors per row.
   const Fixture& f = fixture();
   const std::string d = f.dir.path() + "/dflash-dp";
   fs::create_directories(d);
-  const std::string base = f.common() + " --draft-arch dflash --block-size 4 --mask-token-id 47 --dflash-anchors 5"
-                                        " --max-steps 3";
+  const std::string base = f.common() + " --draft-arch dflash --block-size 4 --mask-token-id 47 --max-steps 3";
   struct Pair {
     const char* name;
     std::string single, mesh;
   };
   const std::vector<Pair> pairs = {
       {"dpace", " --batch-size 4", " --batch-size 2"},
-      {"decay", " --batch-size 8 --dflash-weights decay --dflash-decay 2",
-       " --batch-size 2 --grad-accum 2 --dflash-weights decay --dflash-decay 2"},
+      {"decay", " --batch-size 8 --dflash-anchors 5 --dflash-weights decay --dflash-decay 2",
+       " --batch-size 2 --grad-accum 2 --dflash-anchors 5 --dflash-weights decay --dflash-decay 2"},
   };
   std::vector<std::string> cmds;
   for (const auto& p : pairs) {

@@ -146,8 +146,13 @@ TttBatch to_ttt_batch(const Batch& batch) {
   return t;
 }
 
+std::int64_t dflash_batch_most_valid(const Batch& batch, const DraftConfig& config) {
+  if (batch.rows() == 0) return 0;
+  return dflash_most_valid(batch.loss_mask, batch.document_ids, batch.position_ids, config.block_size);
+}
+
 DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
-                                   std::uint64_t seed) {
+                                   std::uint64_t seed, std::int64_t most_valid) {
   // Each document's own seed, pad or pack: the collator lists each sample's row and its
   // document in that row.
   if (batch.sample_rows.size() != batch.conversation_ids.size() || batch.sample_documents.size() != batch.conversation_ids.size())
@@ -164,7 +169,8 @@ DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config
     if (row.size() <= static_cast<std::size_t>(d)) row.resize(static_cast<std::size_t>(d) + 1, 0);
     row[static_cast<std::size_t>(d)] = dflash_row_seed(seed, batch.epoch, batch.conversation_ids[i]);
   }
-  return dflash_anchors(batch.loss_mask, batch.document_ids, batch.position_ids, config.block_size, num_anchors, seeds);
+  return dflash_anchors(batch.loss_mask, batch.document_ids, batch.position_ids, config.block_size, num_anchors, seeds,
+                        most_valid);
 }
 
 at::Tensor loss_mask_sums(const Batch& batch, std::int64_t steps) {

@@ -73,8 +73,11 @@ TttBatch to_ttt_batch(const Batch& batch);
 // The DFlash anchors of a loader batch (trainer/unroll/dflash.h): each row's (each document's,
 // in pack mode) from `seed`, the batch's epoch and its conversation id, so that they do not
 // depend on the batch, the rank, the thread count, a resume or the collate mode.
+// most_valid > 0: the global batch's dflash_batch_most_valid (all-reduced max), which sets
+// the block count (ModelOpt's min(anchors, max n - 1)) for every micro-batch and rank alike.
 DFlashAnchors dflash_batch_anchors(const Batch& batch, const DraftConfig& config, std::int64_t num_anchors,
-                                   std::uint64_t seed);
+                                   std::uint64_t seed, std::int64_t most_valid = 0);
+std::int64_t dflash_batch_most_valid(const Batch& batch, const DraftConfig& config);
 
 // The sum over the batch, per TTT step s < steps, of the loss weights the unroll uses
 // (the loss mask of the next token, from position s on; inside a document when packed):

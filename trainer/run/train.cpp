@@ -245,12 +245,22 @@ class TrainLoop {
     const c10::Device device = run_.device;
     TttStats local(steps_s_);
     std::vector<DFlashResult> results;
+    // The block count per row (ModelOpt's min(anchors, max n - 1)) from the global batch, so
+    // that a row draws the same blocks on any rank and in any micro-batch.
+    at::Tensor most = at::zeros({1}, at::kLong);
+    for (const Batch& b : micro)
+      most[0] = std::max(most[0].item<std::int64_t>(), dflash_batch_most_valid(b, plan_.draft.config));
+    if (mesh_.world().size() > 1) {
+      if (mesh_.world().backend() == dist::Backend::kNccl) most = most.to(device);
+      mesh_.world().all_reduce_max(most);
+    }
+    const std::int64_t most_valid = most.to(at::kCPU)[0].item<std::int64_t>();
     double sums_local[2] = {0, 0};  // weight sum, tokens
     for (const Batch& b : micro) {
       sums_local[1] += static_cast<double>(b.tokens);
       if (b.rows() == 0) continue;
-      const DFlashAnchors anchors =
-          dflash_batch_anchors(b, plan_.draft.config, plan_.dflash.num_anchors, static_cast<std::uint64_t>(o_.seed));
+      const DFlashAnchors anchors = dflash_batch_anchors(b, plan_.draft.config, plan_.dflash.num_anchors,
+                                                         static_cast<std::uint64_t>(o_.seed), most_valid);
       results.push_back(run_.block_unroll->forward(to_ttt_batch(b), anchors));
       sums_local[0] += results.back().weight_sum;
       local += results.back().stats;

@@ -43,9 +43,25 @@ DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, std::int64_t block_siz
   return dflash_anchors(loss_mask, at::Tensor(), at::Tensor(), block_size, num_anchors, seeds);
 }
 
+std::int64_t dflash_most_valid(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
+                               std::int64_t block_size) {
+  if (!loss_mask.defined() || loss_mask.dim() != 2) throw UsageError("DFlash anchors: loss_mask must be [B, L]");
+  std::vector<std::vector<std::uint64_t>> seeds(static_cast<std::size_t>(loss_mask.size(0)));
+  if (document_ids.defined()) {
+    const std::int64_t docs = loss_mask.numel() > 0 ? document_ids.max().item<std::int64_t>() + 1 : 0;
+    for (auto& row : seeds) row.assign(static_cast<std::size_t>(std::max<std::int64_t>(docs, 0)), 0);
+  } else {
+    for (auto& row : seeds) row.assign(1, 0);
+  }
+  std::int64_t most = 0;
+  dflash_anchors(loss_mask, document_ids, position_ids, block_size, 1, seeds, 0, &most);
+  return most;
+}
+
 DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
                              std::int64_t block_size, std::int64_t num_anchors,
-                             const std::vector<std::vector<std::uint64_t>>& document_seeds) {
+                             const std::vector<std::vector<std::uint64_t>>& document_seeds, std::int64_t most_valid,
+                             std::int64_t* most_out) {
   if (!loss_mask.defined() || loss_mask.dim() != 2) throw UsageError("DFlash anchors: loss_mask must be [B, L]");
   if (block_size < 1 || num_anchors < 1) throw UsageError("DFlash anchors: block_size and num_anchors must be positive");
   const std::int64_t b = loss_mask.size(0), n = loss_mask.size(1);
@@ -95,6 +111,11 @@ DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, const at::Tensor& docu
       most = std::max<std::int64_t>(most, static_cast<std::int64_t>(doc.valid.size()));
     }
   }
+  if (most_out) *most_out = most;
+  if (most_valid > 0 && most_valid < most)
+    throw UsageError("DFlash anchors: the global batch's most valid anchors (" + std::to_string(most_valid) +
+                     ") is below this batch's (" + std::to_string(most) + ")");
+  most = std::max(most, most_valid);
   const std::int64_t per_doc = std::min(num_anchors, most - 1);
   DFlashAnchors out;
   if (per_doc <= 0) {  // nothing to learn in this batch (ModelOpt's empty case)

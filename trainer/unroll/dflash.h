@@ -68,9 +68,17 @@ DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, std::int64_t block_siz
 // min(num_anchors, max_d n_d - 1) over the batch's documents. A row's blocks are its
 // documents' (row columns, ascending), N the most of any row. So a packed batch draws for
 // each document what the padded batch of the same documents draws for that row.
+// most_valid > 0: the most of any document of the global batch (every micro-batch of every
+// rank, dflash_most_valid), which sets the count in place of this batch's own, so that a row
+// draws the same blocks whatever batch, micro-batch or rank it lands in; most_out (when
+// given) receives this batch's own.
 DFlashAnchors dflash_anchors(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
                              std::int64_t block_size, std::int64_t num_anchors,
-                             const std::vector<std::vector<std::uint64_t>>& document_seeds);
+                             const std::vector<std::vector<std::uint64_t>>& document_seeds, std::int64_t most_valid = 0,
+                             std::int64_t* most_out = nullptr);
+// max_d n_d of a batch: the most anchor positions any of its documents (rows) has.
+std::int64_t dflash_most_valid(const at::Tensor& loss_mask, const at::Tensor& document_ids, const at::Tensor& position_ids,
+                               std::int64_t block_size);
 // The seed of a row's anchors (of a document's, in a packed row): of the run's seed, the
 // epoch and the conversation id.
 std::uint64_t dflash_row_seed(std::uint64_t seed, std::uint64_t epoch, const std::string& conversation_id);
