@@ -55,6 +55,16 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
                      "base's distribution") == 0);
   CHECK(plan_decision(plan, "architecture")["value"].get<std::string>().rfind("DFlash; 3 decoder layers", 0) == 0);
   CHECK(plan["notes"].dump().find("DFlash target layers: base layers 1,15,28 (the dump's aux layers") != std::string::npos);
+  // The memory and FLOP models are DFlash's (trainer/run/plan.cpp, dflash_*): they grow with the
+  // blocks per row, which the TTT unroll's models know nothing of; 6 and 12 blocks fit a row of 24.
+  r = test::eaglekit("train" + data + flags + " --draft-arch dflash --block-size 4 --mask-token-id 47 --dflash-anchors 12"
+                     " --max-steps 2 --out " + test::quote(dir / "p") + " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const auto plan12 = nlohmann::json::parse(r.out);
+  const double act6 = plan["memory_estimate_bytes"]["activations"], act12 = plan12["memory_estimate_bytes"]["activations"];
+  const double flops6 = plan["flops"], flops12 = plan12["flops"];
+  CHECK(act12 > 1.5 * act6);
+  CHECK(flops12 > 1.5 * flops6);
 
   // Refused, with what to pass.
   r = test::eaglekit("train" + data + flags + " --draft-arch dflash --out " + test::quote(dir / "x") + " --dry-run");

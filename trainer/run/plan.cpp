@@ -84,6 +84,51 @@ double run_flops(const DraftConfig& c, std::int64_t parameters, double row_token
   return row_tokens * per_token;
 }
 
+// DFlash (the block unroll, docs/dflash.md): a row of L tokens trains B = min(anchors, L -
+// block) blocks of `block` tokens each. Every layer keeps, per context token, its k and v
+// (2 n_kv d) and the context itself (H, after fc and hidden_norm, 2H); per block token what a
+// TTT layer keeps plus the scores and probabilities over the L context keys and the block's own
+// (the block attention is dense: all of the row's context and blocks, 2 n_h (L + B block)); then
+// per block token the logits over the base's whole vocabulary, their softmax and the teacher's
+// (3V; DFlash has no draft vocabulary).
+std::int64_t dflash_blocks(std::int64_t length, std::int64_t block, std::int64_t anchors) {
+  return std::max<std::int64_t>(1, std::min<std::int64_t>(anchors, length - block));
+}
+
+double dflash_activation_bytes(const DraftConfig& c, std::int64_t rows, std::int64_t length, std::int64_t anchors) {
+  const double block_tokens = static_cast<double>(dflash_blocks(length, c.block_size, anchors) * c.block_size);
+  const double layers = static_cast<double>(c.num_hidden_layers);
+  const double kv = 2.0 * static_cast<double>(c.num_key_value_heads * c.head_dim);
+  const double qkv = static_cast<double>((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim);
+  const double per_context_token = 2.0 * c.hidden_size + layers * kv;
+  const double per_block_token = layers * (8.0 * c.hidden_size + qkv + c.num_attention_heads * c.head_dim +
+                                           3.0 * c.intermediate_size +
+                                           2.0 * c.num_attention_heads * (static_cast<double>(length) + block_tokens)) +
+                                 3.0 * static_cast<double>(c.vocab_size);
+  return 4.0 * static_cast<double>(rows) *
+         (static_cast<double>(length) * per_context_token + block_tokens * per_block_token);
+}
+
+// DFlash's FLOPs on one rank: per block token the decoder layers' matmuls forward and backward
+// (6 per layer parameter), the attention over the context before its anchor (L/2 on average)
+// and its block (12 n_h d per key and layer, forward and backward), the base's lm_head forward
+// and backward to its input (4 H V, no weight gradient) and the teacher's lm_head (2 H V,
+// forward only); per row token, fc and each layer's k and v projections of the context (6 per
+// parameter).
+double dflash_flops(const DraftConfig& c, double rows, std::int64_t length, std::int64_t anchors) {
+  const double h = static_cast<double>(c.hidden_size);
+  const double layers = static_cast<double>(c.num_hidden_layers);
+  const double qd = static_cast<double>(c.num_attention_heads * c.head_dim);
+  const double kvd = static_cast<double>(c.num_key_value_heads * c.head_dim);
+  const double fc = static_cast<double>(c.aux_width()) * h;
+  const double layer = h * (qd + 2.0 * kvd) + qd * h + 3.0 * h * static_cast<double>(c.intermediate_size);
+  const double block_tokens = static_cast<double>(dflash_blocks(length, c.block_size, anchors) * c.block_size);
+  const double keys = static_cast<double>(length) / 2.0 + static_cast<double>(c.block_size);
+  const double per_block_token = 6.0 * layers * layer + 12.0 * layers * qd * keys + 6.0 * h * c.vocab_size;
+  const double per_context_token = 6.0 * (fc + layers * 2.0 * h * kvd);
+  return rows * (block_tokens * per_block_token + static_cast<double>(length) * per_context_token);
+}
+
 }  // namespace
 
 double measure_cpu_matmul_flops_per_s(bool bfloat16) {
@@ -374,7 +419,8 @@ void plan_memory(RunPlan& p) {
   p.state_bytes = 16.0 * static_cast<double>(p.parameters);
   p.base_bytes = 4.0 * static_cast<double>(bc.vocab_size * bc.hidden_size) * (bc.tie_word_embeddings ? 1 : 2);
   const std::int64_t length = (o.max_length + p.cp_size - 1) / p.cp_size;
-  p.activation_bytes = activation_bytes(p.draft.config, o.batch_size, length, o.ttt_steps);
+  p.activation_bytes = p.block() ? dflash_activation_bytes(p.draft.config, o.batch_size, length, o.dflash_anchors)
+                                 : activation_bytes(p.draft.config, o.batch_size, length, o.ttt_steps);
   if (o.device != "cpu") return;
   p.available_bytes = host_available_bytes();
   p.available_source = "MemAvailable of this host";
@@ -708,10 +754,14 @@ void estimate_time(RunPlan& p) {
   if (o.mode == CollateMode::kLongest) row_length = std::max<std::int64_t>(1, p.median_tokens);
   row_length = (row_length + p.cp_size - 1) / p.cp_size;
   const double rows = static_cast<double>(p.total_steps) * static_cast<double>(o.batch_size * o.grad_accum);
-  p.flops = run_flops(p.draft.config, p.parameters, rows * static_cast<double>(row_length), row_length, o.ttt_steps);
+  p.flops = p.block() ? dflash_flops(p.draft.config, rows, row_length, o.dflash_anchors)
+                      : run_flops(p.draft.config, p.parameters, rows * static_cast<double>(row_length), row_length,
+                                  o.ttt_steps);
   const bool bf16 = o.compute_dtype == ComputeDType::kBFloat16;
-  const std::string what = flops_text(p.flops) + " per rank (a model of the draft's matmuls forward and backward, "
-                           "attention and the base's lm_head; README, Training)";
+  const std::string what =
+      flops_text(p.flops) + " per rank (a model of the draft's matmuls forward and backward, attention and the base's "
+                            "lm_head; " +
+      (p.block() ? "DFlash's blocks: trainer/run/plan.cpp, dflash_flops)" : "docs/benchmarks.md, Counting FLOPs)");
   if (o.device == "cpu") {
     at::set_num_threads(p.threads);  // as the run would
     p.measured_flops_per_s = measure_cpu_matmul_flops_per_s(bf16);

@@ -114,7 +114,7 @@ struct RunPlan {
   // Estimated device bytes per rank.
   double state_bytes = 0;       // draft weights + gradients + AdamW moments (float32)
   double base_bytes = 0;        // embed_tokens + lm_head
-  double activation_bytes = 0;  // one micro-batch's TTT unroll, kept for backward
+  double activation_bytes = 0;  // one micro-batch's unroll (TTT or DFlash's blocks), kept for backward
   double total_bytes() const { return state_bytes + base_bytes + activation_bytes; }
   // What the memory estimate is compared with: the host's MemAvailable for --device cpu; < 0
   // when not known (a GPU: a plan does not open --device). Above it: a warning.
