@@ -13,6 +13,7 @@ namespace eaglekit {
 namespace {
 
 constexpr const char* kKind = "speculators loss masks";
+constexpr const char* kKindById = "loss masks by conversation id";  // tools/python/eaglekit_masks.py
 
 // Row i of hs_{i}.safetensors (hs_connectors' FileTransfer names them so); nullopt otherwise.
 std::optional<std::int64_t> row_of(const std::string& source) {
@@ -39,10 +40,11 @@ LossMasks LossMasks::open(const std::string& path) {
   m.file_ = SafetensorsFile::open(path);
   const SafetensorsFile& f = *m.file_;
   const auto kind = f.metadata().find("eaglekit");
-  if (kind == f.metadata().end() || kind->second != kKind)
+  if (kind == f.metadata().end() || (kind->second != kKind && kind->second != kKindById))
     throw FormatError(path, 8, "__metadata__",
                       "not a loss-mask file (expected \"eaglekit\": \"" + std::string(kKind) +
-                          "\", written by scripts/speculators/loss_masks.py)");
+                          "\", written by scripts/speculators/loss_masks.py, or \"" + kKindById +
+                          "\", written by tools/python/eaglekit_masks.py)");
   auto need = [&](const char* name, DType dtype) {
     const SafetensorsEntry* e = f.find(name);
     if (e == nullptr) throw FormatError(path, 8, name, "missing from the header");
@@ -76,24 +78,67 @@ LossMasks LossMasks::open(const std::string& path) {
       throw FormatError(path, f.data_start() + me->begin + static_cast<std::uint64_t>(t),
                         "loss_mask[" + std::to_string(t) + "]",
                         "is " + std::to_string(mask.data[t]) + ", expected 0 or 1");
+  if (kind->second == kKindById) {
+    const auto [ioe, id_offsets] = need("id_offsets", DType::kInt64);
+    const auto [ne, names] = need("conversation_ids", DType::kUInt8);
+    if (id_offsets.shape[0] != m.rows_ + 1)
+      throw FormatError(path, f.data_start() + ioe->begin, "id_offsets",
+                        "holds " + std::to_string(id_offsets.shape[0]) + " offsets, expected " +
+                            std::to_string(m.rows_ + 1) + " (one more than the rows)");
+    const auto* io = reinterpret_cast<const std::int64_t*>(id_offsets.data);
+    const std::int64_t bytes = names.shape[0];
+    auto ids = std::make_shared<std::unordered_map<std::string, std::int64_t>>();
+    ids->reserve(static_cast<std::size_t>(m.rows_));
+    for (std::int64_t i = 0; i <= m.rows_; ++i) {
+      const bool ok = i == 0 ? io[0] == 0 : (io[i] > io[i - 1] && io[i] <= bytes);
+      if (!ok || (i == m.rows_ && io[i] != bytes))
+        throw FormatError(path, f.data_start() + ioe->begin + 8 * static_cast<std::uint64_t>(i),
+                          "id_offsets[" + std::to_string(i) + "]",
+                          "is " + std::to_string(io[i]) + ": offsets must rise (no empty id) from 0 to the "
+                          "byte count " + std::to_string(bytes));
+      if (i == 0) continue;
+      std::string id(reinterpret_cast<const char*>(names.data) + io[i - 1],
+                     static_cast<std::size_t>(io[i] - io[i - 1]));
+      const auto [at, fresh] = ids->emplace(id, i - 1);
+      if (!fresh)
+        throw FormatError(path, f.data_start() + ne->begin + static_cast<std::uint64_t>(io[i - 1]),
+                          "conversation_ids[" + std::to_string(i - 1) + "]",
+                          "is '" + id + "' again (row " + std::to_string(at->second) +
+                              "): a conversation id names one row");
+    }
+    m.by_id_ = std::move(ids);
+  }
   return m;
 }
 
 void LossMasks::apply(Record& r, const std::string& source) const {
-  const std::optional<std::int64_t> row = row_of(source);
-  if (!row)
-    throw UsageError(source + ": --loss-masks pairs a record with its dataset row by the file name "
-                              "hs_{row}.safetensors, as speculators does; this name has no row");
-  if (*row >= rows_)
-    throw UsageError(source + ": row " + std::to_string(*row) + " is past the end of " + path() +
-                     " (" + std::to_string(rows_) + " rows): the dump and the dataset differ");
+  std::optional<std::int64_t> row;
+  std::string what;  // how errors name the row
+  if (by_id_) {
+    const auto it = by_id_->find(r.conversation_id);
+    if (it == by_id_->end())
+      throw FormatError(path(), std::nullopt, "conversation '" + r.conversation_id + "'",
+                        "has no row, but " + source +
+                            " holds it: the dump and the conversations the masks were computed from differ");
+    row = it->second;
+    what = "conversation '" + r.conversation_id + "' (row " + std::to_string(*row) + ")";
+  } else {
+    row = row_of(source);
+    if (!row)
+      throw UsageError(source + ": --loss-masks pairs a record with its dataset row by the file name "
+                                "hs_{row}.safetensors, as speculators does; this name has no row");
+    if (*row >= rows_)
+      throw UsageError(source + ": row " + std::to_string(*row) + " is past the end of " + path() +
+                       " (" + std::to_string(rows_) + " rows): the dump and the dataset differ");
+    what = "row " + std::to_string(*row);
+  }
   const SafetensorsFile& f = *file_;
   const HostTensor offsets = *f.get("row_offsets");
   const auto* off = reinterpret_cast<const std::int64_t*>(offsets.data);
   const std::int64_t b = off[*row], e = off[*row + 1];
   const std::uint64_t ids_at = f.data_start() + f.find("input_ids")->begin + 8 * static_cast<std::uint64_t>(b);
   if (e - b != r.tokens())
-    throw FormatError(path(), ids_at, "row " + std::to_string(*row),
+    throw FormatError(path(), ids_at, what,
                       "holds " + std::to_string(e - b) + " tokens, but " + source + " holds " +
                           std::to_string(r.tokens()) + ": the dump and the dataset differ");
   const HostTensor ids = f.get("input_ids")->slice_rows(b, e);
@@ -101,7 +146,7 @@ void LossMasks::apply(Record& r, const std::string& source) const {
   for (std::int64_t t = 0; t < e - b; ++t)
     if (ids.get(t) != rec_ids.get(t))
       throw FormatError(path(), ids_at + 8 * static_cast<std::uint64_t>(t),
-                        "row " + std::to_string(*row) + " input_ids[" + std::to_string(t) + "]",
+                        what + " input_ids[" + std::to_string(t) + "]",
                         "is " + std::to_string(static_cast<long long>(ids.get(t))) + ", but " + source +
                             " holds token " + std::to_string(static_cast<long long>(rec_ids.get(t))) +
                             ": the dump and the dataset differ");
@@ -112,7 +157,7 @@ void LossMasks::apply(Record& r, const std::string& source) const {
     for (std::int64_t t = 0; t < e - b; ++t)
       if ((own.get(t) != 0) != (mask.get(t) != 0))
         throw FormatError(path(), mask_at + static_cast<std::uint64_t>(t),
-                          "row " + std::to_string(*row) + " loss_mask[" + std::to_string(t) + "]",
+                          what + " loss_mask[" + std::to_string(t) + "]",
                           "is " + std::to_string(static_cast<int>(mask.get(t))) + ", but the loss_mask " + source +
                               " holds is " + std::to_string(static_cast<int>(own.get(t))) +
                               ": the dump and the dataset differ");

@@ -103,6 +103,13 @@ def main():
             f"{d['answer_tokens_mean']:.1f} tokens on average; {100 * d['answer_words_a_successor']:.1f}% of the "
             f"answers' words follow the language's word graph (by chance 1%), "
             f"{100 * d['answer_words_most_likely_successor']:.1f}% its most likely successor")
+    # 2b. ModelOpt's loss mask (tools/python/eaglekit_masks.py --rule modelopt) against ModelOpt's
+    # own functions on these conversations, and where eaglekit_dump.py's mask differs.
+    r.stage("masks", "masks.json", lambda: r.sh(
+        [py, os.path.join(HERE, "check_masks.py"), base, os.path.join(data, "train.jsonl"), r.path("masks"),
+         "--json"], out=r.path("masks.json"), ok=(0, 1)))
+    for c in json.load(open(r.path("masks.json"))):
+        r.check("masks: " + c["check"], c["ok"], c["detail"])
 
     # 3. eaglekit end to end. make_data.py dumps LlamaModel's last_hidden_state, post-norm, as
     # ModelOpt's HF dumper does, and eaglekit_dump.py states it in every record

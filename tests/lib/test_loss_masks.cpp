@@ -6,6 +6,7 @@
 #include <string>
 
 #include "formats/error.h"
+#include "formats/pt_format.h"
 #include "formats/registry.h"
 #include "formats/safetensors_format.h"
 #include "lib/convert.h"
@@ -138,5 +139,117 @@ TEST_CASE("loss_masks: a dump and a dataset that differ are refused, naming the 
     CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find(p + ": row_offsets[1] at byte ") == 0);
     write_masks(p, i64({0, 6}), i64({10, 29, 19, 4, 25, 20}), u8({0, 0, 1, 1, 1, 0}), "other");
     CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find(p + ": __metadata__ at byte 8: not a loss-mask file") == 0);
+  }
+}
+
+// tools/python/eaglekit_masks.py's file, keyed by conversation id, joined to .pt records as
+// NVIDIA ModelOpt's HF dumper writes them without --answer-only-loss (input_ids, hidden_states,
+// aux_hidden_states, conversation_id; no loss_mask), named by id as that dumper names them.
+namespace {
+
+HostTensor bytes_of(const std::vector<std::string>& ids, std::vector<std::int64_t>& offsets) {
+  std::vector<std::uint8_t> b;
+  offsets = {0};
+  for (const std::string& id : ids) {
+    b.insert(b.end(), id.begin(), id.end());
+    offsets.push_back(static_cast<std::int64_t>(b.size()));
+  }
+  return u8(std::move(b));
+}
+
+void write_masks_by_id(const std::string& path, const std::vector<std::string>& ids, HostTensor offsets,
+                       HostTensor tokens, HostTensor mask) {
+  std::vector<std::int64_t> io;
+  HostTensor names = bytes_of(ids, io);
+  write_safetensors(path,
+                    {{"row_offsets", offsets}, {"input_ids", tokens}, {"loss_mask", mask},
+                     {"id_offsets", i64(io)}, {"conversation_ids", names}},
+                    {{"eaglekit", "loss masks by conversation id"}, {"version", "1"},
+                     {"rows", std::to_string(ids.size())}, {"rule", "modelopt"}});
+}
+
+// A ModelOpt HF dump record of `tokens` tokens (H = 2, one aux layer).
+void write_modelopt_pt(const std::string& path, const std::string& id, std::vector<std::int64_t> tokens) {
+  const auto t = static_cast<std::int64_t>(tokens.size());
+  write_pt(path, {{"input_ids", i64(std::move(tokens))},
+                  {"hidden_states", HostTensor::zeros(DType::kFloat32, {t, 2})},
+                  {"aux_hidden_states", HostTensor::zeros(DType::kFloat32, {t, 2})},
+                  {"conversation_id", id}});
+}
+
+}  // namespace
+
+TEST_CASE("loss_masks: a file by conversation id joins ModelOpt's .pt records by their id") {
+  test::TempDir dir("masks-id");
+  const std::string d = dir.path();
+  fs::create_directories(d + "/dump");
+  write_modelopt_pt(d + "/dump/conv-b.pt", "conv-b", {1, 5, 6, 7});
+  write_modelopt_pt(d + "/dump/conv-a.pt", "conv-a", {1, 3, 4, 2, 9});
+  // Rows in another order than the files, and one conversation the dumper skipped.
+  const std::string masks = d + "/masks.safetensors";
+  write_masks_by_id(masks, {"conv-a", "skipped", "conv-b"}, i64({0, 5, 7, 11}),
+                    i64({1, 3, 4, 2, 9, 1, 8, 1, 5, 6, 7}), u8({0, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1}));
+  const LossMasks m = LossMasks::open(masks);
+  CHECK(m.rows() == 3);
+  CHECK(m.by_conversation_id());
+  Record a = open_reader(d + "/dump/conv-a.pt")->read(0);
+  REQUIRE(a.conversation_id == "conv-a");
+  REQUIRE_FALSE(a.loss_mask.has_value());
+  m.apply(a, d + "/dump/conv-a.pt");
+  REQUIRE(a.loss_mask.has_value());
+  CHECK(a.loss_mask->equal(u8({0, 0, 1, 1, 0})));
+  ConvertOptions o;
+  o.loss_masks = masks;
+  o.jobs = 1;
+  const ConvertResult res = convert_records(d + "/dump", d + "/out.eks", o);
+  CHECK(res.loss_masks_joined == 2);
+  const auto reader = open_reader(d + "/out.eks");
+  REQUIRE(reader->size() == 2);
+  for (std::size_t k = 0; k < 2; ++k) {
+    const Record r = reader->read(k);
+    CAPTURE(r.conversation_id);
+    REQUIRE(r.loss_mask.has_value());
+    CHECK(r.loss_mask->equal(r.conversation_id == "conv-a" ? u8({0, 0, 1, 1, 0}) : u8({0, 0, 1, 1})));
+  }
+}
+
+TEST_CASE("loss_masks: a file by conversation id is refused with the id when it and the dump differ") {
+  test::TempDir dir("masks-id");
+  const std::string d = dir.path();
+  const std::string pt = d + "/conv-a.pt";
+  write_modelopt_pt(pt, "conv-a", {1, 3, 4, 2, 9});
+  const std::string p = d + "/masks.safetensors";
+  const auto record = [&] { return open_reader(pt)->read(0); };
+  SUBCASE("an id without a row") {
+    write_masks_by_id(p, {"conv-b"}, i64({0, 5}), i64({1, 3, 4, 2, 9}), u8({0, 0, 1, 1, 0}));
+    Record r = record();
+    CHECK(error_of<FormatError>([&] { LossMasks::open(p).apply(r, pt); }) ==
+          p + ": conversation 'conv-a': has no row, but " + pt +
+              " holds it: the dump and the conversations the masks were computed from differ");
+  }
+  SUBCASE("other token ids") {
+    write_masks_by_id(p, {"conv-a"}, i64({0, 5}), i64({1, 3, 4, 2, 8}), u8({0, 0, 1, 1, 0}));
+    Record r = record();
+    const std::string e = error_of<FormatError>([&] { LossMasks::open(p).apply(r, pt); });
+    CHECK(e.find(p + ": conversation 'conv-a' (row 0) input_ids[4] at byte ") == 0);
+    CHECK(e.find("is 8, but " + pt + " holds token 9: the dump and the dataset differ") != std::string::npos);
+    CHECK_FALSE(r.loss_mask.has_value());
+  }
+  SUBCASE("another length") {
+    write_masks_by_id(p, {"conv-a"}, i64({0, 4}), i64({1, 3, 4, 2}), u8({0, 0, 1, 1}));
+    Record r = record();
+    const std::string e = error_of<FormatError>([&] { LossMasks::open(p).apply(r, pt); });
+    CHECK(e.find(p + ": conversation 'conv-a' (row 0) at byte ") == 0);
+    CHECK(e.find("holds 4 tokens, but " + pt + " holds 5") != std::string::npos);
+  }
+  SUBCASE("an id twice, id offsets that do not add up") {
+    write_masks_by_id(p, {"x", "x"}, i64({0, 1, 2}), i64({1, 2}), u8({0, 1}));
+    CHECK(error_of<FormatError>([&] { LossMasks::open(p); })
+              .find(p + ": conversation_ids[1] at byte ") == 0);
+    CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find("is 'x' again (row 0)") != std::string::npos);
+    write_safetensors(p, {{"row_offsets", i64({0, 1})}, {"input_ids", i64({1})}, {"loss_mask", u8({1})},
+                          {"id_offsets", i64({0, 3})}, {"conversation_ids", u8({'a', 'b'})}},
+                      {{"eaglekit", "loss masks by conversation id"}, {"version", "1"}});
+    CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find(p + ": id_offsets[1] at byte ") == 0);
   }
 }
