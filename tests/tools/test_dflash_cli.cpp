@@ -119,10 +119,23 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
     CHECK_FALSE(header.contains("d2t"));
     CHECK_FALSE(header.contains("lm_head.weight"));
   }
+  // speculators' DFlash layout: block_size - 1 speculative tokens, read back as the same draft.
   r = test::eaglekit("export " + test::quote(dir / "run/final") + " --format speculators --verifier " +
                      test::quote(dir / "base") + " --out " + test::quote(dir / "spec"));
-  CHECK(r.exit_code == 2);
-  CHECK(r.err.find("not written yet") != std::string::npos);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("speculative tokens: 3, block_size - 1 of the DFlash draft") != std::string::npos);
+  {
+    std::ifstream f(dir / "spec/config.json");
+    const auto j = nlohmann::json::parse(f);
+    CHECK(j["speculators_model_type"] == "dflash");
+    CHECK(j["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3);
+    CHECK(j["aux_hidden_state_layer_ids"] == nlohmann::json({2, 16, 29}));  // base layers 1, 15, 28
+  }
+  CHECK(evaluate_json(dir / "spec", data)["loss"].get<double>() == after["loss"].get<double>());
+  r = test::eaglekit("export " + test::quote(dir / "run/final") + " --format speculators --verifier " +
+                     test::quote(dir / "base") + " --speculative-tokens 5 --out " + test::quote(dir / "spec5"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("computes another function than trained") != std::string::npos);
 
   // Resumed from step 20, the run ends where the uninterrupted one did (anchors follow the
   // seed, the epoch and the conversation, nothing a checkpoint must carry).

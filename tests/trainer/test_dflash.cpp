@@ -3,12 +3,17 @@
 // a tiny draft, a batch, anchors, and the loss, accuracy and gradients ModelOpt's
 // DFlashModule and HFDFlashModel computed from them (make_fixture.py beside it); plus the
 // anchor sampler's promises and ModelOpt's default choice of target layers.
+// tests/data/dflash_speculators/ does the same with speculators 0.9's DFlashDraftModel (its
+// loss, accuracy, accepted length and gradients), and holds speculators' own saved folder of
+// that draft, which eaglekit reads and writes back in the speculators layout.
 #include "tests/torch_doctest.h"
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -18,6 +23,8 @@
 #include "formats/safetensors_format.h"
 #include "lib/collate.h"
 #include "tests/support.h"
+#include "trainer/io/export.h"
+#include "trainer/io/speculators_format.h"
 #include "trainer/model/architecture_rows.h"
 #include "trainer/model/base_model.h"
 #include "trainer/model/config.h"
@@ -40,14 +47,16 @@ struct Fixture {
   }
 };
 
+Fixture read_fixture(const std::string& folder) {
+  Fixture out;
+  const auto file = SafetensorsFile::open(test::source_dir() + "/tests/data/" + folder + "/fixture.safetensors");
+  for (const auto& e : file->entries()) out.t[e.name] = tensor_from_host(file->tensor(e));
+  out.config = nlohmann::json::parse(file->metadata().at("config"));
+  return out;
+}
+
 const Fixture& fixture() {
-  static const Fixture f = [] {
-    Fixture out;
-    const auto file = SafetensorsFile::open(test::source_dir() + "/tests/data/dflash_modelopt/fixture.safetensors");
-    for (const auto& e : file->entries()) out.t[e.name] = tensor_from_host(file->tensor(e));
-    out.config = nlohmann::json::parse(file->metadata().at("config"));
-    return out;
-  }();
+  static const Fixture f = read_fixture("dflash_modelopt");
   return f;
 }
 
@@ -383,4 +392,218 @@ TEST_CASE("dflash: a packed row gives each document the loss and gradients of a 
     CAPTURE(name);
     check_same(run_batch(options_of(name), packed, f_pack), run_batch(options_of(name), padded, f_pad));
   }
+}
+// ---- speculators 0.9 (tests/data/dflash_speculators/make_fixture.py) ----
+
+namespace {
+
+const Fixture& spec_fixture() {
+  static const Fixture f = read_fixture("dflash_speculators");
+  return f;
+}
+
+DraftConfig spec_config() {
+  const nlohmann::json& j = spec_fixture().config;
+  DraftConfig c;
+  c.architecture = "dflash";
+  c.hidden_size = j["hidden_size"];
+  c.intermediate_size = j["intermediate_size"];
+  c.num_attention_heads = j["num_attention_heads"];
+  c.num_key_value_heads = j["num_key_value_heads"];
+  c.head_dim = j["head_dim"];
+  c.rms_norm_eps = j["rms_norm_eps"];
+  c.rope_theta = j["rope_theta"];
+  c.vocab_size = j["vocab_size"];
+  c.draft_vocab_size = c.vocab_size;
+  c.target_hidden_size = c.hidden_size;
+  c.num_aux_layers = j["num_aux_layers"];
+  c.num_hidden_layers = j["num_hidden_layers"];
+  c.max_position_embeddings = 256;
+  c.aux_layer_ids = j["aux_hidden_state_layer_ids"].get<std::vector<std::int64_t>>();  // speculators counts as HF does
+  c.block_size = j["block_size"];
+  c.mask_token_id = j["mask_token_id"];
+  c.torch_dtype = "float32";
+  return c;
+}
+
+DraftModel spec_draft() {
+  const DraftConfig c = spec_config();
+  DraftModel d(c, at::zeros({c.vocab_size}, at::kLong), at::Tensor(), 1);
+  for (const auto& [name, p] : d.named_parameters()) d.load_parameter(name, spec_fixture()["w." + name]);
+  return d;
+}
+
+struct SpecResult {
+  double loss = 0;          // eaglekit's own loss (dflash_loss)
+  double spec_normed = 0;   // sum(w * l) / (counted + 1e-5): speculators' normalizer
+  double acc = 0, eal = 0, counted = 0;
+  std::map<std::string, at::Tensor> grads;  // of spec_normed
+};
+
+SpecResult run_spec_case(const DFlashOptions& o, const DFlashAnchors& anchors) {
+  DraftModel d = spec_draft();
+  BaseModel base;
+  base.embed_tokens = spec_fixture()["embed_tokens"];
+  base.lm_head = spec_fixture()["lm_head"];
+  base.final_norm = spec_fixture()["final_norm"];
+  base.config.rms_norm_eps = 1e-6;
+  DFlashUnroll unroll(base, d, o);
+  TttBatch b;
+  b.input_ids = spec_fixture()["input_ids"];
+  b.loss_mask = spec_fixture()["loss_mask"];
+  b.attention_mask = b.loss_mask;
+  b.hidden_states = spec_fixture()["hidden_states"];
+  b.aux_hidden_states = spec_fixture()["aux_hidden_states"];
+  const DFlashResult r = unroll.forward(b, anchors);
+  SpecResult out;
+  double hits = 0, chains = 0;
+  for (std::int64_t k = 0; k < r.stats.steps(); ++k) {
+    hits += r.stats.correct[static_cast<std::size_t>(k)];
+    chains += r.stats.cond_correct[static_cast<std::size_t>(k)];
+    out.counted += r.stats.mask_sum[static_cast<std::size_t>(k)];
+  }
+  out.acc = hits / out.counted;
+  // Accepted run plus the bonus token, per block; every block of the fixture counts at position 1.
+  out.eal = 1.0 + chains / r.stats.mask_sum[0];
+  out.loss = dflash_loss(r.weighted_loss, r.weight_sum).item<double>();
+  const at::Tensor normed = r.weighted_loss / (out.counted + 1e-5);
+  normed.backward();
+  out.spec_normed = normed.item<double>();
+  for (const auto& [name, p] : d.named_parameters()) out.grads[name] = p.grad().clone();
+  return out;
+}
+
+DFlashAnchors spec_anchors() { return {spec_fixture()["anchors"], spec_fixture()["keep"].to(at::kBool)}; }
+
+// speculators' cases as eaglekit's options: ce (hard labels; the fixture's tokens are the
+// base's argmax) is --dflash-distill off, kl_div is on (the soft cross-entropy: KL plus the
+// targets' entropy); fixed-exp-decay is --dflash-weights decay (gamma inf: 0 here), dpace D-PACE.
+DFlashOptions spec_options(const std::string& name) {
+  DFlashOptions o;
+  o.prenorm_hidden_states = true;  // speculators applies the verifier's final norm
+  o.self_distillation = name.rfind("kl", 0) == 0;
+  if (name == "ce_dpace") {
+    o.weighting = DFlashWeighting::kDpace;
+  } else {
+    o.weighting = DFlashWeighting::kDecay;
+    o.decay_gamma = name == "ce_uniform" ? 0.0 : 4.0;
+  }
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("dflash: loss, accuracy, accepted length and gradients equal speculators 0.9's on the same draft, batch and anchors") {
+  for (const std::string name : {"ce_uniform", "ce_decay", "ce_dpace", "kl_decay"}) {
+    CAPTURE(name);
+    const SpecResult ours = run_spec_case(spec_options(name), spec_anchors());
+    const Fixture& f = spec_fixture();
+    CHECK(ours.counted == f[name + ".count"].item<double>());
+    // speculators divides by the positions that count, eaglekit by the sum of the weights:
+    // the weighted sums agree, and with every weight 1 (ce_uniform) so do the losses.
+    const double entropy = name == "kl_decay" ? f["kl_decay.entropy"].item<double>() : 0.0;
+    CHECK(rel(ours.spec_normed - entropy, f[name + ".loss"].item<double>()) < 1e-6);
+    if (name == "ce_uniform") CHECK(rel(ours.loss, f[name + ".loss"].item<double>()) < 1e-6);
+    CHECK(std::abs(ours.acc - f[name + ".acc"].item<double>()) < 1e-6);
+    CHECK(std::abs(ours.eal - f[name + ".eal"].item<double>()) < 1e-6);
+    for (const auto& [param, g] : ours.grads) {
+      CAPTURE(param);
+      const at::Tensor ref = f[name + ".g." + param];
+      const double scale = std::max(ref.abs().max().item<double>(), 1e-12);
+      CHECK((g - ref).abs().max().item<double>() / scale < 1e-5);
+    }
+  }
+}
+
+TEST_CASE("dflash: the speculators fixture tells a causal block and an anchor off by one from the trained function") {
+  const double ours = run_spec_case(spec_options("ce_decay"), spec_anchors()).spec_normed;
+  CHECK(rel(ours, spec_fixture()["causal.loss"].item<double>()) > 1e-4);
+  DFlashAnchors shifted = spec_anchors();
+  shifted.positions = shifted.positions + shifted.keep.to(at::kLong);
+  CHECK(rel(run_spec_case(spec_options("ce_decay"), shifted).spec_normed, spec_fixture()["ce_decay.loss"].item<double>()) >
+        1e-4);
+}
+
+TEST_CASE("dflash: speculators' own saved DFlash folder reads as the draft it holds") {
+  DraftSource source;
+  const DraftModel d = load_draft(test::source_dir() + "/tests/data/dflash_speculators/saved", &source);
+  CHECK(source.layout.rfind("speculators", 0) == 0);
+  CHECK(source.speculators.speculative_tokens == 3);
+  CHECK(source.speculators.verifier == "tests/data/dflash_speculators/verifier");
+  const DraftConfig& c = d.config();
+  CHECK(c.architecture == "dflash");
+  CHECK(c.block_size == 4);
+  CHECK(c.mask_token_id == 39);
+  CHECK(c.aux_layer_ids == std::vector<std::int64_t>{2, 4, 6});
+  CHECK(c.num_hidden_layers == 2);
+  CHECK(c.rope_theta == 10000.0);
+  for (const auto& [name, p] : d.named_parameters()) {
+    CAPTURE(name);
+    CHECK(at::equal(p, spec_fixture()["w." + name]));
+  }
+}
+
+TEST_CASE("dflash: the speculators layout is written as speculators' DFlashSpeculatorConfig and reads back") {
+  test::TempDir dir("dflash-spec");
+  ExportOptions o;
+  o.format = ExportFormat::kSpeculators;
+  o.speculators.speculative_tokens = 3;
+  o.speculators.verifier = "Qwen/Qwen3-8B";
+  o.speculators.verifier_architectures = {"Qwen3ForCausalLM"};
+  const DraftModel d = spec_draft();
+  export_draft(d, dir / "out", o);
+  std::ifstream f(dir / "out/config.json");
+  const nlohmann::json j = nlohmann::json::parse(f);
+  CHECK(j["speculators_model_type"] == "dflash");
+  CHECK(j["architectures"][0] == "DFlashDraftModel");
+  CHECK(j["speculators_config"]["algorithm"] == "dflash");
+  CHECK(j["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3);
+  CHECK(j["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B");
+  CHECK(j["block_size"] == 4);
+  CHECK(j["mask_token_id"] == 39);
+  CHECK(j["aux_hidden_state_layer_ids"] == nlohmann::json({2, 4, 6}));
+  CHECK(j["draft_vocab_size"] == 40);
+  CHECK(j["sample_from_anchor"] == false);
+  CHECK(j["sliding_window_non_causal"] == true);
+  CHECK(j["transformer_layer_config"]["model_type"] == "qwen3");
+  CHECK(j["transformer_layer_config"]["num_hidden_layers"] == 2);
+  CHECK_FALSE(j["transformer_layer_config"].contains("dflash_config"));
+  // The tensors are speculators' names, the same as ModelOpt's: exactly the draft's.
+  const auto file = SafetensorsFile::open(dir / "out/model.safetensors");
+  std::set<std::string> names, want;
+  for (const auto& e : file->entries()) names.insert(e.name);
+  for (const auto& [name, p] : d.named_parameters()) want.insert(name);
+  CHECK(names == want);
+  DraftSource source;
+  const DraftModel back = load_draft(dir / "out", &source);
+  CHECK(source.layout.rfind("speculators", 0) == 0);
+  CHECK(source.speculators.speculative_tokens == 3);
+  CHECK(draft_config_json(back.config()) == draft_config_json(d.config()));
+  for (const auto& [name, p] : back.named_parameters()) CHECK(at::equal(p, spec_fixture()["w." + name]));
+}
+
+TEST_CASE("dflash: a speculators DFlash config eaglekit does not compute is refused by its key") {
+  std::ifstream in(test::source_dir() + "/tests/data/dflash_speculators/saved/config.json");
+  const nlohmann::json saved = nlohmann::json::parse(in);
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& key) {
+    nlohmann::json j = saved;
+    edit(j);
+    try {
+      (void)speculators_to_draft_config(j.dump(), "config.json");
+      FAIL("accepted a config with " << key);
+    } catch (const FormatError& e) {
+      CHECK_MESSAGE(std::string(e.what()).find(key) != std::string::npos, e.what());
+    }
+  };
+  refused([](nlohmann::json& j) { j["sample_from_anchor"] = true; }, "sample_from_anchor");
+  refused([](nlohmann::json& j) { j["draft_vocab_size"] = 32; }, "draft_vocab_size");
+  refused([](nlohmann::json& j) { j.erase("mask_token_id"); }, "mask_token_id");
+  refused([](nlohmann::json& j) { j["mask_token_id"] = nullptr; }, "mask_token_id");
+  refused([](nlohmann::json& j) { j.erase("block_size"); }, "block_size");
+  refused([](nlohmann::json& j) { j["aux_hidden_state_layer_ids"] = {0, 4}; }, "aux_hidden_state_layer_ids");
+  refused([](nlohmann::json& j) { j["transformer_layer_config"]["attention_bias"] = true; }, "attention_bias");
+  refused([](nlohmann::json& j) { j["transformer_layer_config"]["layer_types"][1] = "sliding_attention"; }, "layer_types");
+  refused([](nlohmann::json& j) { j["speculators_model_type"] = "dspark"; }, "speculators_model_type");
+  const DraftConfig ok = parse_draft_config(speculators_to_draft_config(saved.dump(), "config.json"), "config.json");
+  CHECK(ok.block_size == 4);
 }

@@ -103,7 +103,7 @@ TEST_CASE("speculators: refused variants and missing keys") {
   refused(j, "fc_norm");
   j = good;
   j["speculators_model_type"] = "eagle";
-  refused(j, "only eagle3 drafts");
+  refused(j, "only eagle3 and dflash drafts");
   j = good;
   j["transformer_layer_config"]["model_type"] = "qwen3";
   refused(j, "only Llama decoder layers");

@@ -498,7 +498,7 @@ std::optional<std::pair<std::int64_t, std::string>> trained_with(const std::stri
 namespace {
 
 // The proposal and the verifier of a speculators export (see ExportCheckpointOptions).
-SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found,
+SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSource& found, const DraftConfig& config,
                                      const ExportCheckpointOptions& o, std::vector<std::string>& notes,
                                      std::vector<std::string>& warnings) {
   // 0 is "not given": the count is derived below.
@@ -507,7 +507,20 @@ SpeculatorsInfo speculators_info_for(const std::string& source, const DraftSourc
                      std::to_string(o.speculative_tokens));
   SpeculatorsInfo info;
   const auto run = run_options_of(source);
-  if (o.speculative_tokens > 0) {
+  if (config.architecture == "dflash") {
+    // vLLM drafts a block of speculative_tokens + 1 (the anchor, then the predictions): the
+    // block the draft was trained on is block_size - 1 tokens (speculators writes the same).
+    const std::int64_t trained = config.block_size - 1;
+    info.speculative_tokens = o.speculative_tokens > 0 ? o.speculative_tokens : trained;
+    if (o.speculative_tokens == 0)
+      notes.push_back("speculative tokens: " + std::to_string(trained) + ", block_size - 1 of the DFlash draft (block " +
+                      std::to_string(config.block_size) + "); --speculative-tokens sets it");
+    else if (o.speculative_tokens != trained)
+      warnings.push_back("--speculative-tokens " + std::to_string(o.speculative_tokens) + " makes vLLM draft blocks of " +
+                         std::to_string(o.speculative_tokens + 1) + " tokens, and the DFlash draft was trained on blocks of " +
+                         std::to_string(config.block_size) + " (every position attends to its whole block): it computes "
+                         "another function than trained; " + std::to_string(trained) + " serves it as trained");
+  } else if (o.speculative_tokens > 0) {
     info.speculative_tokens = o.speculative_tokens;
     const auto steps = integer_option(run, "ttt_steps");
     if (steps && o.speculative_tokens > steps->first)
@@ -617,7 +630,7 @@ ExportReport export_checkpoint(const std::string& checkpoint, const std::string&
   eo.allow_unservable = options.allow_unservable;
   eo.format = *format;
   if (*format == ExportFormat::kSpeculators) {
-    eo.speculators = speculators_info_for(source, found, options, r.notes, r.warnings);
+    eo.speculators = speculators_info_for(source, found, draft.config(), options, r.notes, r.warnings);
     r.speculative_tokens = eo.speculators.speculative_tokens;
     r.verifier = eo.speculators.verifier;
   }

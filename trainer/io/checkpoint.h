@@ -140,7 +140,8 @@ void restore_rng_state(const std::vector<std::pair<std::string, at::Tensor>>& st
 // speculative token count is `speculative_tokens`, else the --ttt-steps of the run that
 // trained the draft (train_options.json of the checkpoint, or of the newest checkpoint
 // beside the folder, as for OUT/final), else the source's own when it is a speculators
-// draft; its verifier is `verifier`, else the run's --base, else the source's. Neither is
+// draft (a DFlash draft: `speculative_tokens`, else block_size - 1, the block vLLM drafts
+// being that plus one); its verifier is `verifier`, else the run's --base, else the source's. Neither is
 // guessed: UsageError naming the option when none applies. Which one applied is in the
 // report's notes.
 struct ExportCheckpointOptions {

@@ -46,10 +46,6 @@ void export_draft(const DraftModel& draft, const std::string& dir, const ExportO
   if (options.serving) config.torch_dtype = weights_dtype;
   const bool speculators = options.format == ExportFormat::kSpeculators;
   const bool block = draft_architecture(config.architecture).unroll() == DraftUnrollKind::kBlock;
-  if (block && speculators)
-    throw UsageError("the speculators layout of a " + std::string(draft_architecture(config.architecture).title()) +
-                     " draft is not written yet: export without --format speculators (ModelOpt's names, which vLLM "
-                     "0.32 loads)");
   // Both throw before anything is written.
   const std::string config_text = speculators ? speculators_config_json(config, options.speculators, weights_dtype)
                                               : draft_config_json(config, weights_dtype);
