@@ -53,7 +53,7 @@ TEST_CASE("registry: one row per format; names, spellings and extensions name on
       CHECK(!row.extensions.empty());
     }
   }
-  CHECK(formats.size() == 7);
+  CHECK(formats.size() == 8);
   CHECK(format_name(Format::kUnknown) == "unknown");
 }
 
