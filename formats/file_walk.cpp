@@ -4,6 +4,7 @@
 #include <system_error>
 
 #include "formats/error.h"
+#include "formats/nemo_cache_format.h"
 
 namespace eaglekit {
 
@@ -30,6 +31,8 @@ std::vector<std::string> list_files_below(const std::string& root) {
 
 std::optional<Format> record_file_format(const std::string& path) {
   try {
+    // NeMo's shards are safetensors files that belong to the manifest beside them.
+    if (is_nemo_cache_member(path)) return std::nullopt;
     const Format f = detect_file_format(path);
     if (f == Format::kUnknown) return std::nullopt;
     return f;

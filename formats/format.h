@@ -33,6 +33,7 @@ enum class Format {
   kEks,          // eaglekit zstd shard
   kTorchLegacy,  // pre-1.6 torch pickle: detected to refuse it clearly
   kDeepSpec,     // DeepSpec's target cache v2 (its manifest.json; read-only)
+  kNemoCache,    // NeMo AutoModel's EAGLE-3 offline cache v2 (its manifest.json; read-only)
 };
 
 std::string_view format_name(Format f);  // "pt", "pt.gz", "safetensors", "hdf5", "eks", ...

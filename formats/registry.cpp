@@ -6,6 +6,7 @@
 #include "formats/deepspec_format.h"
 #include "formats/eks_format.h"
 #include "formats/hdf5_format.h"
+#include "formats/nemo_cache_format.h"
 #include "formats/pt_format.h"
 #include "formats/pt_gzip_format.h"
 #include "formats/safetensors_format.h"
@@ -81,6 +82,10 @@ const std::vector<FormatRow>& format_rows() {
        "DeepSpec's target cache stores target_last_hidden_states, AutoModel's last_hidden_state: after the "
        "base's final norm",
        is_deepspec_manifest, /*records_beside=*/true},
+      // A folder; its manifest.json is the file found and indexed (formats/nemo_cache_format.h).
+      // Its records have no last hidden state: the reader describes them and refuses to read them.
+      {Format::kNemoCache, "nemo", {}, {}, 8, false, false, "NeMo cache manifest.json", json_object_magic,
+       open_nemo_cache_reader, nullptr, {}, is_nemo_cache_manifest, /*records_beside=*/true},
   };
   return kRows;
 }

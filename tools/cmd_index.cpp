@@ -30,7 +30,7 @@ int run_index(int argc, char** argv) {
                                " --show INDEX [--json]",
                            "Index the hidden-state records below folders (or record files), recursively, headers "
                            "only, into one binary index file; or print one. Formats are found by content (a "
-                           "DeepSpec target cache by its manifest.json); vLLM's FILE.lock companions are "
+                           "DeepSpec target cache or a NeMo AutoModel EAGLE-3 cache by its manifest.json); vLLM's FILE.lock companions are "
                            "skipped and counted, and named when a writer still holds their lock.",
                            groups);
     return 0;

@@ -16,7 +16,8 @@ TEST_CASE("registry: index codes stay the ones existing index files hold") {
   // move, but its code may not change.
   const std::pair<Format, int> kCodes[] = {{Format::kPt, 1},   {Format::kPtGzip, 2},
                                            {Format::kSafetensors, 3}, {Format::kHdf5, 4},
-                                           {Format::kEks, 5},  {Format::kTorchLegacy, 6}};
+                                           {Format::kEks, 5},  {Format::kTorchLegacy, 6},
+                                           {Format::kDeepSpec, 7}, {Format::kNemoCache, 8}};
   for (const auto& [format, code] : kCodes) {
     CAPTURE(format_name(format));
     REQUIRE(format_row(format) != nullptr);
@@ -52,7 +53,7 @@ TEST_CASE("registry: one row per format; names, spellings and extensions name on
       CHECK(!row.extensions.empty());
     }
   }
-  CHECK(formats.size() == 7);
+  CHECK(formats.size() == 8);
   CHECK(format_name(Format::kUnknown) == "unknown");
 }
 
@@ -67,6 +68,7 @@ TEST_CASE("registry: parse_format takes the writable formats' names and aliases,
   CHECK(parse_format("eks") == Format::kEks);
   CHECK(parse_format("torch-legacy") == std::nullopt);  // read only to refuse it
   CHECK(parse_format("deepspec") == std::nullopt);      // read only: DeepSpec writes it
+  CHECK(parse_format("nemo") == std::nullopt);          // read only: NeMo writes it
   CHECK(parse_format("unknown") == std::nullopt);
   CHECK(parse_format("PT") == std::nullopt);
   CHECK(parse_format("pth") == std::nullopt);  // an extension, not a format name
@@ -106,12 +108,13 @@ TEST_CASE("registry: each format's head is detected as that format, whatever the
 TEST_CASE("registry: format_list names rows in row order with the last separator before the last") {
   const auto all = [](const FormatRow&) { return true; };
   CHECK(format_list(&FormatRow::name, all, ", ", " or ") ==
-        "pt, pt.gz, torch-legacy, safetensors, hdf5, eks or deepspec");
+        "pt, pt.gz, torch-legacy, safetensors, hdf5, eks, deepspec or nemo");
   const auto shards = [](const FormatRow& r) { return !r.one_record; };
-  CHECK(format_list(&FormatRow::name, shards, ", ", " or ") == "hdf5, eks or deepspec");
+  CHECK(format_list(&FormatRow::name, shards, ", ", " or ") == "hdf5, eks, deepspec or nemo");
   const auto named = [](const FormatRow& r) { return !r.noun.empty(); };
   CHECK(format_list(&FormatRow::noun, named, ", ", " or ") ==
-        "a torch.save zip, .ckpt.gz, safetensors, HDF5, .eks shard or DeepSpec manifest.json");
+        "a torch.save zip, .ckpt.gz, safetensors, HDF5, .eks shard, DeepSpec manifest.json or NeMo cache "
+        "manifest.json");
   const auto none = [](const FormatRow&) { return false; };
   CHECK(format_list(&FormatRow::name, none, ", ", " or ").empty());
 }

@@ -252,7 +252,7 @@ TEST_CASE("dataset: nothing matched says what was expected") {
   CHECK(error_of<Error>([&] { match_dataset(convs({"7"}), none); }) ==
         "no records to train on: the index " + index_path +
             " (built from /empty) holds none; expected record files there (pt, pt.gz, safetensors, hdf5, "
-            "eks or deepspec)");
+            "eks, deepspec or nemo)");
   CHECK(error_of<Error>([&] { match_dataset({}, index); }) ==
         "no conversations to train on: the data holds none");
 }

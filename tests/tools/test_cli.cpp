@@ -318,7 +318,7 @@ TEST_CASE("cli: missing, corrupt and truncated files exit 1 with the path and th
   CHECK(r.exit_code == 1);
   CHECK(r.err == "eaglekit inspect: error: " + junk +
                      ": magic at byte 0: not a record file (expected a torch.save zip, .ckpt.gz, "
-                     "safetensors, HDF5, .eks shard or DeepSpec manifest.json)\n");
+                     "safetensors, HDF5, .eks shard, DeepSpec manifest.json or NeMo cache manifest.json)\n");
 
   // A safetensors record cut short: the header promises more than the file holds.
   const std::string st = dir / "whole.safetensors";

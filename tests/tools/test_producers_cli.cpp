@@ -466,3 +466,42 @@ TEST_CASE("producers cli: convert --loss-masks joins speculators' prepared-datas
   CHECK_MESSAGE(r.err.find((dir / "renamed/x.safetensors") + ": --loss-masks pairs a record with its dataset row") !=
                     std::string::npos, r.err);
 }
+
+// NeMo AutoModel's EAGLE-3 cache (tests/data/nemo_cache/, written by NeMo 0.7.0's own producer
+// code: make_fixture.py): indexed by its manifest.json (its shards are not records of their own)
+// and counted; reading a record, as validate --deep and train do, is refused naming what is
+// missing: the cache holds no last hidden state.
+TEST_CASE("producers cli: a NeMo cache indexes and counts; validate --deep and train refuse it by name") {
+  test::TempDir dir("producers-nemo");
+  const std::string fx = test::source_dir() + "/tests/data/nemo_cache";
+  const std::string index = dir / "nemo.eki";
+  auto r = test::eaglekit("index " + test::quote(fx + "/topk") + " --out " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["files"] == 1);
+  CHECK(nlohmann::json::parse(r.out)["bad_records"] == 0);
+  r = test::eaglekit("index --show " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["entries"].size() == 5);
+    const int tokens[] = {5, 8, 6, 7, 5};
+    for (int i = 0; i < 5; ++i) {
+      const auto& e = j["entries"][static_cast<std::size_t>(i)];
+      CHECK(e["format"] == "nemo");
+      CHECK(e["conversation_id"] == std::to_string(i));
+      CHECK(e["tokens"] == tokens[i]);
+      CHECK(e["aux_width"] == 24);
+      CHECK(e["hidden_size"] == 8);
+    }
+  }
+  r = test::eaglekit("stats --index " + test::quote(index) + " --json");
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["total_tokens"] == 31);
+  const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
+  r = test::eaglekit("validate" + data + " --deep");
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE((r.out + r.err).find("stores no last hidden state") != std::string::npos, std::string(r.out + r.err));
+  r = test::eaglekit("convert " + test::quote(fx + "/topk/manifest.json") + " " + test::quote(dir / "n.eks"));
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.err.find("stores no last hidden state") != std::string::npos, r.err);
+}
