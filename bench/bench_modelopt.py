@@ -16,6 +16,7 @@ float rounding. Prints the medians over runs and the ratios.
 Usage: .venvs/e2e/bin/python bench/bench_modelopt.py [--work e2e-out] [--steps 30] [--warmup 3]
            [--runs 3] [--threads N] [--batch-size 16] [--max-length 160]
            [--arch eagle3|dflash] [--block-size 4] [--mask-token-id 0] [--anchors 32] [--no-eager]
+           [--eaglekit-before PATH]
 --work is a finished scripts/e2e folder (its base model, dumps and index). --threads defaults to
 min(nproc, 2). ModelOpt runs eagerly (eagle_use_torch_compile off: Inductor on the CPU compiles
 C++ for minutes and is not what its CPU tests run).
@@ -251,11 +252,11 @@ def eager_side(a):
                       "unweighted_loss1": model.unweighted_loss1[0]}))
 
 
-def eaglekit_side(a, out):
+def eaglekit_side(a, out, binary=None):
     arch = (["--dflash-anchors", str(a.anchors), "--seed", str(a.seed)] if a.arch == "dflash" else
             ["--loss-decay", "0.9", "--ttt-steps", "3", "--modelopt-norm", "--allow-unservable"])
-    return [a.eaglekit, "train", "--base", a.base, "--data", a.data, "--index", a.index, "--init-draft", a.draft,
-            "--max-length", str(a.max_length), "--batch-size", str(a.batch_size), "--no-shuffle",
+    return [binary or a.eaglekit, "train", "--base", a.base, "--data", a.data, "--index", a.index,
+            "--init-draft", a.draft, "--max-length", str(a.max_length), "--batch-size", str(a.batch_size), "--no-shuffle",
             "--schedule", "constant", "--lr", "1e-3", "--grad-clip", "1.0", "--weight-decay", "0",
             "--threads", str(a.threads), "--eval-every", "-1",
             "--log-every", "1", "--no-progress", "--no-tensorboard", "--max-steps", str(a.steps),
@@ -291,6 +292,8 @@ def main():
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-eager", action="store_true", help="dflash: leave out the plain PyTorch loop")
+    ap.add_argument("--eaglekit-before", help="another eaglekit binary (an earlier build) as one more side, "
+                    "run right after eaglekit's in every run")
     ap.add_argument("--side", choices=["modelopt", "eager"], help=argparse.SUPPRESS)
     for k in ("base", "draft", "data", "dumps", "index", "out"):
         ap.add_argument("--" + k, help=argparse.SUPPRESS)
@@ -314,6 +317,8 @@ def main():
     init_draft(a, w, init, env)
     a.draft = os.path.join(init, "final")
     names = ["eaglekit train", "ModelOpt (HF Trainer)"]
+    if a.eaglekit_before:
+        names.insert(1, "eaglekit train (before)")
     if a.arch == "dflash" and not a.no_eager:
         names.append("ModelOpt's model, plain loop")
     res = {n: [] for n in names}
@@ -322,17 +327,19 @@ def main():
     print(f"bench_modelopt: {what}; {a.runs} runs x {a.steps} steps ({w0} warm-up) per side, batch {a.batch_size}, "
           f"length {a.max_length}, {a.threads} threads each; load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
     loads = [os.getloadavg()[0]]
+    ek_names = names[:2] if a.eaglekit_before else names[:1]
     for r in range(1, a.runs + 1):
-        out = os.path.join(bench, f"ours-{r}")
-        rss = child_rss_mb(eaglekit_side(a, out), env, subprocess.DEVNULL)
-        lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
-        lines = [l for l in lines if "split" not in l]
-        steps = [l for l in lines if l["step"] > w0]
-        res[names[0]].append({"tps": st.median(l["tokens_per_s"] * l["step_ms"] / (l["step_ms"] - l["loader_wait_ms"])
+        for name, binary in zip(ek_names, [a.eaglekit, a.eaglekit_before]):
+            out = os.path.join(bench, f"ours-{r}" + ("-before" if binary == a.eaglekit_before else ""))
+            rss = child_rss_mb(eaglekit_side(a, out, binary), env, subprocess.DEVNULL)
+            lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
+            lines = [l for l in lines if "split" not in l]
+            steps = [l for l in lines if l["step"] > w0]
+            res[name].append({"tps": st.median(l["tokens_per_s"] * l["step_ms"] / (l["step_ms"] - l["loader_wait_ms"])
                                                for l in steps),
                               "rss": rss, "loss1": lines[0]["loss"],
                               "tokens1": lines[0]["tokens_per_s"] * lines[0]["step_ms"] / 1000})
-        for name, side in zip(names[1:], ["modelopt", "eager"]):
+        for name, side in zip(names[len(ek_names):], ["modelopt", "eager"]):
             resf = os.path.join(bench, f"{side}-{r}.json")
             with open(resf, "w") as f:
                 rss = child_rss_mb([sys.executable, os.path.abspath(__file__), "--side", side, "--arch", a.arch,
@@ -347,7 +354,7 @@ def main():
                               "loss1": m["unweighted_loss1"] if a.arch == "dflash" else m["losses"][0]})
         loads.append(os.getloadavg()[0])
         print(f"  run {r}: " + " | ".join(f"{n} {res[n][-1]['tps']:7.0f} tok/s {res[n][-1]['rss']:6.0f} MiB"
-                                          for n in names) + f" | load {loads[-1]:.1f}", file=sys.stderr)
+                                          for n in names) + f" | load {loads[-1]:.1f}", file=sys.stderr, flush=True)
     med = lambda xs, k: st.median(x[k] for x in xs)
     print(f"medians over {a.runs} runs ({what}), {a.threads} threads each, data loading excluded on all sides; "
           f"load average {min(loads):.1f} to {max(loads):.1f}" +
