@@ -165,7 +165,9 @@ for s in "${S_LIST[@]}"; do
       set -e
       wall=$("$PY" -c "import sys; print(round($(date +%s.%N) - $t0, 1))")
       if [ "$rc" = 0 ] && [ -n "$line" ]; then
-        echo "{\"impl\": \"$m\", \"cell_wall_s\": $wall, ${line#\{}" >>"$OUT/cells.jsonl"
+        extra=""
+        [ "$m" = dflash ] && extra="\"ttt_steps\": $s, "  # the row's S (a DFlash line has none of its own)
+        echo "{\"impl\": \"$m\", \"cell_wall_s\": $wall, $extra${line#\{}" >>"$OUT/cells.jsonl"
         case "$line" in *'"status": "oom"'*) FAILED_AT[$m/$s]="oom at L=$l"; FAILED_L[$m/$s]=$l ;; esac
       else
         status=failed

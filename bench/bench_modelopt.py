@@ -8,8 +8,10 @@ starting weights, batch, length, TTT steps (3, decay 0.9), AdamW (lr 1e-3 consta
 
 Per run and side: the median over the steps after --warmup of tokens/s (tokens = the batch's real,
 unpadded tokens; data loading excluded on both sides: eaglekit's step minus its loader wait,
-Trainer's time from on_step_begin, after the batch is fetched, to on_step_end), and the peak
-resident memory of the whole process (ru_maxrss of the child). Both in the same sample order
+Trainer's time from on_step_begin, after the batch is fetched, to on_step_end), tokens per
+CPU-second (the process's CPU time over the same span, every thread; eaglekit's cpu_ms also counts
+its loader threads, which favours the Python side; on a loaded machine it moves less than wall
+time), and the peak resident memory of the whole process (ru_maxrss of the child). Both in the same sample order
 (Trainer's sampler made sequential, eaglekit --no-shuffle), so the step-1 losses are equal up to
 float rounding. Prints the medians over runs and the ratios.
 
@@ -196,14 +198,15 @@ def modelopt_side(a):
             tokens.append(int(b["attention_mask"].sum()))
             return b
 
-    times, losses = [], []
+    times, cpu, losses = [], [], []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -221,7 +224,7 @@ def modelopt_side(a):
     tr = SequentialTrainer(model=model, args=targs, train_dataset=OfflineSupervisedDataset(files),
                            data_collator=collate, callbacks=[Timer()])
     tr.train()
-    print(json.dumps({"step_s": times, "tokens": tokens[:len(times)], "losses": losses,
+    print(json.dumps({"step_s": times, "cpu_s": cpu, "tokens": tokens[:len(times)], "losses": losses,
                       "unweighted_loss1": getattr(model, "unweighted_loss1", [None])[0]}))
 
 
@@ -238,17 +241,18 @@ def eager_side(a):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for b in batches:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model(**b)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(out.loss.item())
-    print(json.dumps({"step_s": times, "tokens": tokens, "losses": losses,
+    print(json.dumps({"step_s": times, "cpu_s": cpu, "tokens": tokens, "losses": losses,
                       "unweighted_loss1": model.unweighted_loss1[0]}))
 
 
@@ -337,6 +341,7 @@ def main():
             steps = [l for l in lines if l["step"] > w0]
             res[name].append({"tps": st.median(l["tokens_per_s"] * l["step_ms"] / (l["step_ms"] - l["loader_wait_ms"])
                                                for l in steps),
+                              "tpc": st.median(l["tokens_per_s"] * l["step_ms"] / l["cpu_ms"] for l in steps),
                               "rss": rss, "loss1": lines[0]["loss"],
                               "tokens1": lines[0]["tokens_per_s"] * lines[0]["step_ms"] / 1000})
         for name, side in zip(names[len(ek_names):], ["modelopt", "eager"]):
@@ -350,6 +355,7 @@ def main():
                                     "--seed", str(a.seed)], env, f)
             m = json.loads(open(resf).read().strip().splitlines()[-1])
             res[name].append({"tps": st.median(t / s for t, s in list(zip(m["tokens"], m["step_s"]))[w0:]),
+                              "tpc": st.median(t / s for t, s in list(zip(m["tokens"], m["cpu_s"]))[w0:]),
                               "rss": rss, "tokens1": m["tokens"][0],
                               "loss1": m["unweighted_loss1"] if a.arch == "dflash" else m["losses"][0]})
         loads.append(os.getloadavg()[0])
@@ -362,10 +368,11 @@ def main():
            else ":"))
     for n in names:
         print(f"  {n:30s} {med(res[n], 'tps'):8.0f} tokens/s  (runs {min(x['tps'] for x in res[n]):.0f} to "
-              f"{max(x['tps'] for x in res[n]):.0f})  peak RSS {med(res[n], 'rss'):6.0f} MiB  "
+              f"{max(x['tps'] for x in res[n]):.0f})  {med(res[n], 'tpc'):7.0f} tokens/CPU-s  peak RSS {med(res[n], 'rss'):6.0f} MiB  "
               f"step-1 loss {res[n][0]['loss1']:.6f}  step-1 tokens {res[n][0]['tokens1']:.0f}")
     for n in names[1:]:
         print(f"  ratio eaglekit / {n}: {med(res[names[0]], 'tps') / med(res[n], 'tps'):.2f}x tokens/s, "
+              f"{med(res[names[0]], 'tpc') / med(res[n], 'tpc'):.2f}x tokens/CPU-s, "
               f"{med(res[names[0]], 'rss') / med(res[n], 'rss'):.2f}x peak memory")
 
 
