@@ -28,11 +28,22 @@
 // per length through /proc/self/clear_refs) over its RSS at the start (CPU runs). A length
 // that runs out of memory prints status "oom" and the next length still runs.
 //
+// --draft dflash: the same rows train a DFlash draft instead (trainer/unroll/dflash.h, docs/dflash.md):
+// --draft-layers layers (default: one per aux layer), blocks of --block-size tokens (8,
+// ModelOpt 0.47's default) after up to --anchors anchors per row (512, ModelOpt's default; seeded
+// draws over the whole row, which is all loss mask), mask token 0, the base's full-vocabulary
+// lm_head, D-PACE weights and self-distillation (train's defaults); the draft's weights are its
+// own seeded initialisation (no other implementation draws them). Its JSON line adds "draft",
+// "block_size", "anchors" (blocks per row drawn), "query_tokens" (blocks x block size x rows),
+// "context" (the context length the block attention read) and "draft_layers"; --attention,
+// --ttt-steps and --draft-vocab do not apply.
+//
 // usage: bench_long_context --lengths L1,L2,... [--batch-size 1] [--ttt-steps 7]
 //          [--hidden 256] [--heads 4] [--kv-heads 1] [--head-dim 64] [--intermediate 768]
 //          [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]
 //          [--attention auto|local|tiled|fused] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]
 //          [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]
+//          [--draft eagle3|dflash] [--block-size 8] [--anchors 512] [--draft-layers N]
 // --steps timed steps per length after --warmup, fewer when they pass --max-seconds.
 // Exit status 0, 1 on a runtime error, 2 on a usage error.
 #include <ATen/ATen.h>
@@ -57,6 +68,7 @@
 #include "trainer/run/cpu_memory.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/train.h"
+#include "trainer/unroll/dflash.h"
 #include "trainer/unroll/ttt.h"
 
 // The CUDA caching allocator's statistics: only with a CUDA LibTorch (CMake defines
@@ -82,6 +94,7 @@ constexpr const char* kUsage =
     "         [--vocab 2048] [--draft-vocab 1024] [--aux-layers 3] [--rope-theta 500000]\n"
     "         [--attention auto|local|tiled|fused] [--recompute 0|1] [--device cpu|cuda] [--dtype fp32|bf16]\n"
     "         [--warmup 1] [--steps 3] [--max-seconds 60] [--threads 0] [--seed 1]\n"
+    "         [--draft eagle3|dflash] [--block-size 8] [--anchors 512] [--draft-layers N]\n"
     "eaglekit's training steps on a synthetic draft and batch (the same ones bench_train.py\n"
     "--synthetic builds), one JSON line per length (bench/bench_long_context.cpp's header).\n";
 
@@ -95,6 +108,8 @@ struct Args {
   std::string device = "cpu", dtype = "fp32";
   int warmup = 1, steps = 3, threads = 0;
   std::int64_t seed = 1;
+  bool dflash = false;
+  std::int64_t block_size = 8, anchors = 512, draft_layers = 0;
 };
 
 std::int64_t to_int(const std::string& k, const std::string& v) {
@@ -139,6 +154,13 @@ Args parse(int argc, char** argv) {
     else if (k == "--steps") a.steps = static_cast<int>(to_int(k, v));
     else if (k == "--threads") a.threads = static_cast<int>(to_int(k, v));
     else if (k == "--seed") a.seed = to_int(k, v);
+    else if (k == "--block-size") a.block_size = to_int(k, v);
+    else if (k == "--anchors") a.anchors = to_int(k, v);
+    else if (k == "--draft-layers") a.draft_layers = to_int(k, v);
+    else if (k == "--draft") {
+      if (v != "eagle3" && v != "dflash") throw Usage("--draft takes eagle3 or dflash, not '" + v + "'");
+      a.dflash = v == "dflash";
+    }
     else if (k == "--device") {
       if (v != "cpu" && v.compare(0, 4, "cuda") != 0) throw Usage("--device takes cpu, cuda or cuda:N, not '" + v + "'");
       a.device = v;
@@ -162,6 +184,8 @@ Args parse(int argc, char** argv) {
     if (l < 2) throw Usage("--lengths: every length must be at least 2");
   if (a.steps < 1 || a.warmup < 0 || a.batch < 1 || a.ttt_steps < 1)
     throw Usage("--steps, --batch-size and --ttt-steps must be at least 1, --warmup at least 0");
+  if (a.dflash && (a.block_size < 2 || a.anchors < 1 || a.draft_layers < 0))
+    throw Usage("--block-size must be at least 2, --anchors at least 1, --draft-layers at least 0");
   return a;
 }
 
@@ -205,6 +229,135 @@ bool is_oom(const std::exception& e) {
   return m.find("out of memory") != std::string::npos || m.find("DefaultCPUAllocator: can't allocate") != std::string::npos;
 }
 
+// The rows of length l (the header's draws).
+TttBatch make_batch(const Args& a, const BaseModel& base, std::int64_t l, c10::Device device) {
+  const std::int64_t b = a.batch, h = a.hidden;
+  at::manual_seed(static_cast<std::uint64_t>(a.seed * 1000 + 100 + l));
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
+  TttBatch batch;
+  batch.input_ids = at::randint(a.vocab, {b, l}, long_opts);
+  const at::Tensor target_ids = at::randint(a.vocab, {b, l}, long_opts);
+  std::vector<at::Tensor> aux;
+  for (std::int64_t j = 0; j < a.aux_layers; ++j)
+    aux.push_back(at::embedding(base.embed_tokens, at::randint(a.vocab, {b, l}, long_opts)) / 0.02);
+  batch.hidden_states = at::embedding(base.lm_head, target_ids) * (8.0 / (static_cast<double>(h) * 0.02 * 0.02));
+  batch.aux_hidden_states = at::cat(aux, -1);
+  batch.attention_mask = at::ones({b, l}, long_opts);
+  batch.loss_mask = batch.attention_mask;
+  return batch;
+}
+
+// Peak memory of a length's steps: the CPU allocator probe and peak RSS growth, or CUDA's
+// caching allocator's max allocated bytes.
+struct PeakMemory {
+  explicit PeakMemory(c10::Device device) : device_(device) {
+    if (device.is_cpu()) {
+      reset_peak_rss();
+      rss0_ = status_kib("VmRSS");
+      probe_ = std::make_unique<CpuAllocationProbe>();
+    }
+#ifdef EAGLEKIT_CUDA_STATS
+    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(index());
+#endif
+  }
+  // (peak bytes, kind, RSS growth bytes)
+  void read(std::int64_t& peak, std::string& kind, std::int64_t& rss_delta) const {
+    if (probe_) {
+      peak = probe_->peak_bytes();
+      kind = "cpu_allocator";
+      rss_delta = (status_kib("VmHWM") - rss0_) * 1024;
+    }
+#ifdef EAGLEKIT_CUDA_STATS
+    if (device_.is_cuda()) {
+      peak = c10::cuda::CUDACachingAllocator::getDeviceStats(index()).allocated_bytes[0].peak;
+      kind = "cuda_max_allocated";
+    }
+#endif
+  }
+
+ private:
+  c10::DeviceIndex index() const { return static_cast<c10::DeviceIndex>(device_.index() < 0 ? 0 : device_.index()); }
+  c10::Device device_;
+  std::unique_ptr<CpuAllocationProbe> probe_;
+  std::int64_t rss0_ = 0;
+};
+
+// --draft dflash: the same lengths, rows and step for a DFlash draft.
+int run_dflash(const Args& a, const DraftConfig& c, const BaseModel& base, c10::Device device) {
+  DraftModel draft(c, at::zeros({c.vocab_size}, at::kLong), at::Tensor(), static_cast<std::uint64_t>(a.seed));
+  draft.to(device, at::kFloat);
+  draft.train(true);
+  std::vector<std::pair<std::string, at::Tensor>> initial;
+  for (const auto& np : draft.named_parameters()) initial.emplace_back(np.first, np.second.detach().clone());
+  DFlashOptions o;
+  o.num_anchors = a.anchors;
+  if (a.dtype == "bf16") o.autocast = at::kBFloat16;
+  DFlashUnroll unroll(base, draft, o);
+  const auto params = unroll.draft().parameters();
+  for (const std::int64_t l : a.lengths) {
+    for (const auto& [name, value] : initial) unroll.draft().load_parameter(name, value);
+    std::ostringstream out;
+    out.precision(9);
+    out << "{\"length\": " << l;
+    std::vector<double> losses, times;
+    std::int64_t peak = -1, rss_delta = -1, blocks = 0, context = 0;
+    std::string peak_kind = "none";
+    bool oom = false;
+    try {
+      const TttBatch batch = make_batch(a, base, l, device);
+      std::vector<std::uint64_t> seeds;
+      for (std::int64_t r = 0; r < a.batch; ++r)
+        seeds.push_back(dflash_row_seed(static_cast<std::uint64_t>(a.seed), 0, "row" + std::to_string(r)));
+      const DFlashAnchors anchors = dflash_anchors(batch.loss_mask.cpu(), a.block_size, a.anchors, seeds);
+      blocks = anchors.positions.size(1);
+      context = (anchors.positions * anchors.keep.to(at::kLong)).max().item<std::int64_t>();
+      AdamW optimizer(unroll.draft().named_parameters(), AdamW::Options{});
+      const PeakMemory memory(device);
+      double timed_s = 0;
+      for (int i = 0; i < a.warmup + a.steps; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        optimizer.zero_grad();
+        const DFlashResult r = unroll.forward(batch, anchors);
+        const at::Tensor loss = dflash_loss(r.weighted_loss, r.weight_sum);
+        loss.backward();
+        clip_grad_norm(params, 1.0);
+        optimizer.step(1e-4);
+        sync(params.back());
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        losses.push_back(loss.item<double>());
+        if (i >= a.warmup) {
+          times.push_back(dt);
+          timed_s += dt;
+          if (timed_s > a.max_seconds) break;
+        } else if (dt > a.max_seconds) {
+          times.push_back(dt);
+          break;
+        }
+      }
+      memory.read(peak, peak_kind, rss_delta);
+    } catch (const std::exception& e) {
+      if (!is_oom(e)) throw;
+      oom = true;
+    }
+    const double tokens = static_cast<double>(a.batch * l);
+    if (oom) {
+      out << ", \"status\": \"oom\"";
+    } else {
+      out << ", \"status\": \"ok\", \"first_loss\": " << losses.front() << ", \"losses\": " << json_list(losses)
+          << ", \"step_s\": " << json_list(times) << ", \"step_s_median\": " << bench::median(times)
+          << ", \"tokens\": " << tokens << ", \"tokens_per_s_median\": " << tokens / bench::median(times)
+          << ", \"peak_bytes\": " << peak << ", \"peak_kind\": \"" << peak_kind << "\""
+          << ", \"rss_peak_delta_bytes\": " << rss_delta << ", \"anchors\": " << blocks
+          << ", \"query_tokens\": " << blocks * a.block_size * a.batch << ", \"context\": " << context;
+    }
+    out << ", \"draft\": \"dflash\", \"block_size\": " << a.block_size << ", \"draft_layers\": " << c.num_hidden_layers
+        << ", \"device\": \"" << a.device << "\", \"dtype\": \"" << a.dtype << "\", \"batch_size\": " << a.batch
+        << ", \"threads\": " << at::get_num_threads() << "}";
+    std::cout << out.str() << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -230,7 +383,14 @@ int main(int argc, char** argv) try {
   c.num_aux_layers = a.aux_layers;
   std::int64_t longest = 0;
   for (std::int64_t l : a.lengths) longest = std::max(longest, l);
-  c.max_position_embeddings = std::max<std::int64_t>(longest, 2048);
+  c.max_position_embeddings = std::max<std::int64_t>(longest + a.block_size, 2048);
+  if (a.dflash) {
+    c.architecture = "dflash";
+    c.draft_vocab_size = a.vocab;  // the base's lm_head, the whole vocabulary
+    c.num_hidden_layers = a.draft_layers > 0 ? a.draft_layers : a.aux_layers;
+    c.block_size = a.block_size;
+    c.mask_token_id = 0;
+  }
   c.check();
 
   BaseModel base;
@@ -240,6 +400,7 @@ int main(int argc, char** argv) try {
   base.embed_tokens = seeded_randn(a.seed, 0, {a.vocab, a.hidden}, device);
   base.lm_head = seeded_randn(a.seed, 1, {a.vocab, a.hidden}, device);
 
+  if (a.dflash) return run_dflash(a, c, base, device);
   DraftModel draft(c, at::zeros({c.draft_vocab_size}, at::kLong), base.lm_head, 0);
   const std::vector<std::pair<std::string, std::int64_t>> seeded = {
       {"fc.weight", 2}, {"midlayer.self_attn.q_proj.weight", 3}, {"midlayer.self_attn.k_proj.weight", 4},
@@ -279,32 +440,11 @@ int main(int argc, char** argv) try {
     double tokens = 0;
     bool oom = false;
     try {
-      const std::int64_t b = a.batch, h = a.hidden;
-      at::manual_seed(static_cast<std::uint64_t>(a.seed * 1000 + 100 + l));
-      const auto long_opts = at::TensorOptions().dtype(at::kLong).device(device);
-      TttBatch batch;
-      batch.input_ids = at::randint(a.vocab, {b, l}, long_opts);
-      const at::Tensor target_ids = at::randint(a.vocab, {b, l}, long_opts);
-      std::vector<at::Tensor> aux;
-      for (std::int64_t j = 0; j < a.aux_layers; ++j)
-        aux.push_back(at::embedding(base.embed_tokens, at::randint(a.vocab, {b, l}, long_opts)) / 0.02);
-      batch.hidden_states = at::embedding(base.lm_head, target_ids) * (8.0 / (static_cast<double>(h) * 0.02 * 0.02));
-      batch.aux_hidden_states = at::cat(aux, -1);
-      batch.attention_mask = at::ones({b, l}, long_opts);
-      batch.loss_mask = batch.attention_mask;
-      tokens = static_cast<double>(b * l);
+      const TttBatch batch = make_batch(a, base, l, device);
+      tokens = static_cast<double>(a.batch * l);
 
       AdamW optimizer(unroll.draft().named_parameters(), AdamW::Options{});
-      std::unique_ptr<CpuAllocationProbe> probe;
-      std::int64_t rss0 = 0;
-      if (device.is_cpu()) {
-        reset_peak_rss();
-        rss0 = status_kib("VmRSS");
-        probe = std::make_unique<CpuAllocationProbe>();
-      }
-#ifdef EAGLEKIT_CUDA_STATS
-      if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device.index() < 0 ? 0 : device.index()));
-#endif
+      const PeakMemory memory(device);
       double timed_s = 0;
       for (int i = 0; i < a.warmup + a.steps; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -325,19 +465,7 @@ int main(int argc, char** argv) try {
           break;
         }
       }
-      if (probe) {
-        peak = probe->peak_bytes();
-        peak_kind = "cpu_allocator";
-        rss_delta = (status_kib("VmHWM") - rss0) * 1024;
-      }
-#ifdef EAGLEKIT_CUDA_STATS
-      if (device.is_cuda()) {
-        const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
-            static_cast<c10::DeviceIndex>(device.index() < 0 ? 0 : device.index()));
-        peak = stats.allocated_bytes[0].peak;  // [0]: the aggregate over pool types
-        peak_kind = "cuda_max_allocated";
-      }
-#endif
+      memory.read(peak, peak_kind, rss_delta);
     } catch (const std::exception& e) {
       if (!is_oom(e)) throw;
       oom = true;

@@ -10,6 +10,10 @@
 #                scaled_dot_product_attention per step over the full TTT mask (torch >= 2.0;
 #                older torch runs its masked matmul and the table says so)
 #   eager-matmul bench/bench_train.py --synthetic --attention matmul: the masked matmul
+#   dflash       eaglekit, a DFlash draft's training step on the same rows (bench_long_context
+#                --draft dflash: one layer per aux layer, --block-size 8, --anchors 512 per row,
+#                the base's full-vocabulary lm_head; docs/dflash.md). Another model: no first-loss
+#                check and no tiled ratio; it runs at the first --ttt-steps value only (it has none)
 # each cell in its own process (bench/bench_long_context.cpp's header defines the model and
 # the rows; both sides draw them identically, so their first-step losses must agree).
 #
@@ -29,6 +33,7 @@
 #          [--impls tiled,local,eager-sdpa] (also fused, eager-matmul; tiled-recompute: tiled with
 #          train's --recompute) [--steps 3] [--warmup 1]
 #          [--cell-seconds 300] [--deadline 0 (none)] [--threads 0] [--peak-tflops X]
+#          [--block-size 8] [--anchors 512] (dflash)
 #          [--out DIR] [--python PY] [--no-build] [--hidden H --heads N --kv-heads K --head-dim D
 #          --intermediate I --vocab V --draft-vocab Vd --aux-layers k] (override the preset)
 # Presets: small H 256, 4/1 heads x 64, I 768, V 2048, Vd 1024; 8b H 4096, 32/8 heads x 128,
@@ -42,11 +47,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'; }
 die_usage() { echo "bench_long_context.sh: $1" >&2; exit 2; }
 
 PRESET=small LENGTHS="" SSTEPS=7 BATCH=1 DEVICE=cpu DTYPE="" IMPLS="tiled,local,eager-sdpa" STEPS=3 WARMUP=1
-CELL_S=300 DEADLINE=0 THREADS=0 PEAK="" OUT="" PY="" BUILD_IT=1
+CELL_S=300 DEADLINE=0 THREADS=0 PEAK="" OUT="" PY="" BUILD_IT=1 BLOCK=8 ANCHORS=512
 declare -A OVR=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -54,13 +59,14 @@ while [ $# -gt 0 ]; do
     --no-build) BUILD_IT=0; shift ;;
     --preset|--lengths|--ttt-steps|--batch-size|--device|--dtype|--impls|--steps|--warmup|--cell-seconds|\
     --deadline|--threads|--peak-tflops|--out|--python|--hidden|--heads|--kv-heads|--head-dim|--intermediate|\
-    --vocab|--draft-vocab|--aux-layers)
+    --vocab|--draft-vocab|--aux-layers|--block-size|--anchors)
       [ $# -ge 2 ] || die_usage "$1 needs a value"
       case "$1" in
         --preset) PRESET=$2 ;; --lengths) LENGTHS=$2 ;; --ttt-steps) SSTEPS=$2 ;; --batch-size) BATCH=$2 ;;
         --device) DEVICE=$2 ;; --dtype) DTYPE=$2 ;; --impls) IMPLS=$2 ;; --steps) STEPS=$2 ;;
         --warmup) WARMUP=$2 ;; --cell-seconds) CELL_S=$2 ;; --deadline) DEADLINE=$2 ;; --threads) THREADS=$2 ;;
         --peak-tflops) PEAK=$2 ;; --out) OUT=$2 ;; --python) PY=$2 ;;
+        --block-size) BLOCK=$2 ;; --anchors) ANCHORS=$2 ;;
         *) OVR[${1#--}]=$2 ;;
       esac
       shift 2 ;;
@@ -87,13 +93,13 @@ case "$DTYPE" in fp32|bf16) ;; *) die_usage "--dtype takes fp32 or bf16, not '$D
 for list in "$LENGTHS" "$SSTEPS"; do
   [[ "$list" =~ ^[0-9]+(,[0-9]+)*$ ]] || die_usage "'$list' is not a comma-separated list of integers"
 done
-for n in "$BATCH" "$STEPS" "$WARMUP" "$CELL_S" "$DEADLINE" "$THREADS"; do
+for n in "$BATCH" "$STEPS" "$WARMUP" "$CELL_S" "$DEADLINE" "$THREADS" "$BLOCK" "$ANCHORS"; do
   [[ "$n" =~ ^[0-9]+$ ]] || die_usage "'$n' is not a non-negative integer"
 done
 [ -z "$PEAK" ] || [[ "$PEAK" =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--peak-tflops takes a number, not '$PEAK'"
 IFS=, read -r -a IMPL_LIST <<<"$IMPLS"
 for m in "${IMPL_LIST[@]}"; do
-  case "$m" in tiled|tiled-recompute|fused|local|eager-sdpa|eager-matmul) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
+  case "$m" in tiled|tiled-recompute|fused|local|eager-sdpa|eager-matmul|dflash) ;; *) die_usage "--impls: unknown implementation '$m'" ;; esac
 done
 
 # A Python with torch: --python, else python3, else /usr/bin/python3.
@@ -131,6 +137,7 @@ IFS=, read -r -a L_LIST <<<"$LENGTHS"
 for s in "${S_LIST[@]}"; do
   for l in "${L_LIST[@]}"; do
     for m in "${IMPL_LIST[@]}"; do
+      [ "$m" = dflash ] && [ "$s" != "${S_LIST[0]}" ] && continue  # no TTT steps: the first S only
       cell="{\"impl\": \"$m\", \"length\": $l, \"ttt_steps\": $s"
       if [ -n "${FAILED_AT[$m/$s]:-}" ] && [ "$l" -ge "${FAILED_L[$m/$s]}" ]; then
         echo "$cell, \"status\": \"skip\", \"why\": \"${FAILED_AT[$m/$s]}\"}" >>"$OUT/cells.jsonl"; continue
@@ -147,6 +154,7 @@ for s in "${S_LIST[@]}"; do
       case "$m" in
         tiled|local|fused) cmd=("$BUILD/bin/bench_long_context" --attention "$m") ;;
         tiled-recompute) cmd=("$BUILD/bin/bench_long_context" --attention tiled --recompute 1) ;;
+        dflash) cmd=("$BUILD/bin/bench_long_context" --draft dflash --block-size "$BLOCK" --anchors "$ANCHORS") ;;
         eager-*) cmd=("$PY" bench/bench_train.py --synthetic --attention "${m#eager-}") ;;
       esac
       log="$OUT/logs/$m-S$s-L$l.log"
@@ -157,7 +165,9 @@ for s in "${S_LIST[@]}"; do
       set -e
       wall=$("$PY" -c "import sys; print(round($(date +%s.%N) - $t0, 1))")
       if [ "$rc" = 0 ] && [ -n "$line" ]; then
-        echo "{\"impl\": \"$m\", \"cell_wall_s\": $wall, ${line#\{}" >>"$OUT/cells.jsonl"
+        extra=""
+        [ "$m" = dflash ] && extra="\"ttt_steps\": $s, "  # the row's S (a DFlash line has none of its own)
+        echo "{\"impl\": \"$m\", \"cell_wall_s\": $wall, $extra${line#\{}" >>"$OUT/cells.jsonl"
         case "$line" in *'"status": "oom"'*) FAILED_AT[$m/$s]="oom at L=$l"; FAILED_L[$m/$s]=$l ;; esac
       else
         status=failed
@@ -193,6 +203,15 @@ def flops(L, S):
     total += L * 2 * H * Vd           # the target head (no gradient)
     return batch * total
 
+def dflash_flops(c):
+    """Model FLOPs of a DFlash step: the trained parts 3x (forward, backward), the frozen
+    lm_head 2x (forward, the input's gradient), the teacher's lm_head 1x; attention counted
+    over the keys a block sees (on average half the context before its anchor, and its block)."""
+    L, Q, nl, bs = c["length"], c["query_tokens"] / batch, c["draft_layers"], c["block_size"]
+    layer = (4 * Q * H * nh * hd + 4 * (L + Q) * H * nkv * hd + 6 * Q * H * I
+             + 4 * nh * hd * Q * (L / 2 + bs))
+    return batch * (3 * (2 * L * k * H * H + nl * layer) + 3 * 2 * Q * H * V)
+
 def mib(x):
     return None if x is None or x < 0 else x / 2**20
 
@@ -212,7 +231,7 @@ for S, L in keys:
         if c["status"] == "failed":
             failed.append((m, S, L))
         if c["status"] == "ok":
-            f = flops(L, S)
+            f = dflash_flops(c) if m == "dflash" else flops(L, S)
             tps = c["tokens_per_s_median"]
             r.update(tokens_per_s=tps, step_s=c["step_s_median"], timed_steps=len(c["step_s"]),
                      first_loss=c["first_loss"], flops_per_step=f, achieved_tflops=f / c["step_s_median"] / 1e12,
@@ -220,7 +239,10 @@ for S, L in keys:
                      rss_delta_mib=mib(c.get("rss_peak_delta_bytes")), attention_used=c.get("attention_used", c.get("attention")))
             if peak_tflops:
                 r["mfu"] = r["achieved_tflops"] / peak_tflops
-            if ref and ref["status"] == "ok" and m != "tiled":
+            if m == "dflash":
+                r.update(block_size=c["block_size"], anchors=c["anchors"], query_tokens=c["query_tokens"],
+                         draft_layers=c["draft_layers"], context=c["context"])
+            elif ref and ref["status"] == "ok" and m != "tiled":
                 d = abs(c["first_loss"] - ref["first_loss"]) / max(abs(ref["first_loss"]), 1e-12)
                 r["first_loss_rel_diff_vs_tiled"] = d
                 if d > tol:
@@ -242,7 +264,8 @@ for r in rows:
         lines.append(f"| {r['S']} | {r['L']} | {r['impl']} | {r['status'].upper()} {r.get('why', '')} | | | | | | | | |")
         continue
     perf = "%.1f%%" % (100 * r["mfu"]) if peak_tflops else "%.1f" % (r["achieved_tflops"] * 1e3)
-    name = r["impl"] + ("" if r.get("attention_used") in (None, "tiled", "local", "fused", "matmul", "sdpa", "auto") else
+    name = (f"dflash (block {r['block_size']}, {r['anchors']} blocks, {r['draft_layers']} layers)" if r["impl"] == "dflash" else
+            r["impl"]) + ("" if r["impl"] == "dflash" or r.get("attention_used") in (None, "tiled", "local", "fused", "matmul", "sdpa", "auto") else
                         " (" + r["attention_used"] + ")")
     lines.append(f"| {r['S']} | {r['L']} | {name} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {perf} | "
                  f"{fmt(r['peak_mib'], '%.1f')} | {fmt(r['rss_delta_mib'], '%.1f')} | "

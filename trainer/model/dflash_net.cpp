@@ -74,42 +74,61 @@ class DFlashNet final : public net_parts::ModuleNet<BlockNet, ModuleImpl> {
 
   at::Tensor context(const at::Tensor& aux) const override { return module_->hidden_norm->forward(module_->fc(aux)); }
 
-  at::Tensor layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q, const RotaryTable& rope_kv,
-                   const at::Tensor& allowed, std::int64_t layer) const override;
+  at::Tensor layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q, const RotaryTable& rope_ctx,
+                   const at::Tensor& allowed, std::int64_t block_size, std::int64_t layer) const override;
 
   at::Tensor final_norm(const at::Tensor& x) const override { return module_->norm->forward(x); }
 };
 
 at::Tensor DFlashNet::layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q,
-                            const RotaryTable& rope_kv, const at::Tensor& allowed, std::int64_t index) const {
+                            const RotaryTable& rope_ctx, const at::Tensor& allowed, std::int64_t block_size,
+                            std::int64_t index) const {
   if (index < 0 || index >= static_cast<std::int64_t>(module_->layers.size()))
     throw UsageError("the draft has no decoder layer " + std::to_string(index));
   const DraftConfig& c = config_;
   LayerImpl& l = *module_->layers[static_cast<std::size_t>(index)];
   AttentionImpl& a = *l.self_attn;
-  const std::int64_t b = x.size(0), q_len = x.size(1), ctx_len = context.size(1), kv_len = ctx_len + q_len;
+  const std::int64_t b = x.size(0), q_len = x.size(1), ctx_len = context.size(1), bs = block_size;
   const std::int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, d = c.head_dim;
+  if (bs < 1 || q_len % bs != 0) throw UsageError("DFlash layer: the queries are not whole blocks");
+  const std::int64_t blocks = q_len / bs;
 
   const at::Tensor h = l.input_layernorm->forward(x);
   // Queries from the block only; keys and values from the context and the block, q and k
   // normed per head before RoPE (Qwen3's q_norm/k_norm); the context is not layer-normed.
   at::Tensor q = a.q_norm->forward(a.q_proj(h).view({b, q_len, heads, d})).transpose(1, 2);
   const at::Tensor ctx = context.to(h.scalar_type());
-  at::Tensor k = a.k_norm->forward(torch::cat({a.k_proj(ctx), a.k_proj(h)}, 1).view({b, kv_len, kv_heads, d})).transpose(1, 2);
-  at::Tensor v = torch::cat({a.v_proj(ctx), a.v_proj(h)}, 1).view({b, kv_len, kv_heads, d}).transpose(1, 2);
+  at::Tensor k_ctx = a.k_norm->forward(a.k_proj(ctx).view({b, ctx_len, kv_heads, d})).transpose(1, 2);
+  at::Tensor k_blk = a.k_norm->forward(a.k_proj(h).view({b, q_len, kv_heads, d})).transpose(1, 2);
+  at::Tensor v_ctx = a.v_proj(ctx).view({b, ctx_len, kv_heads, d}).transpose(1, 2);
+  at::Tensor v_blk = a.v_proj(h).view({b, q_len, kv_heads, d}).transpose(1, 2);
   q = apply_rope(q, rope_q);
-  k = apply_rope(k, rope_kv);
+  k_ctx = apply_rope(k_ctx, rope_ctx);
+  k_blk = apply_rope(k_blk, rope_q);  // a block's keys sit at its queries' positions
   if (kv_heads != heads) {  // GQA: query head i reads kv head i / (heads / kv_heads)
-    k = k.repeat_interleave(heads / kv_heads, 1);
-    v = v.repeat_interleave(heads / kv_heads, 1);
+    k_ctx = k_ctx.repeat_interleave(heads / kv_heads, 1);
+    v_ctx = v_ctx.repeat_interleave(heads / kv_heads, 1);
+    k_blk = k_blk.repeat_interleave(heads / kv_heads, 1);
+    v_blk = v_blk.repeat_interleave(heads / kv_heads, 1);
   }
-  // Softmax in float32. A row that may see nothing (a block with no anchor) gets every key at
-  // the same lowest score, as ModelOpt's additive finfo.min mask gives it: finite, never read
-  // by the loss (its weight is 0).
-  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
+  // Scores in float32: [Q, C] against the context and, per block, [bs, bs] against its own
+  // tokens (the other blocks' keys, always masked, are never computed); one softmax over both.
+  // A row that may see nothing (a block with no anchor) gets every key at the same lowest
+  // score, as ModelOpt's additive finfo.min mask gives it: finite, never read by the loss
+  // (its weight is 0).
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const at::Tensor qf = q.to(at::kFloat);
+  const at::Tensor s_ctx = at::matmul(qf, k_ctx.to(at::kFloat).transpose(-2, -1));  // [B, heads, Q, C]
+  const at::Tensor s_blk = at::matmul(qf.reshape({b, heads, blocks, bs, d}),
+                                      k_blk.to(at::kFloat).reshape({b, heads, blocks, bs, d}).transpose(-2, -1))
+                               .reshape({b, heads, q_len, bs});
+  at::Tensor scores = at::cat({s_ctx, s_blk}, -1) * scale;
   scores = scores.masked_fill(allowed.logical_not().unsqueeze(1), -std::numeric_limits<float>::max());
   const at::Tensor p = at::softmax(scores, -1);
-  const at::Tensor attn = at::matmul(p, v.to(at::kFloat)).to(h.scalar_type());  // [B, heads, Q, d]
+  const at::Tensor o_blk = at::matmul(p.narrow(-1, ctx_len, bs).reshape({b, heads, blocks, bs, bs}),
+                                      v_blk.to(at::kFloat).reshape({b, heads, blocks, bs, d}))
+                               .reshape({b, heads, q_len, d});
+  const at::Tensor attn = (at::matmul(p.narrow(-1, 0, ctx_len), v_ctx.to(at::kFloat)) + o_blk).to(h.scalar_type());
   const at::Tensor merged = attn.transpose(1, 2).reshape({b, q_len, heads * d});
   const at::Tensor residual = x + a.o_proj(merged).to(x.scalar_type());
   return residual + l.mlp->forward(l.post_attention_layernorm->forward(residual));

@@ -81,12 +81,15 @@ class BlockNet : public DraftNet {
  public:
   // The target's context features from the dump's aux hidden states: [B, L, k*Ht] -> [B, L, H].
   virtual at::Tensor context(const at::Tensor& aux_hidden_states) const = 0;
-  // Decoder layer `layer`: x [B, Q, H] the block tokens' hidden states, context [B, L, H].
-  // Queries: the Q block rows (rope_q, [B, Q, head_dim] tables); keys and values:
-  // cat(context, input_layernorm(x)) along the sequence (rope_kv, [B, L + Q, head_dim]);
-  // allowed: bool [B, Q, L + Q], no row all false. Returns the layer's output [B, Q, H].
+  // Decoder layer `layer`: x [B, Q, H] the hidden states of Q / block_size blocks of
+  // block_size tokens each, context [B, C, H]. Queries: the Q block rows (rope_q, [B, Q,
+  // head_dim] tables); keys and values: the context (rope_ctx, [B, C, head_dim]) and the
+  // query's own block of input_layernorm(x) (at rope_q's positions); a query sees no other
+  // block. allowed: bool [B, Q, C + block_size], columns C + j the own block's token j.
+  // Returns the layer's output [B, Q, H].
   virtual at::Tensor layer(const at::Tensor& x, const at::Tensor& context, const RotaryTable& rope_q,
-                           const RotaryTable& rope_kv, const at::Tensor& allowed, std::int64_t layer) const = 0;
+                           const RotaryTable& rope_ctx, const at::Tensor& allowed, std::int64_t block_size,
+                           std::int64_t layer) const = 0;
   // The norm before the base's lm_head.
   virtual at::Tensor final_norm(const at::Tensor& x) const = 0;
 };

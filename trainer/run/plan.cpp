@@ -87,8 +87,8 @@ double run_flops(const DraftConfig& c, std::int64_t parameters, double row_token
 // DFlash (the block unroll, docs/dflash.md): a row of L tokens trains B = min(anchors, L -
 // block) blocks of `block` tokens each. Every layer keeps, per context token, its k and v
 // (2 n_kv d) and the context itself (H, after fc and hidden_norm, 2H); per block token what a
-// TTT layer keeps plus the scores and probabilities over the L context keys and the block's own
-// (the block attention is dense: all of the row's context and blocks, 2 n_h (L + B block)); then
+// TTT layer keeps plus the scores and probabilities over the context keys (at most L) and its
+// block's own (2 n_h (L + block)); then
 // per block token the logits over the base's whole vocabulary, their softmax and the teacher's
 // (3V; DFlash has no draft vocabulary).
 std::int64_t dflash_blocks(std::int64_t length, std::int64_t block, std::int64_t anchors) {
@@ -103,7 +103,7 @@ double dflash_activation_bytes(const DraftConfig& c, std::int64_t rows, std::int
   const double per_context_token = 2.0 * c.hidden_size + layers * kv;
   const double per_block_token = layers * (8.0 * c.hidden_size + qkv + c.num_attention_heads * c.head_dim +
                                            3.0 * c.intermediate_size +
-                                           2.0 * c.num_attention_heads * (static_cast<double>(length) + block_tokens)) +
+                                           2.0 * c.num_attention_heads * static_cast<double>(length + c.block_size)) +
                                  3.0 * static_cast<double>(c.vocab_size);
   return 4.0 * static_cast<double>(rows) *
          (static_cast<double>(length) * per_context_token + block_tokens * per_block_token);

@@ -258,6 +258,11 @@ DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& a
   at::Tensor in_bounds = label < n;
   if (packed) in_bounds = in_bounds & (docs.gather(1, safe).view({b, blocks, bs}) == anchor_doc.unsqueeze(-1));
   const at::Tensor target_ids = ids.gather(1, safe).view({b, blocks, bs});
+  // The context a block sees ends before its anchor, so no block sees a position at or after
+  // the batch's last kept anchor: the context stops there (the same function; a padded batch
+  // of short rows skips most of its context).
+  const std::int64_t ctx_len = std::clamp<std::int64_t>(
+      (anchors.positions.to(at::kCPU, at::kLong) * anchors.keep.to(at::kCPU, at::kLong)).max().item<std::int64_t>(), 1, n);
 
   at::Tensor emb, teacher_p, rope_positions;
   {
@@ -291,27 +296,28 @@ DFlashResult DFlashUnroll::forward(const TttBatch& batch, const DFlashAnchors& a
     }
     // RoPE: the context at its positions in its document, the block at its anchor's plus 0, 1, ...
     const at::Tensor block_positions = positions.gather(1, anchor.clamp(0, n - 1)).unsqueeze(-1) + offsets.view({1, 1, bs});
-    rope_positions = at::cat({positions, block_positions.view({b, q_len})}, 1);
+    rope_positions = at::cat({positions.narrow(1, 0, ctx_len), block_positions.view({b, q_len})}, 1);
   }
-  const RotaryTable rope_kv = rope_table(c, rope_positions);
-  const RotaryTable rope_q{rope_kv.cos.narrow(1, n, q_len), rope_kv.sin.narrow(1, n, q_len)};
+  const RotaryTable rope_all = rope_table(c, rope_positions);
+  const RotaryTable rope_ctx{rope_all.cos.narrow(1, 0, ctx_len), rope_all.sin.narrow(1, 0, ctx_len)};
+  const RotaryTable rope_q{rope_all.cos.narrow(1, ctx_len, q_len), rope_all.sin.narrow(1, ctx_len, q_len)};
 
   // Block j's queries see the context strictly before its anchor (in its anchor's document)
-  // and the whole block j, nothing when the block is not kept.
+  // and the whole block j (the last bs columns), nothing when the block is not kept.
   at::Tensor allowed;
   {
     const at::Tensor anchor_q = anchor.repeat_interleave(bs, 1);  // [B, Q]
-    const at::Tensor keep_q = keep.repeat_interleave(bs, 1);
-    at::Tensor ctx_ok = at::arange(n, long_opts).view({1, 1, n}) < anchor_q.unsqueeze(-1);
-    if (packed) ctx_ok = ctx_ok & (docs.unsqueeze(1) == anchor_doc.repeat_interleave(bs, 1).unsqueeze(-1));
-    const at::Tensor block_of = at::arange(q_len, long_opts).div(bs, "floor");
-    const at::Tensor same_block = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).unsqueeze(0).expand({b, q_len, q_len});
-    allowed = at::cat({ctx_ok, same_block}, 2) & keep_q.unsqueeze(-1);
+    const at::Tensor keep_q = keep.repeat_interleave(bs, 1).unsqueeze(-1);
+    at::Tensor ctx_ok = at::arange(ctx_len, long_opts).view({1, 1, ctx_len}) < anchor_q.unsqueeze(-1);
+    if (packed) {
+      ctx_ok = ctx_ok & (docs.narrow(1, 0, ctx_len).unsqueeze(1) == anchor_doc.repeat_interleave(bs, 1).unsqueeze(-1));
+    }
+    allowed = at::cat({ctx_ok & keep_q, keep_q.expand({b, q_len, bs})}, 2);
   }
 
-  const at::Tensor context = net.context(batch.aux_hidden_states.to(device, dtype));
+  const at::Tensor context = net.context(batch.aux_hidden_states.narrow(1, 0, ctx_len).to(device, dtype));
   at::Tensor x = emb;
-  for (std::int64_t i = 0; i < net.num_layers(); ++i) x = net.layer(x, context, rope_q, rope_kv, allowed, i);
+  for (std::int64_t i = 0; i < net.num_layers(); ++i) x = net.layer(x, context, rope_q, rope_ctx, allowed, bs, i);
   const at::Tensor out = net.final_norm(x);
   const at::Tensor logits = at::matmul(out, impl_->lm_head.to(out.scalar_type()).t()).to(at::kFloat).view({b, blocks, bs, -1});
   const at::Tensor logp = at::log_softmax(logits, -1);
