@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "formats/error.h"
+#include "trainer/parallel/autograd_node.h"
 
 namespace eaglekit::trainer {
 
@@ -31,7 +32,7 @@ struct GradientSync::State {
   std::vector<bool> seen;              // param's gradient accumulated since prepare()
   // Hooks live on the parameters' gradient accumulators; holding these keeps the
   // accumulators (and so the hooks) alive across backward passes.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<NodePtr> accumulators;
   std::vector<std::uintptr_t> hook_keys;
   std::size_t next_launch = 0;
   bool armed = false;

@@ -16,6 +16,7 @@
 #include "formats/error.h"
 #include "trainer/attention/ttt_fused.h"
 #include "trainer/attention/ttt_tiles.h"
+#include "trainer/parallel/autograd_node.h"
 
 namespace eaglekit::trainer {
 
@@ -653,8 +654,7 @@ at::Tensor ring_ttt_attention(const dist::Group& cp, std::int64_t length, const 
   // the saved copy.
   at::Tensor out = res.out.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   if (needs_grad) {
-    auto node = std::shared_ptr<RingAttentionBackward>(new RingAttentionBackward(),
-                                                       torch::autograd::deleteNode);
+    auto node = make_node<RingAttentionBackward>();
     node->geom = std::move(g);
     node->q = q.detach();
     node->packed = packed;
@@ -677,7 +677,7 @@ at::Tensor cp_shift(const dist::Group& cp, const at::Tensor& x, int shift) {
     y = shift_raw(cp, x.detach().contiguous(), shift);
   }
   if (torch::autograd::compute_requires_grad(x)) {
-    auto node = std::shared_ptr<ShiftBackward>(new ShiftBackward(), torch::autograd::deleteNode);
+    auto node = make_node<ShiftBackward>();
     node->cp = cp;
     node->shift = shift;
     node->set_next_edges(torch::autograd::collect_next_edges(x));
