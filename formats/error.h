@@ -7,6 +7,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace eaglekit {
 
@@ -45,6 +46,9 @@ class FormatError : public Error {
   std::optional<std::uint64_t> offset_;
   std::string field_;
 };
+
+// 'name': how messages quote a key, entry or field name.
+inline std::string squote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
 // Stored checksum and decoded bytes disagree.
 class ChecksumError : public FormatError {

@@ -18,8 +18,6 @@ namespace {
 using pickle::Kind;
 using pickle::Value;
 
-std::string squote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
 std::string dims_string(const std::vector<std::int64_t>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);

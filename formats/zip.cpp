@@ -33,8 +33,6 @@ constexpr std::uint16_t kPadExtraId = 0x4246;  // "FB", torch's alignment paddin
 constexpr std::uint32_t kMax32 = 0xffffffffu;
 constexpr std::uint16_t kMax16 = 0xffff;
 
-std::string squote(std::string_view s) { return "'" + std::string(s) + "'"; }
-
 std::uint32_t crc_update(std::uint32_t crc, const void* data, std::size_t n) {
   return crc32_update(crc, data, n);
 }
