@@ -15,9 +15,8 @@ namespace eaglekit::trainer {
 
 namespace {
 
-const double kNegInf = -std::numeric_limits<double>::infinity();
-
 using tiles::finite_or_lowest;
+using tiles::kNegInf;
 using tiles::shift_down;
 using tiles::shift_up;
 

@@ -35,9 +35,9 @@ bool ttt_fused_available(std::string* why) {
 
 namespace {
 
-const double kNegInf = -std::numeric_limits<double>::infinity();
 
 using tiles::finite_or_lowest;
+using tiles::kNegInf;
 using tiles::shift_down;
 using tiles::shift_up;
 

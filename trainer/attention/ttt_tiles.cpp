@@ -13,7 +13,6 @@ namespace eaglekit::trainer::tiles {
 
 namespace {
 
-const double kNegInf = -std::numeric_limits<double>::infinity();
 const double kLowest = std::numeric_limits<float>::lowest();
 
 std::int64_t invalid_in(const TileKeys& k, std::int64_t k0, std::int64_t n) {

@@ -27,12 +27,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
 #include "trainer/attention/inputs.h"
 
 namespace eaglekit::trainer::tiles {
+
+// The score of a masked pair and the log-sum-exp of a row with no key.
+inline constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 // The key validity and document ids of a chunk of keys, on the host: what decides which
 // tiles (or, on the fused path, which kernel calls) a pair needs. Read once per batch by
