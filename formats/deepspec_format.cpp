@@ -9,6 +9,7 @@
 #include "formats/byte_source.h"
 #include "formats/bytes.h"
 #include "formats/error.h"
+#include "formats/json_manifest.h"
 #include "formats/record.h"
 
 namespace eaglekit {
@@ -27,13 +28,6 @@ constexpr std::int64_t kMaxLayers = 4096;
 bool looks_like_manifest(const json& j) {
   return j.is_object() && j.contains("index_record_size") && j.contains("target_layer_ids") &&
          j.contains("shards");
-}
-
-// Where `"key"` first appears in the manifest's text: the offset an error names.
-std::optional<std::uint64_t> key_offset(std::string_view text, const std::string& key) {
-  const auto at = text.find("\"" + key + "\"");
-  if (at == std::string_view::npos) return std::nullopt;
-  return at;
 }
 
 struct Slot {  // one sample's place, from its samples.idx record, checked
@@ -139,56 +133,39 @@ std::unique_ptr<DeepSpecReader> DeepSpecReader::open(const std::string& manifest
                                                      const FileSource& file) {
   auto impl = std::make_unique<Impl>();
   impl->path = manifest_name;
-  const json m = json::parse(text.begin(), text.end(), nullptr, false);
-  if (m.is_discarded() || !m.is_object())
-    throw FormatError(manifest_name, 0, "manifest", "is not a JSON object");
-  const auto where = [&](const std::string& key) { return key_offset(text, key); };
-  const auto need = [&](const std::string& key) -> const json& {
-    const auto it = m.find(key);
-    if (it == m.end())
-      throw FormatError(manifest_name, std::nullopt, key, "missing (DeepSpec's target cache manifest has it)");
-    return *it;
-  };
-  const auto integer = [&](const std::string& key, std::int64_t lo, std::int64_t hi) {
-    const json& v = need(key);
-    if (!v.is_number_integer() || v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
-      throw FormatError(manifest_name, where(key), key,
-                        "is " + v.dump() + "; expected an integer in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "]");
-    return v.get<std::int64_t>();
-  };
+  const JsonManifest f(manifest_name, text, "DeepSpec's target cache manifest has it");
   const auto exactly = [&](const std::string& key, const json& want, const std::string& why) {
-    const json& v = need(key);
+    const json& v = f.need(key);
     if (v != want)
-      throw UnsupportedError(manifest_name, where(key), key, "is " + v.dump() + "; " + why);
+      throw UnsupportedError(manifest_name, f.where(key), key, "is " + v.dump() + "; " + why);
   };
-  const std::int64_t version = integer("version", 0, std::numeric_limits<std::int64_t>::max());
+  const std::int64_t version = f.integer("version", 0, std::numeric_limits<std::int64_t>::max());
   if (version != 2)
-    throw UnsupportedError(manifest_name, where("version"), "version",
+    throw UnsupportedError(manifest_name, f.where("version"), "version",
                            "is " + std::to_string(version) + "; eaglekit reads DeepSpec's target cache version 2");
   exactly("hidden_dtype", "bfloat16", "DeepSpec's version 2 writes and reads \"bfloat16\" only");
   exactly("token_dtype", "int32", "DeepSpec's version 2 writes and reads \"int32\" only");
   exactly("mask_dtype", "uint8", "DeepSpec's version 2 writes and reads \"uint8\" only");
   exactly("index_record_size", kDeepSpecIndexRecordSize, "DeepSpec's version 2 records are 56 bytes (<QIIQQQQQ)");
-  impl->hidden = integer("hidden_size", 1, kMaxHiddenSize);
-  const json& layers = need("target_layer_ids");
+  impl->hidden = f.integer("hidden_size", 1, kMaxHiddenSize);
+  const json& layers = f.need("target_layer_ids");
   if (!layers.is_array() || layers.empty() || layers.size() > static_cast<std::size_t>(kMaxLayers))
-    throw FormatError(manifest_name, where("target_layer_ids"), "target_layer_ids",
+    throw FormatError(manifest_name, f.where("target_layer_ids"), "target_layer_ids",
                       "is " + layers.dump() + "; expected a non-empty list of layer ids");
   for (const json& l : layers) {
     if (!l.is_number_integer() || l.get<std::int64_t>() < -1 || l.get<std::int64_t>() > 1000000)
-      throw FormatError(manifest_name, where("target_layer_ids"), "target_layer_ids",
+      throw FormatError(manifest_name, f.where("target_layer_ids"), "target_layer_ids",
                         "holds " + l.dump() + "; expected layer ids (-1 the embeddings)");
     if (!impl->layers.empty() && l.get<std::int64_t>() < impl->layers.back())
-      throw FormatError(manifest_name, where("target_layer_ids"), "target_layer_ids",
+      throw FormatError(manifest_name, f.where("target_layer_ids"), "target_layer_ids",
                         "is not sorted ascending (DeepSpec concatenates the layers in that order)");
     impl->layers.push_back(l.get<std::int64_t>());
   }
-  const std::int64_t num_samples = integer("num_samples", 0, std::numeric_limits<std::int64_t>::max() / 64);
-  const std::int64_t num_shards = integer("num_shards", 0, 1 << 24);
-  const json& shards = need("shards");
+  const std::int64_t num_samples = f.integer("num_samples", 0, std::numeric_limits<std::int64_t>::max() / 64);
+  const std::int64_t num_shards = f.integer("num_shards", 0, 1 << 24);
+  const json& shards = f.need("shards");
   if (!shards.is_array() || shards.size() != static_cast<std::size_t>(num_shards))
-    throw FormatError(manifest_name, where("shards"), "shards",
+    throw FormatError(manifest_name, f.where("shards"), "shards",
                       "lists " + std::to_string(shards.is_array() ? shards.size() : 0) + " shards but num_shards is " +
                           std::to_string(num_shards));
   for (std::size_t s = 0; s < shards.size(); ++s) {
@@ -196,14 +173,14 @@ std::unique_ptr<DeepSpecReader> DeepSpecReader::open(const std::string& manifest
     const std::string field = "shards[" + std::to_string(s) + "]";
     if (!e.is_object() || !e.contains("shard_id") || !e["shard_id"].is_number_integer() ||
         e["shard_id"].get<std::int64_t>() != static_cast<std::int64_t>(s))
-      throw FormatError(manifest_name, where("shards"), field + ".shard_id",
+      throw FormatError(manifest_name, f.where("shards"), field + ".shard_id",
                         "expected " + std::to_string(s) + " (shard ids are contiguous from 0)");
     if (!e.contains("file_name") || !e["file_name"].is_string())
-      throw FormatError(manifest_name, where("shards"), field + ".file_name", "missing or not a string");
+      throw FormatError(manifest_name, f.where("shards"), field + ".file_name", "missing or not a string");
     const std::string name = e["file_name"].get<std::string>();
     // DeepSpec names them shard-NNNNN.bin beside the manifest; a path would reach elsewhere.
     if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
-      throw FormatError(manifest_name, where(name), field + ".file_name",
+      throw FormatError(manifest_name, f.where(name), field + ".file_name",
                         "is \"" + name + "\"; expected a file name beside manifest.json");
     impl->shards.push_back(file(name));
   }

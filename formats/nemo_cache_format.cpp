@@ -11,6 +11,7 @@
 #include "formats/byte_source.h"
 #include "formats/bytes.h"
 #include "formats/error.h"
+#include "formats/json_manifest.h"
 #include "formats/record.h"
 #include "formats/safetensors_format.h"
 
@@ -32,12 +33,6 @@ constexpr const char* kEmbeddingsName = "target_embeddings.safetensors";
 bool looks_like_manifest(const json& j) {
   return j.is_object() && j.contains("format_version") && j.contains("shard_size") && j.contains("aux_hidden_dim") &&
          j.contains("selected_token_ids");
-}
-
-std::optional<std::uint64_t> key_offset(std::string_view text, const std::string& key) {
-  const auto at = text.find("\"" + key + "\"");
-  if (at == std::string_view::npos) return std::nullopt;
-  return at;
 }
 
 std::string shard_name(std::size_t s) {
@@ -190,70 +185,41 @@ std::unique_ptr<NemoCacheReader> NemoCacheReader::open(const std::string& manife
                                                        const FileSource& file) {
   auto impl = std::make_unique<Impl>();
   impl->path = manifest_name;
-  const json m = json::parse(text.begin(), text.end(), nullptr, false);
-  if (m.is_discarded() || !m.is_object()) throw FormatError(manifest_name, 0, "manifest", "is not a JSON object");
-  const auto where = [&](const std::string& key) { return key_offset(text, key); };
-  const auto need = [&](const std::string& key) -> const json& {
-    const auto it = m.find(key);
-    if (it == m.end())
-      throw FormatError(manifest_name, std::nullopt, key, "missing (NeMo's EAGLE-3 cache manifest has it)");
-    return *it;
-  };
-  const auto integer = [&](const std::string& key, std::int64_t lo, std::int64_t hi) {
-    const json& v = need(key);
-    if (!v.is_number_integer() || v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)
-      throw FormatError(manifest_name, where(key), key,
-                        "is " + v.dump() + "; expected an integer in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "]");
-    return v.get<std::int64_t>();
-  };
-  const auto int_list = [&](const std::string& key, std::int64_t lo, std::int64_t hi) {
-    const json& v = need(key);
-    if (!v.is_array()) throw FormatError(manifest_name, where(key), key, "is " + v.dump() + "; expected a list");
-    std::vector<std::int64_t> out;
-    for (const json& e : v) {
-      if (!e.is_number_integer() || e.get<std::int64_t>() < lo || e.get<std::int64_t>() > hi)
-        throw FormatError(manifest_name, where(key), key,
-                          "holds " + e.dump() + "; expected integers in [" + std::to_string(lo) + ", " +
-                              std::to_string(hi) + "]");
-      out.push_back(e.get<std::int64_t>());
-    }
-    return out;
-  };
-  const std::int64_t version = integer("format_version", 0, std::numeric_limits<std::int64_t>::max());
+  const JsonManifest f(manifest_name, text, "NeMo's EAGLE-3 cache manifest has it");
+  const std::int64_t version = f.integer("format_version", 0, std::numeric_limits<std::int64_t>::max());
   if (version != 2)
-    throw UnsupportedError(manifest_name, where("format_version"), "format_version",
+    throw UnsupportedError(manifest_name, f.where("format_version"), "format_version",
                            "is " + std::to_string(version) + "; eaglekit reads NeMo's EAGLE-3 cache format_version 2");
-  const json& dt = need("dtype");
+  const json& dt = f.need("dtype");
   if (dt == "bf16") impl->dtype = DType::kBFloat16;
   else if (dt == "fp16") impl->dtype = DType::kFloat16;
   else if (dt == "fp32") impl->dtype = DType::kFloat32;
   else
-    throw UnsupportedError(manifest_name, where("dtype"), "dtype",
+    throw UnsupportedError(manifest_name, f.where("dtype"), "dtype",
                            "is " + dt.dump() + "; NeMo writes \"bf16\", \"fp16\" or \"fp32\"");
-  const std::int64_t num_samples = integer("num_samples", 0, std::numeric_limits<std::int32_t>::max());
-  impl->shard_size = integer("shard_size", 1, std::numeric_limits<std::int32_t>::max());
-  impl->seq = integer("seq_length", 1, kMaxSeqLength);
-  impl->aux_width = integer("aux_hidden_dim", 1, kMaxHiddenWidth);
-  impl->target_vocab = integer("target_vocab_size", 1, kMaxVocab);
-  impl->draft_vocab = integer("draft_vocab_size", 1, impl->target_vocab);
-  impl->layers = int_list("aux_layer_ids", 0, 1000000);
+  const std::int64_t num_samples = f.integer("num_samples", 0, std::numeric_limits<std::int32_t>::max());
+  impl->shard_size = f.integer("shard_size", 1, std::numeric_limits<std::int32_t>::max());
+  impl->seq = f.integer("seq_length", 1, kMaxSeqLength);
+  impl->aux_width = f.integer("aux_hidden_dim", 1, kMaxHiddenWidth);
+  impl->target_vocab = f.integer("target_vocab_size", 1, kMaxVocab);
+  impl->draft_vocab = f.integer("draft_vocab_size", 1, impl->target_vocab);
+  impl->layers = f.int_list("aux_layer_ids", 0, 1000000);
   if (impl->layers.empty() || impl->aux_width % static_cast<std::int64_t>(impl->layers.size()) != 0)
-    throw FormatError(manifest_name, where("aux_layer_ids"), "aux_layer_ids",
+    throw FormatError(manifest_name, f.where("aux_layer_ids"), "aux_layer_ids",
                       "lists " + std::to_string(impl->layers.size()) + " layers, which do not divide aux_hidden_dim " +
                           std::to_string(impl->aux_width));
   impl->hidden = impl->aux_width / static_cast<std::int64_t>(impl->layers.size());
-  impl->selected = int_list("selected_token_ids", 0, impl->target_vocab - 1);
+  impl->selected = f.int_list("selected_token_ids", 0, impl->target_vocab - 1);
   if (static_cast<std::int64_t>(impl->selected.size()) != impl->draft_vocab)
-    throw FormatError(manifest_name, where("selected_token_ids"), "selected_token_ids",
+    throw FormatError(manifest_name, f.where("selected_token_ids"), "selected_token_ids",
                       "lists " + std::to_string(impl->selected.size()) + " ids but draft_vocab_size is " +
                           std::to_string(impl->draft_vocab));
   // NeMo stores the top k only when 0 < k < draft_vocab_size (eagle3_cache.is_compressed); a
   // null or larger k means the full distribution.
-  const json& k = need("target_probs_topk");
+  const json& k = f.need("target_probs_topk");
   if (!k.is_null()) {
     if (!k.is_number_integer())
-      throw FormatError(manifest_name, where("target_probs_topk"), "target_probs_topk",
+      throw FormatError(manifest_name, f.where("target_probs_topk"), "target_probs_topk",
                         "is " + k.dump() + "; expected an integer or null");
     const std::int64_t kv = k.get<std::int64_t>();
     impl->topk = kv > 0 && kv < impl->draft_vocab ? kv : 0;
@@ -273,7 +239,7 @@ std::unique_ptr<NemoCacheReader> NemoCacheReader::open(const std::string& manife
         throw FormatError(f.path(), std::nullopt, name,
                           std::string("missing (NeMo's shard holds it") +
                               (impl->topk ? " when target_probs_topk is set)" : " when target_probs_topk is 0)"));
-      const auto at = key_offset(header, name);
+      const auto at = json_key_offset(header, name);
       const std::optional<std::uint64_t> off = at ? std::optional<std::uint64_t>(8 + *at) : std::nullopt;
       if (!e->dtype || *e->dtype != want)
         throw FormatError(f.path(), off, std::string(name) + " dtype",
