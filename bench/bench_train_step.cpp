@@ -14,7 +14,12 @@
 //                         [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]
 //                         [--shapes] [--ttt-attention auto|local|tiled|fused]
 //                         [--cpu-kernels on|off|both]
+//                         [--draft eagle3|dflash] [--block-size 4] [--anchors 32] [--draft-layers 3]
 // --ttt-attention picks the TTT attention kernel (trainer/run/options.h TttAttention; default auto).
+// --draft dflash: the block unroll (trainer/unroll/dflash.h) instead, a DFlash draft of
+// --draft-layers layers (default 3) with --block-size (4) and up to --anchors (32) blocks per
+// row drawn from the batch's loss mask (the shape bench/bench_modelopt.py --arch dflash
+// trains), D-PACE weights and self-logit distillation as `eaglekit train` defaults.
 // --cpu-kernels: the fused float32 CPU kernels (trainer/model/cpu_kernels.h; on, as `eaglekit train`
 // runs) or the ATen composites (off); both runs the two side by side, steps alternating, from
 // the same weights, prints the first loss of each, each one's table and the ratio, and profiles
@@ -31,16 +36,19 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "lib/malloc_policy.h"
 #include "trainer/model/base_model.h"
 #include "trainer/model/config.h"
 #include "trainer/model/cpu_kernels.h"
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/train.h"
+#include "trainer/unroll/dflash.h"
 #include "trainer/unroll/ttt.h"
 
 using namespace eaglekit;
@@ -55,6 +63,8 @@ struct Args {
   bool shapes = false;
   TttAttention attention = TttAttention::kAuto;
   std::string kernels = "on";
+  bool dflash = false;
+  std::int64_t block_size = 4, anchors = 32, draft_layers = 3;
 };
 
 // A command-line mistake: exit status 2 (runtime errors are 1).
@@ -67,6 +77,7 @@ constexpr const char* kUsage =
     "                        [--ttt-steps 3] [--threads 2] [--warmup 2] [--reps 5] [--top 25]\n"
     "                        [--shapes] [--ttt-attention auto|local|tiled|fused]\n"
     "                        [--cpu-kernels on|off|both]\n"
+    "                        [--draft eagle3|dflash] [--block-size 4] [--anchors 32] [--draft-layers 3]\n"
     "One training step's time by phase and by operator (the header of bench/bench_train_step.cpp).\n";
 
 Args parse(int argc, char** argv) {
@@ -87,6 +98,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--reps") a.reps = std::stoi(next());
     else if (k == "--top") a.top = std::stoi(next());
     else if (k == "--shapes") a.shapes = true;
+    else if (k == "--draft") {
+      const std::string v = next();
+      if (v != "eagle3" && v != "dflash") throw Usage("--draft takes eagle3 or dflash, not '" + v + "'");
+      a.dflash = v == "dflash";
+    }
+    else if (k == "--block-size") a.block_size = std::stoll(next());
+    else if (k == "--anchors") a.anchors = std::stoll(next());
+    else if (k == "--draft-layers") a.draft_layers = std::stoll(next());
     else if (k == "--ttt-attention") {
       const std::string v = next();
       if (v == "auto") a.attention = TttAttention::kAuto;
@@ -173,17 +192,30 @@ std::map<std::string, OpTime> aggregate(const torch::autograd::profiler::thread_
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
+  keep_freed_memory();  // as `eaglekit train` (lib/malloc_policy.h)
   at::set_num_threads(a.threads);
   const BaseModel base = load_base_model(a.base, {c10::kCPU, at::kFloat});
   DraftOptions dopts;
-  dopts.draft_vocab_size = a.draft_vocab;
+  dopts.draft_vocab_size = a.dflash ? 0 : a.draft_vocab;
+  if (a.dflash) {
+    dopts.architecture = "dflash";
+    dopts.num_hidden_layers = a.draft_layers;
+    dopts.block_size = a.block_size;
+    dopts.mask_token_id = 0;
+  }
   const DraftConfig c = draft_config_from_base(base.config, dopts);
   const at::Tensor d2t = at::zeros({c.draft_vocab_size}, at::kLong);  // the first Vd tokens
-  DraftModel draft(c, d2t, base.lm_head, 1);
-  TttOptions topts;
-  topts.steps = a.ttt_steps;
-  topts.attention = a.attention;
-  TttUnroll unroll(base, draft, topts);
+  DraftModel draft(c, d2t, a.dflash ? at::Tensor() : base.lm_head, 1);
+  std::optional<TttUnroll> ttt;
+  std::optional<DFlashUnroll> block;
+  if (a.dflash) {
+    block.emplace(base, draft, DFlashOptions{});
+  } else {
+    TttOptions topts;
+    topts.steps = a.ttt_steps;
+    topts.attention = a.attention;
+    ttt.emplace(base, draft, topts);
+  }
   const auto params = draft.parameters();
   AdamW optimizer(draft.named_parameters(), AdamW::Options{});
 
@@ -197,7 +229,29 @@ int main(int argc, char** argv) try {
   batch.loss_mask = batch.attention_mask.clone();
   batch.hidden_states = at::embedding(base.lm_head, at::randint(c.vocab_size, {b, l}, at::kLong)) * 4.0;
   batch.aux_hidden_states = at::randn({b, l, c.aux_width()});
+  DFlashAnchors anchors;
+  if (a.dflash) {
+    std::vector<std::uint64_t> seeds;
+    for (std::int64_t r = 0; r < b; ++r) seeds.push_back(dflash_row_seed(0, 0, std::to_string(r)));
+    anchors = dflash_anchors(batch.loss_mask, c.block_size, a.anchors, seeds);
+  }
+  // The step's loss: the TTT unroll's, or DFlash's weighted loss over its weight sum.
+  auto forward = [&]() -> at::Tensor {
+    if (!a.dflash) return ttt->forward(batch).loss;
+    const DFlashResult r = block->forward(batch, anchors);
+    return dflash_loss(r.weighted_loss, r.weight_sum);
+  };
 
+  if (a.dflash)
+    std::printf("draft: DFlash, %lld layers, H=%lld heads=%lld/%lld head_dim=%lld I=%lld V=%lld; block %lld, %lld "
+                "blocks per row (%lld asked); batch %lld x %lld, %d threads\n",
+                static_cast<long long>(c.num_hidden_layers), static_cast<long long>(h),
+                static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
+                static_cast<long long>(c.head_dim), static_cast<long long>(c.intermediate_size),
+                static_cast<long long>(c.vocab_size), static_cast<long long>(c.block_size),
+                static_cast<long long>(anchors.positions.size(1)), static_cast<long long>(a.anchors),
+                static_cast<long long>(b), static_cast<long long>(l), a.threads);
+  else
   std::printf("draft: H=%lld heads=%lld/%lld head_dim=%lld I=%lld V=%lld Vd=%lld; batch %lld x %lld, "
               "%lld TTT steps, %d threads\n",
               static_cast<long long>(h), static_cast<long long>(c.num_attention_heads),
@@ -227,9 +281,9 @@ int main(int argc, char** argv) try {
       c0 = cn;
     };
     optimizer.zero_grad();
-    TttResult r = unroll.forward(batch);
+    const at::Tensor loss = forward();
     mark("forward");
-    r.loss.backward();
+    loss.backward();
     mark("backward");
     clip_grad_norm(params, 1.0);
     mark("clip");
@@ -239,7 +293,7 @@ int main(int argc, char** argv) try {
       wall[variant]["step"].push_back(std::chrono::duration<double>(Clock::now() - start).count());
       cpu[variant]["step"].push_back(process_cpu_s() - cpu_start);
     }
-    return r.loss.item<double>();
+    return loss.item<double>();
   };
   const std::vector<std::string> variants =
       a.kernels == "both" ? std::vector<std::string>{"off", "on"} : std::vector<std::string>{a.kernels};
@@ -248,7 +302,7 @@ int main(int argc, char** argv) try {
   for (const auto& v : variants) {
     cpu_kernels::set_enabled(v == "on");
     at::NoGradGuard no_grad;
-    loss0[v] = unroll.forward(batch).loss.item<double>();
+    loss0[v] = forward().item<double>();
   }
   for (int i = 0; i < a.warmup; ++i)
     for (const auto& v : variants) run_step(v, false);

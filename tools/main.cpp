@@ -9,7 +9,8 @@
 //
 // Both start LibTorch's OpenMP threads waiting passively unless the user chose how they wait
 // (lib/wait_policy.h): `eaglekit` sets the environment before its exec, and eaglekit-torch run
-// directly execs itself once with it set.
+// directly execs itself once with it set. Both keep freed memory for reuse unless the user
+// chose the allocator's settings (lib/malloc_policy.h).
 #include <unistd.h>
 
 #include <cerrno>
@@ -21,6 +22,7 @@
 #include "formats/error.h"
 #include "formats/registry.h"
 #include "lib/convert.h"
+#include "lib/malloc_policy.h"
 #include "lib/wait_policy.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
@@ -103,6 +105,7 @@ int main(int argc, char** argv) {
 #if !defined(EAGLEKIT_FRONT)
   reexec_with_passive_wait(argv);
 #endif
+  keep_freed_memory();  // lib/malloc_policy.h (an exec'd eaglekit-torch sets it again for itself)
   int first = 1;
   while (first < argc && argv[first][0] == '-') {
     const std::string a = argv[first];

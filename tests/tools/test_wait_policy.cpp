@@ -64,3 +64,44 @@ TEST_CASE("wait policy: train starts passive by default, as eaglekit or eaglekit
     CHECK(decision(r.out, "openmp waiting")["value"] == "active");
   }
 }
+
+// Freed memory (lib/malloc_policy.h): kept for reuse by default, in eaglekit and eaglekit-torch
+// alike; a user's allocator setting is kept and named.
+TEST_CASE("malloc policy: train keeps freed memory by default and names a user's allocator setting") {
+  test::TempDir dir("malloc-policy");
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "data") +
+                          " --conversations 12 --hidden 16 --vocab 32 --min-tokens 8 --max-tokens 16 --dtype fp32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(dir / "data") + " --out " + test::quote(dir / "index.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string args = " train --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
+                           test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base") + " --out " +
+                           test::quote(dir / "out") + " --max-length 16 --batch-size 2 --dry-run --json";
+  const std::string clean = "env -u MALLOC_TRIM_THRESHOLD_ -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TOP_PAD_ "
+                            "-u MALLOC_MMAP_MAX_ -u MALLOC_ARENA_MAX -u GLIBC_TUNABLES -u EAGLEKIT_MALLOC ";
+  std::string torch = test::eaglekit_path();
+  torch = test::quote(torch.substr(0, torch.rfind('/')) + "/eaglekit-torch");
+  for (const std::string& bin : {test::quote(test::eaglekit_path()), torch}) {
+    CAPTURE(bin);
+    r = test::run(clean + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto plan = nlohmann::json::parse(r.out);
+    CHECK(plan["malloc_policy"].get<std::string>().rfind("freed blocks kept for reuse", 0) == 0);
+    CHECK(decision(r.out, "freed memory")["why"].get<std::string>().rfind("eaglekit's default", 0) == 0);
+    r = test::run(clean + "MALLOC_TRIM_THRESHOLD_=131072 " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "freed memory")["value"] == "MALLOC_TRIM_THRESHOLD_=131072");
+    r = test::run(clean + "GLIBC_TUNABLES=glibc.malloc.arena_max=2 " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "freed memory")["value"] == "GLIBC_TUNABLES=glibc.malloc.arena_max=2");
+    r = test::run(clean + "EAGLEKIT_MALLOC=libc " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "freed memory")["value"] == "the C library's defaults");
+    CHECK(decision(r.out, "freed memory")["why"].get<std::string>().rfind("EAGLEKIT_MALLOC=libc", 0) == 0);
+    // A GLIBC_TUNABLES without a malloc tunable is not a choice of the allocator's.
+    r = test::run(clean + "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX512F " + bin + args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(decision(r.out, "freed memory")["value"].get<std::string>().rfind("freed blocks kept", 0) == 0);
+  }
+}

@@ -26,6 +26,7 @@
 #include "trainer/model/draft_model.h"
 #include "trainer/run/optim.h"
 #include "trainer/run/threads.h"
+#include "lib/malloc_policy.h"
 #include "lib/wait_policy.h"
 
 namespace eaglekit::trainer {
@@ -222,6 +223,9 @@ void plan_threads(RunPlan& p, const RunOptions& o, bool can_adapt) {
   const WaitPolicy w = current_wait_policy();
   p.wait_policy = w.value;
   p.decisions.push_back({"openmp waiting", w.value, w.why});
+  const MallocPolicy m = current_malloc_policy();
+  p.malloc_policy = m.value;
+  p.decisions.push_back({"freed memory", m.value, m.why});
 }
 
 // A loader of dp rank 0 that reads nothing but the first record's metadata (and, in longest
@@ -838,6 +842,7 @@ std::string RunPlan::to_json() const {
   j["threads"] = threads;
   j["adapt_threads"] = adapt_threads;
   j["omp_wait_policy"] = wait_policy;
+  j["malloc_policy"] = malloc_policy;
   j["rows_per_step"] = rows_per_step;
   j["steps_per_epoch"] = steps_per_epoch;
   j["total_steps"] = total_steps;

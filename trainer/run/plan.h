@@ -107,6 +107,7 @@ struct RunPlan {
   int threads = 1;             // LibTorch's, at the start (trainer/run/threads.h)
   bool adapt_threads = false;  // train --adapt-threads
   std::string wait_policy;     // how OpenMP threads wait (lib/wait_policy.h), e.g. "passive"
+  std::string malloc_policy;   // whether freed memory is kept for reuse (lib/malloc_policy.h)
   std::int64_t rows_per_step = 0;    // global: batch x grad_accum x dp
   std::int64_t steps_per_epoch = 0;  // optimizer steps
   std::int64_t total_steps = 0;      // what the schedule spans
