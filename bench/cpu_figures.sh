@@ -17,8 +17,10 @@
 # after the CPU speed paragraph (bench/cpu_claims.py reads it; ctest cpu_figures_claims checks
 # that every claim quoted there is still the README's text).
 #
-# usage: bench/cpu_figures.sh [--quick] [--report-only] [--threads N]
-#   --quick        fewer runs and steps (CI: about 3 minutes on 2 cores)
+# usage: bench/cpu_figures.sh [--quick | --smoke] [--report-only] [--threads N]
+#   --quick        fewer runs and steps (about 3 minutes on 2 cores)
+#   --smoke        every benchmark once at its smallest (CI): proves that each still runs and
+#                  that the summary still reads its output; its figures are not to be quoted
 #   --report-only  exit 0 whatever the ratios (CI); otherwise exit 1 when a figure is under its
 #                  floor on this machine. A benchmark that fails exits 1 in both modes.
 #   --threads N    LibTorch threads on both sides (default: min(cores, 2), as bench_train.sh)
@@ -32,6 +34,7 @@ QUICK=0 REPORT_ONLY=0 THREADS=$(nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; shift ;;
+    --smoke) QUICK=2; shift ;;
     --report-only) REPORT_ONLY=1; shift ;;
     --threads) THREADS=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
@@ -49,7 +52,9 @@ for t in eaglekit bench_train_step bench_ttt_attention; do
   fi
 done
 PY=/usr/bin/python3
-if [ "$QUICK" = 1 ]; then
+if [ "$QUICK" = 2 ]; then
+  RUNS=1 STEPS=4 RUNS_1K=1 STEPS_1K=3 REPS=1 LOADER_N=16 ATT_REPS=1 RUNS_LOAD=1 STEPS_LOAD=8
+elif [ "$QUICK" = 1 ]; then
   RUNS=3 STEPS=8 RUNS_1K=2 STEPS_1K=6 REPS=8 LOADER_N=60 ATT_REPS=3 RUNS_LOAD=1 STEPS_LOAD=40
 else
   RUNS=5 STEPS=12 RUNS_1K=3 STEPS_1K=8 REPS=20 LOADER_N=200 ATT_REPS=5 RUNS_LOAD=3 STEPS_LOAD=60
@@ -57,6 +62,7 @@ fi
 LOG=$(mktemp -d /tmp/eaglekit-cpu-figures.XXXXXX)
 trap 'rm -rf "$LOG"' EXIT
 
+[ "$QUICK" = 2 ] && echo "cpu_figures.sh --smoke: each benchmark once at its smallest; the figures below are not measurements"
 echo "== machine"
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
 echo "vector extensions: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|avx512f|avx512_bf16|amx_tile|amx_bf16)$' | tr '\n' ' ')"
