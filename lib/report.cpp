@@ -28,7 +28,23 @@ struct Run {
   std::string dir;
   std::vector<json> train, eval;
   json options = json::object();
+  // A block drafter's block size (DFlash: its list-valued figures are per block position
+  // 1..block-1, not per TTT step); 0 for the TTT unroll's drafts.
+  std::int64_t block = 0;
 };
+
+// The block size of a DFlash draft's config.json (DFlashDraftModel, or a dflash_config), else 0.
+std::int64_t block_of_config(const fs::path& config) {
+  std::ifstream f(config);
+  if (!f) return 0;
+  const json c = json::parse(f, nullptr, false);
+  if (!c.is_object()) return 0;
+  bool dflash = c.contains("dflash_config");
+  if (c.contains("architectures") && c["architectures"].is_array())
+    for (const auto& a : c["architectures"]) dflash = dflash || (a.is_string() && a.get<std::string>() == "DFlashDraftModel");
+  if (!dflash) return 0;
+  return c.contains("block_size") && c["block_size"].is_number_integer() ? c["block_size"].get<std::int64_t>() : -1;
+}
 
 std::string escape(const std::string& s) {
   std::string out;
@@ -87,11 +103,27 @@ Run load_run(const std::string& dir) {
         std::ifstream f(e.path() / "train_options.json");
         r.options = json::parse(f, nullptr, false);
         if (r.options.is_discarded()) r.options = json::object();
+        r.block = block_of_config(e.path() / "config.json");
       }
     } catch (const std::exception&) {
     }
   }
+  // The draft itself says what it is: a checkpoint's or the final draft's config.json (a run
+  // started from a DFlash --init-draft has draft_arch auto in its options); else the options.
+  if (r.block == 0) r.block = block_of_config(fs::path(dir) / "final" / "config.json");
+  if (r.block == 0 && r.options.value("draft_arch", json()) == "dflash")
+    r.block = r.options.contains("block_size") && r.options["block_size"].is_number_integer()
+                  ? r.options["block_size"].get<std::int64_t>()
+                  : -1;
   return r;
+}
+
+// What a list-valued figure's entries are, over the runs shown: TTT steps, block positions
+// (DFlash), or either.
+std::string per_what(const std::vector<Run>& runs) {
+  bool ttt = false, block = false;
+  for (const auto& r : runs) (r.block != 0 ? block : ttt) = true;
+  return block && ttt ? "TTT step / block position" : block ? "block position" : "TTT step";
 }
 
 struct Series {
@@ -243,7 +275,9 @@ std::vector<Series> per_step(const std::vector<Run>& runs, const std::string& sp
       if (j.contains(key) && j[key].is_array()) steps = std::max(steps, j[key].size());
     for (std::size_t s = 0; s < steps; ++s) {
       Series se;
-      se.label = (runs.size() > 1 ? runs[r].name + " " : "") + "step " + std::to_string(s);
+      // DFlash's entry s is block position s + 1 (position 0, the anchor, is never scored).
+      se.label = (runs.size() > 1 ? runs[r].name + " " : "") +
+                 (runs[r].block != 0 ? "position " + std::to_string(s + 1) : "step " + std::to_string(s));
       se.color = runs.size() > 1 ? kColors[r % 8] : kColors[s % 8];
       se.dash = runs.size() > 1 ? kDashes[s % 5] : "";
       se.points = points(lines, key, static_cast<int>(s));
@@ -291,10 +325,17 @@ dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 16px;margin:0}dt{c
 )CSS";
 
 std::vector<std::string> comparability_warnings(const std::vector<Run>& runs) {
-  // The TTT steps of each run: its train_options.json, else the length of its acc lists.
+  // What each run drafts: a TTT draft's steps (its train_options.json, else the length of its
+  // acc lists), or a DFlash draft's block.
   std::vector<std::string> warnings;
-  std::map<std::int64_t, std::vector<std::string>> by_steps;
+  std::map<std::string, std::vector<std::string>> by_kind;
+  bool block = false;
   for (const auto& r : runs) {
+    if (r.block != 0) {
+      block = true;
+      by_kind["DFlash --block-size " + (r.block > 0 ? std::to_string(r.block) : std::string("?"))].push_back(r.name);
+      continue;
+    }
     std::int64_t steps = -1;
     if (r.options.contains("ttt_steps") && r.options["ttt_steps"].is_number_integer()) {
       steps = r.options["ttt_steps"].get<std::int64_t>();
@@ -302,20 +343,26 @@ std::vector<std::string> comparability_warnings(const std::vector<Run>& runs) {
       for (const auto& j : r.train)
         if (j.contains("acc") && j["acc"].is_array()) steps = static_cast<std::int64_t>(j["acc"].size());
     }
-    if (steps > 0) by_steps[steps].push_back(r.name);
+    if (steps > 0) by_kind["--ttt-steps " + std::to_string(steps)].push_back(r.name);
   }
-  if (by_steps.size() > 1) {
+  if (by_kind.size() > 1) {
     std::string which;
-    for (const auto& [steps, names] : by_steps) {
+    for (const auto& [kind, names] : by_kind) {
       std::string list;
       for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
-      which += (which.empty() ? "" : "; ") + std::string("--ttt-steps ") + std::to_string(steps) + ": " + list;
+      which += (which.empty() ? "" : "; ") + kind + ": " + list;
     }
-    warnings.push_back("these runs trained with different --ttt-steps (" + which +
-                       "): their loss, accuracy and est_ar curves are not comparable (the loss sums a different "
-                       "number of weighted steps, est_ar counts a different number of drafted tokens); compare "
-                       "the per-step accuracies step by step, or evaluate the drafts alike with eaglekit evaluate "
-                       "--ttt-steps");
+    if (block)
+      warnings.push_back("these runs draft differently (" + which +
+                         "): their loss, accuracy and est_ar curves are not comparable (a DFlash draft's figures are "
+                         "per block position of one parallel draft, a TTT draft's per drafted step; the losses weigh "
+                         "different positions); compare the drafts by the acceptance an engine measures");
+    else
+      warnings.push_back("these runs trained with different --ttt-steps (" + which +
+                         "): their loss, accuracy and est_ar curves are not comparable (the loss sums a different "
+                         "number of weighted steps, est_ar counts a different number of drafted tokens); compare "
+                         "the per-step accuracies step by step, or evaluate the drafts alike with eaglekit evaluate "
+                         "--ttt-steps");
   }
   return warnings;
 }
@@ -344,13 +391,15 @@ std::string render_report(const ReportOptions& options, std::vector<std::string>
   if (warnings_out) *warnings_out = warnings;
 
   o << "<h2>Curves <span class=\"muted\">(by optimizer step)</span></h2><div class=\"grid\">\n";
-  o << chart("Loss", "loss (TTT steps weighted)", collect(runs, {{"train", "loss", "train"}, {"eval", "loss", "eval"}}));
-  o << chart("Accuracy per TTT step (train)", "accuracy", per_step(runs, "train", "acc"));
-  o << chart("Conditional accuracy per TTT step (train)", "conditional accuracy", per_step(runs, "train", "cond_acc"));
+  const std::string per = per_what(runs);
+  o << chart("Loss", "loss (" + std::string(per == "TTT step" ? "TTT steps" : "positions") + " weighted)",
+             collect(runs, {{"train", "loss", "train"}, {"eval", "loss", "eval"}}));
+  o << chart("Accuracy per " + per + " (train)", "accuracy", per_step(runs, "train", "acc"));
+  o << chart("Conditional accuracy per " + per + " (train)", "conditional accuracy", per_step(runs, "train", "cond_acc"));
   o << chart("Estimated acceptance length", "tokens per base pass",
              collect(runs, {{"train", "est_ar", "train"}, {"train", "est_ar_cond", "train, conditional"},
                             {"eval", "est_ar", "eval"}, {"eval", "est_ar_cond", "eval, conditional"}}));
-  o << chart("Accuracy per TTT step (eval)", "accuracy", per_step(runs, "eval", "acc"));
+  o << chart("Accuracy per " + per + " (eval)", "accuracy", per_step(runs, "eval", "acc"));
   o << chart("Learning rate", "learning rate", collect(runs, {{"train", "lr", "lr"}}));
   o << chart("Tokens per second", "tokens / s", collect(runs, {{"train", "tokens_per_s", "tokens/s"}}));
   o << chart("Data wait (share of step time)", "share of step time", collect(runs, {{"train", "data_wait_share", "data wait"}}));
@@ -367,8 +416,10 @@ std::string render_report(const ReportOptions& options, std::vector<std::string>
     o << "<p class=\"muted\">no evaluation in these runs (train --eval-every)</p>\n";
   } else {
     o << "<div class=\"table\"><table><thead><tr><th>run</th><th>step</th><th>loss</th>";
-    for (std::size_t s = 0; s < ttt; ++s) o << "<th>acc " << s << "</th>";
-    for (std::size_t s = 0; s < ttt; ++s) o << "<th>cond " << s << "</th>";
+    // Columns by TTT step, or by block position (1, 2, ...) when every run is DFlash.
+    const std::size_t first = per == "block position" ? 1 : 0;
+    for (std::size_t s = 0; s < ttt; ++s) o << "<th>acc " << s + first << "</th>";
+    for (std::size_t s = 0; s < ttt; ++s) o << "<th>cond " << s + first << "</th>";
     o << "<th>est_ar</th><th>est_ar cond</th><th>tokens</th></tr></thead><tbody>";
     for (const auto& r : runs) {
       if (r.eval.empty()) continue;

@@ -227,3 +227,51 @@ TEST_CASE("report: runs of different --ttt-steps are flagged as not comparable; 
   CHECK(warnings.size() == 1);
 }
 
+
+// A DFlash run (its checkpoint's config.json names DFlashDraftModel; or only its options say
+// draft_arch dflash): the per-position charts are titled and labelled by block position
+// (entry s is position s + 1), the final table's columns too, and overlaying it with a TTT run
+// warns that the curves do not compare.
+TEST_CASE("report: a DFlash run's figures are per block position, and a mix with a TTT run warns") {
+  test::TempDir d("report-dflash");
+  write_run(d / "df", 1e-3, false);
+  test::write_text(d / "df/checkpoint-4/config.json",
+                   json({{"architectures", {"DFlashDraftModel"}}, {"block_size", 3}, {"dflash_config", json::object()}}).dump());
+  write_run(d / "df2", 1e-3, false);  // a DFlash run known by its options only
+  test::write_text(d / "df2/checkpoint-4/train_options.json",
+                   json({{"draft_arch", "dflash"}, {"block_size", 3}, {"ttt_steps", 3}}).dump());
+  write_run(d / "ttt", 1e-3, false);
+  auto page = [&](std::vector<std::string> runs) {
+    ReportOptions o;
+    o.runs = std::move(runs);
+    std::vector<std::string> warnings;
+    const std::string html = render_report(o, &warnings);
+    return std::make_pair(html, warnings);
+  };
+  for (const char* name : {"df", "df2"}) {
+    CAPTURE(name);
+    const auto [html, warnings] = page({d / name});
+    auto has = [&](const std::string& s) { return html.find(s) != std::string::npos; };
+    CHECK(has(">Accuracy per block position (train)<"));
+    CHECK(has(">Conditional accuracy per block position (train)<"));
+    CHECK(has(">Accuracy per block position (eval)<"));
+    CHECK(has(">loss (positions weighted)<"));
+    CHECK_FALSE(has("TTT step"));
+    CHECK(has(">position 1</li>"));
+    CHECK(has(">position 2</li>"));
+    CHECK_FALSE(has(">step 0</li>"));
+    CHECK(has("<th>acc 1</th><th>acc 2</th><th>cond 1</th>"));
+    CHECK(warnings.empty());
+  }
+  const auto [mixed, warnings] = page({d / "df", d / "ttt"});
+  CHECK(mixed.find(">Accuracy per TTT step / block position (train)<") != std::string::npos);
+  CHECK(mixed.find("df position 1") != std::string::npos);
+  CHECK(mixed.find("ttt step 0") != std::string::npos);
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].find("DFlash --block-size 3: df") != std::string::npos);
+  CHECK(warnings[0].find("--ttt-steps 2: ttt") != std::string::npos);
+  CHECK(warnings[0].find("draft differently") != std::string::npos);
+  const auto [plain, no_warning] = page({d / "ttt"});
+  CHECK(plain.find(">Accuracy per TTT step (train)<") != std::string::npos);
+  CHECK(no_warning.empty());
+}

@@ -196,3 +196,38 @@ TEST_CASE("tensorboard: a fresh run into a folder without checkpoints deletes th
   CHECK(events().size() == 2);
   CHECK(said.empty());
 }
+
+// A DFlash run's list-valued figures are per block position 1..block-1 (entry s is position
+// s + 1), and TensorBoard names them so; a TTT run's per step from 0.
+TEST_CASE("tensorboard: a block drafter's per-position figures are named by block position") {
+  test::TempDir dir("tb-block");
+  for (const bool block : {false, true}) {
+    const std::string out = dir / (block ? "dflash" : "ttt");
+    {
+      MetricsLog::Options mo;
+      mo.out = out;
+      mo.block_positions = block;
+      MetricsLog log(mo);
+      log.write(R"({"step": 3, "loss": 2.5, "acc": [0.5, 0.25, 0.125]})");
+      log.write(R"({"split": "eval", "step": 3, "acc": [0.75, 0.5, 0.25]})");
+    }
+    const auto files = event_files(out + "/tensorboard");
+    REQUIRE(files.size() == 1);
+    const json e = read_events(files[0]);
+    REQUIRE(e["events"].size() == 2);
+    const json& train = e["events"][0]["values"];
+    const json& eval = e["events"][1]["values"];
+    CAPTURE(train.dump());
+    if (block) {
+      CHECK(train["train/acc/position1"] == 0.5);
+      CHECK(train["train/acc/position3"] == 0.125);
+      CHECK(eval["eval/acc/position2"] == 0.5);
+      CHECK_FALSE(train.contains("train/acc/step0"));
+    } else {
+      CHECK(train["train/acc/step0"] == 0.5);
+      CHECK(eval["eval/acc/step2"] == 0.25);
+      CHECK_FALSE(train.contains("train/acc/position1"));
+    }
+    CHECK(train["train/loss"] == 2.5);
+  }
+}

@@ -61,7 +61,8 @@ struct MetricsLog::File {
   std::ofstream stream;
 };
 
-MetricsLog::MetricsLog(const Options& o) : file_(std::make_unique<File>()), on_line_(o.on_line) {
+MetricsLog::MetricsLog(const Options& o)
+    : file_(std::make_unique<File>()), on_line_(o.on_line), block_positions_(o.block_positions) {
   std::error_code ec;
   fs::create_directories(o.out, ec);
   if (ec) throw IoError(o.out + ": cannot create folder: " + ec.message());
@@ -105,7 +106,9 @@ void MetricsLog::write(const std::string& line) {
       if (v.is_number()) scalars.emplace_back(prefix + k, v.get<double>());
       if (v.is_array())
         for (std::size_t s = 0; s < v.size(); ++s)
-          if (v[s].is_number()) scalars.emplace_back(prefix + k + "/step" + std::to_string(s), v[s].get<double>());
+          if (v[s].is_number())
+            scalars.emplace_back(prefix + k + (block_positions_ ? "/position" + std::to_string(s + 1) : "/step" + std::to_string(s)),
+                                 v[s].get<double>());
     }
     events_->add_scalars(j.value("step", std::int64_t{0}), scalars);
   }

@@ -32,6 +32,9 @@ class MetricsLog {
     std::int64_t resume_step = -1;      // >= 0: a resumed run's checkpoint step
     std::string tensorboard;            // event file folder; "" OUT/tensorboard
     bool no_tensorboard = false;        // write none
+    // A block drafter's run (DFlash): entry s of a list is block position s + 1, and its
+    // TensorBoard scalar SPLIT/KEY/position{s+1} instead of SPLIT/KEY/step{s}.
+    bool block_positions = false;
     std::function<void(const std::string& json_line)> on_line;  // optional, every line
     // Optional: what the log tells the user (a fresh run's removal of stale event files).
     std::function<void(const std::string& message)> say;
@@ -43,7 +46,7 @@ class MetricsLog {
 
   // One metrics line: a JSON object with "step" and optionally "split" ("train" when
   // absent). Every number becomes the scalar SPLIT/KEY, every list of numbers
-  // SPLIT/KEY/stepS.
+  // SPLIT/KEY/stepS (SPLIT/KEY/positionP for a block drafter's, Options::block_positions).
   void write(const std::string& json_object);
   const std::string& path() const { return path_; }
 
@@ -53,6 +56,7 @@ class MetricsLog {
   std::unique_ptr<File> file_;
   std::unique_ptr<EventFileWriter> events_;
   std::function<void(const std::string&)> on_line_;
+  bool block_positions_ = false;
 };
 
 // The steps since the last metrics line: pooled TTT statistics, tokens, time, time spent

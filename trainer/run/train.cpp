@@ -151,6 +151,7 @@ class TrainLoop {
       mo.resume_step = plan.resume_step >= 0 ? step_ : -1;
       mo.tensorboard = o_.tensorboard;
       mo.no_tensorboard = o_.no_tensorboard;
+      mo.block_positions = plan.block();
       mo.on_line = hooks.on_metrics;
       mo.say = say_;
       log_ = std::make_unique<MetricsLog>(mo);
