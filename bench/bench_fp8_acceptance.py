@@ -40,9 +40,10 @@ Stages whose result file exists are reused (a side's run: DIR/eE/SIDE/seedN/). P
 the bytes per token of its dump set (every file of the set over its tokens) and the ratio to
 bf16, the evaluate figures, the engine's acceptance per seed (mean, spread, standard error from
 its per-position counts) and the outputs equal to the base's; writes DIR/eE/results.json and
-DIR/eE/table.md. Progress goes to stderr. Exit 0 when everything ran (outputs that differ from the
-base's are reported, and fail: greedy speculative decoding must be exact), 1 when a stage fails,
-2 on usage errors.
+DIR/eE/table.md; for the hs sets also the relative RMS error of their states against the
+float32 originals, per layer (every 15th record; "state error"). Progress goes to stderr. Exit 0
+when everything ran and every speculative output equals the base's (greedy speculative decoding
+must be exact), 1 when a stage fails or an output differs, 2 on usage errors.
 """
 import argparse
 import glob
@@ -115,6 +116,29 @@ def write_sets(work, dumps, want):
         if (i + 1) % 500 == 0:
             log(f"  {i + 1} of {len(ids)} records written")
     return {"records": len(ids), "tokens": tokens}
+
+
+def round_trip_error(work, dumps, sides, every=15):
+    """Per layer (the aux layers, then the last), the relative RMS error of each hs set's states
+    against the e2e's float32 originals, read back as the producers read them (FP8 through
+    hs_connectors' dequantize_fp8_tensor, to float32), on every `every`-th row."""
+    import torch
+    from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
+    from safetensors.torch import load_file
+    ids = [json.loads(l)["conversation_id"] for l in open(os.path.join(work, "data", "train.jsonl")) if l.strip()]
+    num = {s: 0 for s in sides}
+    den = 0
+    for i in range(0, len(ids), every):
+        d = torch.load(os.path.join(work, "data", "dumps", ids[i] + ".pt"), weights_only=True)
+        t, h = d["hidden_states"].shape
+        x = torch.cat([d["aux_hidden_states"].reshape(t, -1, h), d["hidden_states"].reshape(t, 1, h)], dim=1).double()
+        den = den + x.pow(2).sum(dim=(0, 2))
+        for s in sides:
+            f = load_file(os.path.join(dumps, s, f"hs_{i}.safetensors"))
+            y = (dequantize_fp8_tensor(f["hidden_states"], f[SCALES_KEY], torch.float32) if SCALES_KEY in f
+                 else f["hidden_states"].float()).double()
+            num[s] = num[s] + (y - x).pow(2).sum(dim=(0, 2))
+    return {s: [float(v) for v in (num[s] / den).sqrt()] for s in sides}
 
 
 def set_bytes(paths):
@@ -215,6 +239,14 @@ def main():
         log(f"{s}: {len(sets[s]['files'])} files, {sets[s]['bytes']} bytes, "
             f"{sets[s]['bytes_per_token']:.1f} bytes a token")
 
+    err_json = os.path.join(dumps, "round_trip_error.json")
+    if hs_sides and not os.path.exists(err_json):
+        write_json(err_json, round_trip_error(work, dumps, hs_sides))
+    errors = json.load(open(err_json)) if hs_sides else {}
+    for s, e in errors.items():
+        log(f"{s}: relative RMS error against the float32 dumps, per layer (aux..., last): "
+            + ", ".join(f"{100 * v:.2f}%" for v in e))
+
     # 2. The base alone: the outputs every speculative run must equal.
     prompts, serve = os.path.join(work, "data", "prompts.json"), os.path.join(ROOT, "tests", "e2e", "serve.py")
     base_serve = os.path.join(work, "serve-base.json")
@@ -244,6 +276,8 @@ def main():
                                         "load_after": os.getloadavg()[0]})
                 loads.append(os.getloadavg()[0])
             tr = json.load(open(train_json))
+            if tr.get("load_after") is not None:
+                loads.append(tr["load_after"])  # a reused run's load too
             ms = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")) if l.strip()]
             train_lines = [m for m in ms if m.get("split") != "eval"]
             cpu = sorted(m["cpu_ms"] for m in train_lines if "cpu_ms" in m)
@@ -281,15 +315,15 @@ def main():
     ref_side = "bf16" if "bf16" in sides else sides[0]
     per = lambda k, s, f="{:.3f}": ", ".join(f.format(x[k]) for x in results[s])
     rows = [f"| dumps | bytes/token | vs {ref_side} | eval loss | acc per step (TTT 1-3) | est_ar | est_ar_cond | "
-            "acceptance | mean | spread | engine s.e. | outputs = base | train s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "acceptance | mean | spread | engine s.e. | outputs = base | train s | state error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for s in sides:
         rs = results[s]
         accs = [x["mean_acceptance_length"] for x in rs]
         summary[s] = {"what": SIDES[s], "bytes": sets[s]["bytes"], "bytes_per_token": sets[s]["bytes_per_token"],
                       "bytes_ratio": sets[s]["bytes"] / sets[ref_side]["bytes"], "acceptance_mean": mean(accs),
-                      "acceptance_spread": max(accs) - min(accs), "runs": rs}
+                      "acceptance_spread": max(accs) - min(accs), "round_trip_error": errors.get(s), "runs": rs}
         rows.append(f"| {s} ({SIDES[s]}) | {sets[s]['bytes_per_token']:.1f} | {summary[s]['bytes_ratio']:.3f} | "
                     f"{per('eval_loss', s, '{:.4f}')} | "
                     + "; ".join("/".join(f"{v:.4f}" for v in x["acc"]) for x in rs)
@@ -297,7 +331,8 @@ def main():
                     f"{mean(accs):.3f} | {max(accs) - min(accs):.3f} | "
                     + ", ".join(f"{x['engine_stderr']:.3f}" if x["engine_stderr"] else "-" for x in rs)
                     + " | " + ", ".join(f"{x['outputs_identical']}/{x['prompts']}" for x in rs)
-                    + f" | {per('train_seconds', s, '{:.0f}')} |")
+                    + f" | {per('train_seconds', s, '{:.0f}')} | "
+                    + ("/".join(f"{100 * v:.2f}%" for v in errors[s]) if s in errors else "-") + " |")
     lines = []
     for s in sides:
         if s == ref_side:
