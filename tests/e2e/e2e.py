@@ -21,6 +21,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+# The EAGLE-3 draft's recipe (stage `eaglekit`; EAGLE 3.1's adds --draft-arch eagle3.1), its
+# held-out evaluation and its engine run, as commands; bench/bench_fp8_acceptance.py imports them.
+SEED = 7
+EPOCHS = 6
+
+
+def train_cmd(ek, base, data, index, d2t, out, seed=SEED, epochs=EPOCHS, extra=()):
+    return [ek, "train", "--hidden-states-norm", "post", "--base", base, "--data", data, "--index", index,
+            "--d2t", d2t, "--max-length", "160", "--batch-size", "16", "--epochs", str(epochs), "--lr", "2e-3",
+            "--warmup-steps", "20", "--ttt-steps", "3", "--eval-fraction", "0.02", "--seed", str(seed), *extra,
+            "--out", out, "--no-progress"]
+
+
+def evaluate_cmd(ek, base, draft, data, index):
+    """`eaglekit evaluate` on every held-out record; JSON on stdout."""
+    return [ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft", draft, "--data", data,
+            "--index", index, "--split", "all", "--json"]
+
+
+def serve_args(base, draft, method=None):
+    """serve.py's arguments for the base with a draft, 3 speculative tokens (the base alone without one)."""
+    if draft is None:
+        return ["--base", base]
+    return ["--base", base, "--draft", draft, *(["--method", method] if method else []), "--spec-tokens", "3"]
+
+
 class Run:
     def __init__(self, args):
         self.args = args
@@ -125,13 +151,9 @@ def main():
               "--base", base, "--json"], out=r.path("validate.json"), ok=(0, 1))
         r.sh([ek, "vocab", "--data", r.path("data", "train.jsonl"), "--index", r.path("train.idx"),
               "--base", base, "--draft-vocab-size", "256", "--out", r.path("d2t.pt")])
-        r.sh([ek, "train", "--hidden-states-norm", "post", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
-              r.path("train.idx"), "--d2t", r.path("d2t.pt"), "--max-length", "160", "--batch-size", "16",
-              "--epochs", "6", "--lr", "2e-3", "--warmup-steps", "20", "--ttt-steps", "3",
-              "--eval-fraction", "0.02", "--seed", "7", "--out", r.path("run"), "--no-progress"])
-        r.sh([ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft", r.path("run", "final"), "--data",
-              r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
-              "--json"], out=r.path("evaluate.json"))
+        r.sh(train_cmd(ek, base, r.path("data", "train.jsonl"), r.path("train.idx"), r.path("d2t.pt"), r.path("run")))
+        r.sh(evaluate_cmd(ek, base, r.path("run", "final"), r.path("data", "heldout.jsonl"), r.path("heldout.idx")),
+             out=r.path("evaluate.json"))
         # ModelOpt's own form (--modelopt-norm), for the model oracle: 60 steps are enough for
         # accuracies away from 0 and 1.
         r.sh([ek, "train", "--hidden-states-norm", "post", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
@@ -148,14 +170,10 @@ def main():
     def eaglekit_31():
         for stale in ("run31", "speculators31"):
             shutil.rmtree(r.path(stale), ignore_errors=True)
-        r.sh([ek, "train", "--hidden-states-norm", "post", "--base", base, "--data", r.path("data", "train.jsonl"), "--index",
-              r.path("train.idx"), "--d2t", r.path("d2t.pt"), "--max-length", "160", "--batch-size", "16",
-              "--epochs", "6", "--lr", "2e-3", "--warmup-steps", "20", "--ttt-steps", "3",
-              "--eval-fraction", "0.02", "--seed", "7", "--draft-arch", "eagle3.1", "--out", r.path("run31"),
-              "--no-progress"])
-        r.sh([ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft", r.path("run31", "final"), "--data",
-              r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
-              "--json"], out=r.path("evaluate31.json"))
+        r.sh(train_cmd(ek, base, r.path("data", "train.jsonl"), r.path("train.idx"), r.path("d2t.pt"), r.path("run31"),
+                       extra=["--draft-arch", "eagle3.1"]))
+        r.sh(evaluate_cmd(ek, base, r.path("run31", "final"), r.path("data", "heldout.jsonl"), r.path("heldout.idx")),
+             out=r.path("evaluate31.json"))
         r.sh([ek, "export", r.path("run31", "final"), "--format", "speculators", "--verifier", base,
               "--out", r.path("speculators31")])
     r.stage("eaglekit_31", "speculators31/config.json", eaglekit_31)
@@ -173,9 +191,8 @@ def main():
               "--draft-arch", "dflash", "--block-size", "4", "--mask-token-id", "0", "--dflash-anchors", "32",
               "--eval-every", "-1", "--out", r.path("run-dflash"),
               "--no-progress"])
-        r.sh([ek, "evaluate", "--hidden-states-norm", "post", "--base", base, "--draft", r.path("run-dflash", "final"),
-              "--data", r.path("data", "heldout.jsonl"), "--index", r.path("heldout.idx"), "--split", "all",
-              "--json"], out=r.path("evaluate-dflash.json"))
+        r.sh(evaluate_cmd(ek, base, r.path("run-dflash", "final"), r.path("data", "heldout.jsonl"),
+                          r.path("heldout.idx")), out=r.path("evaluate-dflash.json"))
     r.stage("eaglekit_dflash", "evaluate-dflash.json", eaglekit_dflash)
     evdf = json.load(open(r.path("evaluate-dflash.json")))
     v = json.load(open(r.path("validate.json")))
@@ -272,13 +289,12 @@ def main():
         json.dump(cfg, open(cfg_path, "w"), indent=2)
     prompts = r.path("data", "prompts.json")
     serve = os.path.join(HERE, "serve.py")
-    runs = {"base": ["--base", base],
-            "draft": ["--base", base, "--draft", r.path("run", "final"), "--spec-tokens", "3"],
-            "broken_no_d2t": ["--base", base, "--draft", r.path("broken-no-d2t"), "--spec-tokens", "3"],
-            "draft31": ["--base", base, "--draft", r.path("run31", "final"), "--spec-tokens", "3"],
-            "broken_31_as_eagle3": ["--base", base, "--draft", r.path("broken-31-as-eagle3"), "--spec-tokens", "3"],
-            "dflash": ["--base", base, "--draft", r.path("run-dflash", "final"), "--method", "dflash",
-                       "--spec-tokens", "3"]}
+    runs = {"base": serve_args(base, None),
+            "draft": serve_args(base, r.path("run", "final")),
+            "broken_no_d2t": serve_args(base, r.path("broken-no-d2t")),
+            "draft31": serve_args(base, r.path("run31", "final")),
+            "broken_31_as_eagle3": serve_args(base, r.path("broken-31-as-eagle3")),
+            "dflash": serve_args(base, r.path("run-dflash", "final"), method="dflash")}
     if not args.quick:
         runs["speculators"] = ["--speculators", r.path("speculators")]
         runs["speculators31"] = ["--speculators", r.path("speculators31")]
@@ -286,8 +302,7 @@ def main():
     # acceptance shows").
     sensitivity = ("aux_permuted", "aux_shifted", "rope_theta") if args.sensitivity else ()
     for name in sensitivity:
-        runs[f"broken_{name}"] = ["--base", base, "--draft", r.path("broken-" + name.replace("_", "-")),
-                                  "--spec-tokens", "3"]
+        runs[f"broken_{name}"] = serve_args(base, r.path("broken-" + name.replace("_", "-")))
     results = {}
     for name, a in runs.items():
         if name.startswith("broken_") and not os.path.exists(r.path(f"serve-{name}.json")):
