@@ -359,7 +359,7 @@ std::string location(const DatasetIndex& index, const IndexEntry& e) {
 
 std::string index_to_text(const DatasetIndex& index) {
   std::ostringstream os;
-  os << "index " << index.path() << ": version " << DatasetIndex::kVersion << ", "
+  os << "index " << index.path() << ": version " << index.version() << ", "
      << index.size() << " records (" << index.bad_count() << " bad) in " << index.file_count()
      << " files\n";
   for (const auto& r : index.roots()) os << "root " << r << "\n";
@@ -382,7 +382,7 @@ std::string index_to_json(const DatasetIndex& index) {
   using nlohmann::json;
   json j;
   j["path"] = index.path();
-  j["version"] = DatasetIndex::kVersion;
+  j["version"] = index.version();
   j["roots"] = index.roots();
   j["records"] = index.size();
   j["bad_records"] = index.bad_count();
