@@ -1,10 +1,12 @@
 // The dataset index file format; the byte layout is in formats/index_format.h.
 #include "formats/index_format.h"
 
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -621,6 +623,38 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   store_le64(sum, XXH3_64bits_digest(state));
   out.write(sum, 8);
   out.commit();
+}
+
+IndexLossMasks index_loss_masks_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw IoError::from_errno(path, "cannot stat", errno);
+  IndexLossMasks m;
+  std::error_code ec;
+  const std::filesystem::path a = std::filesystem::absolute(path, ec);
+  m.path = ec ? path : a.lexically_normal().string();
+  m.size = static_cast<std::uint64_t>(st.st_size);
+  m.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000LL + static_cast<std::int64_t>(st.st_mtim.tv_nsec);
+  const auto src = ByteSource::open_file(path);
+  m.xxh3 = XXH3_64bits(src->data(), static_cast<std::size_t>(src->size()));
+  return m;
+}
+
+std::string index_loss_masks_change(const IndexLossMasks& recorded) {
+  struct stat st {};
+  if (::stat(recorded.path.c_str(), &st) != 0)
+    return errno == ENOENT ? std::string("is not there (moved or deleted since indexing?)")
+                           : std::string("cannot be stat'ed: ") + std::strerror(errno);
+  if (static_cast<std::uint64_t>(st.st_size) != recorded.size)
+    return "has " + std::to_string(st.st_size) + " bytes, " + std::to_string(recorded.size) + " when indexed";
+  const std::int64_t mtime =
+      static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000LL + static_cast<std::int64_t>(st.st_mtim.tv_nsec);
+  if (mtime == recorded.mtime_ns) return "";
+  const IndexLossMasks now = index_loss_masks_of(recorded.path);
+  if (now.size == recorded.size && now.xxh3 == recorded.xxh3) return "";
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "holds other bytes than when indexed (same size; XXH3-64 %016llx now, %016llx then)",
+                static_cast<unsigned long long>(now.xxh3), static_cast<unsigned long long>(recorded.xxh3));
+  return buf;
 }
 
 std::string_view entry_error_name(EntryError e) {

@@ -127,6 +127,18 @@ struct IndexLossMasks {
   std::uint64_t xxh3 = 0;    // XXH3-64 of its bytes
 };
 
+// A loss-mask file as an index records it: its absolute, lexically normal path, size and
+// mtime (stat'ed before it is read, so a file changed while it is read looks changed next
+// time) and the XXH3-64 of its bytes. Throws IoError.
+IndexLossMasks index_loss_masks_of(const std::string& path);
+
+// How the file at recorded.path differs from what the index recorded: "" when it is the same
+// file (same size and mtime, or same size and bytes: a copy with new times is the same file),
+// else a phrase for a message: "is not there (moved or deleted since indexing?)", "has 120
+// bytes, 96 when indexed",
+// "holds other bytes than when indexed (same size; XXH3-64 ... now, ... then)".
+std::string index_loss_masks_change(const IndexLossMasks& recorded);
+
 class DatasetIndex {
  public:
   // 2: entries carry the records' stated norm form (flags 8, 16). A version 1 index cannot

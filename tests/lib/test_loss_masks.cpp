@@ -1,11 +1,13 @@
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <string>
 
 #include "formats/error.h"
+#include "formats/index_format.h"
 #include "formats/pt_format.h"
 #include "formats/registry.h"
 #include "formats/safetensors_format.h"
@@ -252,4 +254,62 @@ TEST_CASE("loss_masks: a file by conversation id is refused with the id when it 
                       {{"eaglekit", "loss masks by conversation id"}, {"version", "1"}});
     CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find(p + ": id_offsets[1] at byte ") == 0);
   }
+}
+
+// `eaglekit index --loss-masks` records the file (formats/index_format.h IndexLossMasks); the
+// loader opens it again only while it is that file, and applies a row to the prefix of a
+// record it reads.
+TEST_CASE("loss_masks: a joined file opens only while it is the file indexed; a prefix takes its row's first values") {
+  test::TempDir dir("masks-joined");
+  const std::string masks = dir / "loss_masks.safetensors";
+  fs::copy_file(fixture("loss_masks.safetensors"), masks);
+  const std::string index = dir / "dump.eki";
+  const IndexLossMasks recorded = index_loss_masks_of(masks);
+  CHECK(recorded.path == masks);
+  CHECK(recorded.size == fs::file_size(masks));
+  CHECK(LossMasks::joined_problem(recorded, index).empty());
+  const LossMasks m = LossMasks::open_joined(recorded, index);
+
+  // hs_0 holds 6 tokens; the loader reads 4 of them (max_length 4).
+  const std::string hs0 = fixture("prepared/hidden_states/hs_0.safetensors");
+  const auto want = SafetensorsFile::open(fixture("expected/hs_0.safetensors"))->get("loss_mask")->slice_rows(0, 4);
+  Record r = open_reader(hs0)->read_prefix(0, 4);
+  REQUIRE(r.tokens() == 4);
+  m.apply_prefix(r, hs0, 6);
+  REQUIRE(r.loss_mask.has_value());
+  CHECK(r.loss_mask->equal(want));
+  Record r2 = open_reader(hs0)->read_prefix(0, 4);
+  CHECK(error_of<FormatError>([&] { m.apply_prefix(r2, hs0, 5); }).find("holds 6 tokens, but " + hs0 + " holds 5") !=
+        std::string::npos);
+  CHECK(m.check_length("hs_0", hs0, 6) == 0);
+  CHECK(error_of<FormatError>([&] { m.check_length("hs_0", dir / "hs_1.safetensors", 6); })
+            .find(masks + ": row 1 at byte ") == 0);
+
+  const std::string head = index + " joins the loss masks of " + masks + ", which ";
+  // New times, the same bytes (a copy without -p): the same file.
+  fs::last_write_time(masks, fs::last_write_time(masks) + std::chrono::hours(1));
+  CHECK(LossMasks::joined_problem(recorded, index).empty());
+  // The same size, another mask value.
+  {
+    auto bytes = test::read_bytes(masks);
+    const auto f = SafetensorsFile::open(masks);
+    const std::uint64_t at = f->data_start() + f->find("loss_mask")->begin;
+    bytes[at] ^= 1;
+    test::write_bytes(masks, bytes);
+  }
+  std::string e = LossMasks::joined_problem(recorded, index);
+  CHECK_MESSAGE(e.find(head + "holds other bytes than when indexed (same size; XXH3-64 ") == 0, e);
+  CHECK(e.find("index again with --loss-masks naming the file where it is now (`eaglekit index DIR... --out " + index +
+               " --loss-masks FILE`)") != std::string::npos);
+  CHECK(error_of<Error>([&] { LossMasks::open_joined(recorded, index); }) == e);
+  // Another size; gone.
+  {
+    auto bytes = test::read_bytes(masks);
+    bytes.push_back(0);
+    test::write_bytes(masks, bytes);
+  }
+  CHECK(LossMasks::joined_problem(recorded, index).find(head + "has " + std::to_string(recorded.size + 1) + " bytes, " +
+                                                        std::to_string(recorded.size) + " when indexed: ") == 0);
+  fs::rename(masks, dir / "moved.safetensors");
+  CHECK(LossMasks::joined_problem(recorded, index).find(head + "is not there (moved or deleted since indexing?): ") == 0);
 }
