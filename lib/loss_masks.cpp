@@ -122,9 +122,8 @@ std::string LossMasks::joined_problem(const IndexLossMasks& recorded, const std:
   const std::string change = index_loss_masks_change(recorded);
   if (change.empty()) return "";
   return index_path + " joins the loss masks of " + recorded.path + ", which " + change +
-         ": its masks are checked against the records when they are indexed, so index again with "
-         "--loss-masks naming the file where it is now (`eaglekit index DIR... --out " + index_path +
-         " --loss-masks FILE`)";
+         ": index again, naming the file as it is now (`eaglekit index DIR... --out " + index_path +
+         " --loss-masks FILE`), which checks its rows against the records";
 }
 
 LossMasks::Row LossMasks::find_row(const std::string& conversation_id, const std::string& source) const {

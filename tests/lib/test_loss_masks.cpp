@@ -301,8 +301,8 @@ TEST_CASE("loss_masks: a joined file opens only while it is the file indexed; a 
   }
   std::string e = LossMasks::joined_problem(recorded, index);
   CHECK_MESSAGE(e.find(head + "holds other bytes than when indexed (same size; XXH3-64 ") == 0, e);
-  CHECK(e.find("index again with --loss-masks naming the file where it is now (`eaglekit index DIR... --out " + index +
-               " --loss-masks FILE`)") != std::string::npos);
+  CHECK(e.find("index again, naming the file as it is now (`eaglekit index DIR... --out " + index +
+               " --loss-masks FILE`), which checks its rows against the records") != std::string::npos);
   CHECK(error_of<Error>([&] { LossMasks::open_joined(recorded, index); }) == e);
   // Another size; gone.
   {
