@@ -1,10 +1,12 @@
 // The dataset index file format; the byte layout is in formats/index_format.h.
 #include "formats/index_format.h"
 
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -28,6 +30,8 @@ constexpr char kMagic[8] = {'E', 'K', 'I', 'N', 'D', 'E', 'X', '\0'};
 constexpr std::uint32_t kHeaderSize = 128;
 constexpr std::uint32_t kEntrySize = 80;
 constexpr std::uint32_t kFileEntrySize = 48;
+constexpr std::uint32_t kLossMasksSize = 32;       // the loss-mask file's block (version 4)
+constexpr std::uint32_t kVersionWithoutLossMasks = 3;
 constexpr std::uint64_t kMaxStringLength = (1ull << 24) - 1;
 constexpr std::uint64_t kMaxStringsSize = 1ull << 40;
 constexpr std::size_t kMaxErrorLength = 4096;
@@ -42,6 +46,7 @@ constexpr std::uint8_t kFlagPrenorm = 16;     // ... and it is pre-norm
 // older build leaves both clear: those records' form is measured, as for any unknown one.
 constexpr std::uint8_t kFlagLayoutNorm = 32;
 constexpr std::uint8_t kFlagLayoutPrenorm = 64;
+constexpr std::uint8_t kFlagJoinedLossMask = 128;  // its mask is the loss-mask file's (version 4)
 
 // Stable on-disk codes, independent of the enums' order in the headers: formats'
 // from their rows (FormatRow::index_code), 0 for unknown (a file that could not be read).
@@ -156,6 +161,8 @@ struct DatasetIndex::Impl {
   std::uint64_t entry_count = 0, file_count = 0, root_count = 0;
   std::uint64_t roots_off = 0, files_off = 0, entries_off = 0, sorted_off = 0;
   std::uint64_t strings_off = 0, strings_size = 0, bad_count = 0;
+  std::uint32_t version = 0;
+  std::optional<IndexLossMasks> loss_masks;
   // Version 3 stores paths below the index's folder relative to it: their absolute forms,
   // per file and root ("" where the stored path is absolute; empty vectors when none is).
   std::vector<std::string> resolved_files, resolved_roots;
@@ -237,16 +244,18 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
   impl->strings_size = c.u64("strings size");
   const std::uint64_t total = c.u64("total size");
   impl->bad_count = c.u64("bad count");
+  const std::uint64_t loss_masks_off = c.u64("loss-mask file offset");
   if (version < kOldestVersion || version > kVersion)
     throw UnsupportedError(path, 8, "version",
                            "index version " + std::to_string(version) + "; this build reads " +
                                std::to_string(kOldestVersion) + " to " + std::to_string(kVersion) +
                                ": rebuild it with `eaglekit index`");
+  impl->version = version;
   if (header_size != kHeaderSize || entry_size != kEntrySize || file_entry_size != kFileEntrySize)
     throw FormatError(path, 12, "header",
                       "record sizes " + std::to_string(header_size) + "/" +
                           std::to_string(entry_size) + "/" + std::to_string(file_entry_size) +
-                          " differ from version " + std::to_string(kVersion) + "'s " +
+                          " differ from version " + std::to_string(version) + "'s " +
                           std::to_string(kHeaderSize) + "/" + std::to_string(kEntrySize) + "/" +
                           std::to_string(kFileEntrySize));
   if (total != size)
@@ -289,8 +298,26 @@ DatasetIndex DatasetIndex::from_source(std::shared_ptr<const ByteSource> src) {
     throw FormatError(path, 104, "bad count",
                       std::to_string(impl->bad_count) + " bad entries but only " +
                           std::to_string(impl->entry_count) + " entries");
+  // Before version 4 the bytes were written zero and mean nothing.
+  const bool has_loss_masks = version >= 4 && loss_masks_off != 0;
+  if (has_loss_masks && (loss_masks_off < kHeaderSize || loss_masks_off % 8 != 0 || loss_masks_off > body_end ||
+                         kLossMasksSize > body_end - loss_masks_off))
+    throw FormatError(path, 112, "loss-mask file",
+                      "block at byte " + std::to_string(loss_masks_off) + " of " + std::to_string(kLossMasksSize) +
+                          " bytes lies outside the file's " + std::to_string(body_end) + " bytes");
   impl->base = h;
   impl->src = std::move(src);
+  if (has_loss_masks) {
+    ByteCursor lm(*impl->src, loss_masks_off, loss_masks_off + kLossMasksSize, "index loss-mask file");
+    IndexLossMasks m;
+    const std::string_view p = impl->next_str(lm, "loss-mask file path");
+    if (p.empty()) throw FormatError(path, loss_masks_off, "loss-mask file path", "is empty");
+    m.path = p.front() == '/' ? std::string(p) : folder_of(path) + "/" + std::string(p);
+    m.size = lm.u64("loss-mask file size");
+    m.mtime_ns = lm.i64("loss-mask file mtime");
+    m.xxh3 = lm.u64("loss-mask file hash");
+    impl->loss_masks = std::move(m);
+  }
   if (version >= 3) {
     const std::string dir = folder_of(path);
     auto resolve = [&](std::uint64_t table, std::uint64_t count, std::uint64_t stride, const char* field,
@@ -313,6 +340,8 @@ std::size_t DatasetIndex::size() const { return static_cast<std::size_t>(impl_->
 std::size_t DatasetIndex::file_count() const { return static_cast<std::size_t>(impl_->file_count); }
 std::size_t DatasetIndex::bad_count() const { return static_cast<std::size_t>(impl_->bad_count); }
 const std::string& DatasetIndex::path() const { return impl_->path; }
+std::uint32_t DatasetIndex::version() const { return impl_->version; }
+const std::optional<IndexLossMasks>& DatasetIndex::loss_masks() const { return impl_->loss_masks; }
 
 IndexEntry DatasetIndex::entry(std::size_t i) const {
   const Impl& m = *impl_;
@@ -355,6 +384,9 @@ IndexEntry DatasetIndex::entry(std::size_t i) const {
   e.ok = (flags & kFlagBad) == 0;
   e.has_loss_mask = (flags & kFlagLossMask) != 0;
   e.id_from_file_name = (flags & kFlagIdFromFileName) != 0;
+  e.joined_loss_mask = (flags & kFlagJoinedLossMask) != 0;
+  if (e.joined_loss_mask && !m.loss_masks)
+    throw FormatError(m.path, at + 75, "entry flags", "the entry joins a loss mask, but the index names no loss-mask file");
   if ((flags & kFlagNormStated) != 0) e.hidden_states_prenorm = (flags & kFlagPrenorm) != 0;
   if ((flags & kFlagLayoutNorm) != 0) e.layout_prenorm = (flags & kFlagLayoutPrenorm) != 0;
   if (kind > static_cast<std::uint8_t>(EntryError::kOther))
@@ -459,7 +491,7 @@ std::vector<std::string> DatasetIndex::duplicate_ids() const {
 // Writing
 
 void write_index(const std::string& path, const std::vector<std::string>& roots,
-                 const std::vector<IndexedFile>& files) {
+                 const std::vector<IndexedFile>& files, const IndexLossMasks* loss_masks) {
   constexpr std::uint64_t kMaxCount = std::numeric_limits<std::uint32_t>::max();
   std::uint64_t n_entries = 0;
   for (const auto& f : files) n_entries += f.records.size();
@@ -507,6 +539,12 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
       if (!r.error.empty()) flags |= kFlagBad;
       if (info.has_loss_mask) flags |= kFlagLossMask;
       if (r.id_from_file_name) flags |= kFlagIdFromFileName;
+      if (r.joined_loss_mask) {
+        if (loss_masks == nullptr)
+          throw UsageError("index: " + f.path + " record " + std::to_string(r.record) +
+                           " joins a loss mask, but no loss-mask file is given");
+        flags |= kFlagJoinedLossMask;
+      }
       if (info.hidden_states_prenorm) flags |= kFlagNormStated | (*info.hidden_states_prenorm ? kFlagPrenorm : 0);
       if (info.layout_prenorm) flags |= kFlagLayoutNorm | (*info.layout_prenorm ? kFlagLayoutPrenorm : 0);
       EntryError kind = r.error_kind;
@@ -530,20 +568,29 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
                    [&](std::uint32_t a, std::uint32_t b) { return ids[a] < ids[b]; });
   for (const std::uint32_t i : order) sorted_w.u32(i);
 
+  ByteWriter masks_w;
+  if (loss_masks != nullptr) {
+    if (loss_masks->path.empty()) throw UsageError("index: the loss-mask file's path is empty");
+    masks_w.u64(strings.add(stored_path(loss_masks->path, dir), "loss-mask file path"));
+    masks_w.u64(loss_masks->size).i64(loss_masks->mtime_ns).u64(loss_masks->xxh3);
+  }
+
   const auto& sbytes = strings.bytes();
   const std::uint64_t roots_off = kHeaderSize;
   const std::uint64_t files_off = align8(roots_off + roots_w.size());
   const std::uint64_t entries_off = align8(files_off + files_w.size());
   const std::uint64_t sorted_off = align8(entries_off + entries_w.size());
-  const std::uint64_t strings_off = align8(sorted_off + sorted_w.size());
+  const std::uint64_t masks_off = align8(sorted_off + sorted_w.size());
+  const std::uint64_t strings_off = align8(masks_off + masks_w.size());
   const std::uint64_t total = align8(strings_off + sbytes.size()) + 8;
 
   ByteWriter h;
-  h.bytes(kMagic, 8).u32(DatasetIndex::kVersion);
+  h.bytes(kMagic, 8).u32(loss_masks != nullptr ? DatasetIndex::kVersion : kVersionWithoutLossMasks);
   h.u32(kHeaderSize).u32(kEntrySize).u32(kFileEntrySize);
   h.u64(n_entries).u64(files.size()).u64(roots.size());
   h.u64(roots_off).u64(files_off).u64(entries_off).u64(sorted_off);
   h.u64(strings_off).u64(sbytes.size()).u64(total).u64(bad);
+  h.u64(loss_masks != nullptr ? masks_off : 0);
   h.fill(kHeaderSize - h.size());
 
   // Each piece goes to the file and into the checksum; sections start 8-aligned.
@@ -569,12 +616,45 @@ void write_index(const std::string& path, const std::vector<std::string>& roots,
   section(files_w.data(), files_w.size());
   section(entries_w.data(), entries_w.size());
   section(sorted_w.data(), sorted_w.size());
+  section(masks_w.data(), masks_w.size());
   section(sbytes.data(), sbytes.size());
   section(nullptr, 0);
   std::uint8_t sum[8];
   store_le64(sum, XXH3_64bits_digest(state));
   out.write(sum, 8);
   out.commit();
+}
+
+IndexLossMasks index_loss_masks_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw IoError::from_errno(path, "cannot stat", errno);
+  IndexLossMasks m;
+  std::error_code ec;
+  const std::filesystem::path a = std::filesystem::absolute(path, ec);
+  m.path = ec ? path : a.lexically_normal().string();
+  m.size = static_cast<std::uint64_t>(st.st_size);
+  m.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000LL + static_cast<std::int64_t>(st.st_mtim.tv_nsec);
+  const auto src = ByteSource::open_file(path);
+  m.xxh3 = XXH3_64bits(src->data(), static_cast<std::size_t>(src->size()));
+  return m;
+}
+
+std::string index_loss_masks_change(const IndexLossMasks& recorded) {
+  struct stat st {};
+  if (::stat(recorded.path.c_str(), &st) != 0)
+    return errno == ENOENT ? std::string("is not there (moved or deleted since indexing?)")
+                           : std::string("cannot be stat'ed: ") + std::strerror(errno);
+  if (static_cast<std::uint64_t>(st.st_size) != recorded.size)
+    return "has " + std::to_string(st.st_size) + " bytes, " + std::to_string(recorded.size) + " when indexed";
+  const std::int64_t mtime =
+      static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000000000LL + static_cast<std::int64_t>(st.st_mtim.tv_nsec);
+  if (mtime == recorded.mtime_ns) return "";
+  const IndexLossMasks now = index_loss_masks_of(recorded.path);
+  if (now.size == recorded.size && now.xxh3 == recorded.xxh3) return "";
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "holds other bytes than when indexed (same size; XXH3-64 %016llx now, %016llx then)",
+                static_cast<unsigned long long>(now.xxh3), static_cast<unsigned long long>(recorded.xxh3));
+  return buf;
 }
 
 std::string_view entry_error_name(EntryError e) {

@@ -367,6 +367,8 @@ Dataset match_keys(const std::vector<Conversation>& conversations, const std::ve
                    const std::set<std::string>& quarantine) {
   Dataset d;
   d.conversations = conversations.size();
+  d.loss_masks = index.loss_masks();
+  d.index_path = index.path();
   struct Hit {
     std::uint32_t entry;
     std::uint32_t count;
@@ -411,8 +413,8 @@ Dataset match_keys(const std::vector<Conversation>& conversations, const std::ve
     }
     auto [slot, added] = file_slot.try_emplace(e.file, static_cast<std::uint32_t>(d.files.size()));
     if (added) d.files.emplace_back(index.file(e.file).path);
-    d.samples.push_back(
-        {c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm, e.layout_prenorm, e.has_loss_mask});
+    d.samples.push_back({c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm, e.layout_prenorm,
+                         e.has_loss_mask, e.joined_loss_mask});
   }
   d.duplicate_ids.assign(duplicates.begin(), duplicates.end());
   return d;
@@ -462,7 +464,7 @@ std::string no_loss_mask_line(const std::vector<SampleRef>& samples, std::int64_
   if (samples.empty()) return "";
   std::int64_t read = 0, trained = 0;
   for (const auto& s : samples) {
-    if (s.has_loss_mask) return "";
+    if (s.has_loss_mask || s.joined_loss_mask) return "";
     const std::int64_t t = max_length > 0 ? std::min(s.tokens, max_length) : s.tokens;
     read += t;
     trained += std::max<std::int64_t>(t - 1, 0);  // each token after the first is a target
@@ -474,6 +476,23 @@ std::string no_loss_mask_line(const std::vector<SampleRef>& samples, std::int64_
          std::to_string(read) + " tokens read (" + share +
          ", all but each record's first), prompts included; a chat dump usually trains only the assistant's "
          "replies, and some producers keep the mask outside the dump (speculators: in its prepared dataset folder)";
+}
+
+std::string joined_loss_mask_line(const std::optional<IndexLossMasks>& loss_masks,
+                                  const std::vector<SampleRef>& samples) {
+  std::size_t joined = 0, own = 0;
+  for (const auto& s : samples) {
+    if (s.joined_loss_mask) ++joined;
+    else if (s.has_loss_mask) ++own;
+  }
+  if (joined == 0) return "";
+  std::string line = "loss masks: " + std::to_string(joined) + " of the " + std::to_string(samples.size()) +
+                     " records take theirs from " + (loss_masks ? loss_masks->path : std::string("?")) +
+                     ", joined by `eaglekit index --loss-masks` (lengths checked then, token ids as each record is read)";
+  if (own > 0) line += "; " + std::to_string(own) + " store their own";
+  if (const std::size_t none = samples.size() - joined - own; none > 0)
+    line += "; " + std::to_string(none) + " have none: every token of theirs is trained";
+  return line;
 }
 
 Dataset index_dataset(const DatasetIndex& index, const std::set<std::string>& quarantine) {

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "formats/index_format.h"
+
 namespace eaglekit {
 
 class DatasetIndex;
@@ -53,14 +55,24 @@ struct SampleRef {
   std::optional<bool> hidden_states_prenorm;  // as the record states it (index entry)
   std::optional<bool> layout_prenorm;         // as its layout implies (index entry; Record::layout_prenorm)
   bool has_loss_mask = false;                 // the record stores a loss mask (index entry)
+  // Its mask is the index's loss-mask file's (`eaglekit index --loss-masks`; index entry):
+  // the loader applies it (Dataset::loss_masks).
+  bool joined_loss_mask = false;
 };
 
-// One line when none of `samples` stores a loss mask: every token is then trained (the loss
-// weighs position t by mask[t + 1], all ones), with the share of the tokens read (each record
-// cut at `max_length`; <= 0: whole) that is; "" when some record stores one. Said once by
-// train, evaluate and validate, since a chat dump usually trains only the assistant's replies
-// and some producers keep the mask outside the dump (speculators: its prepared dataset folder).
+// One line when none of `samples` has a loss mask, stored in the record or joined from the
+// index's loss-mask file: every token is then trained (the loss weighs position t by
+// mask[t + 1], all ones), with the share of the tokens read (each record cut at
+// `max_length`; <= 0: whole) that is; "" when some record has one. Said once by train,
+// evaluate and validate, since a chat dump usually trains only the assistant's replies and
+// some producers keep the mask outside the dump (speculators: its prepared dataset folder).
 std::string no_loss_mask_line(const std::vector<SampleRef>& samples, std::int64_t max_length);
+
+// One line when some of `samples` take their mask from the loss-mask file the index joined
+// (Dataset::loss_masks): which file, how many, and how many store their own or have none;
+// "" when none does. Said by train, evaluate, validate and stats where no_loss_mask_line is.
+std::string joined_loss_mask_line(const std::optional<IndexLossMasks>& loss_masks,
+                                  const std::vector<SampleRef>& samples);
 
 struct Dataset {
   std::vector<std::string> files;   // paths of record files
@@ -78,6 +90,10 @@ struct Dataset {
   // How samples were found: "id", "row" (auto-detected or asked for), or "index" (no
   // conversations: every record).
   std::string matched_by = "id";
+  // The loss-mask file the index joined (DatasetIndex::loss_masks), whose rows the samples
+  // with joined_loss_mask take, and the index's path for messages.
+  std::optional<IndexLossMasks> loss_masks;
+  std::string index_path;
 };
 
 // How records find their conversation (docs/data.md, matching):

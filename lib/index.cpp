@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -22,6 +24,7 @@
 #include "formats/file_walk.h"
 #include "formats/registry.h"
 #include "lib/clock.h"
+#include "lib/loss_masks.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -200,6 +203,43 @@ bool reusable(const DatasetIndex& prev, std::size_t fi, std::uint64_t size, std:
   return true;
 }
 
+// Flags every readable record whose row of `masks` holds its token count; nothing is
+// flagged, and the first record's error thrown with the count, when some record has none.
+void join_loss_masks(const LossMasks& masks, std::vector<IndexedFile>& files, IndexReport& report) {
+  std::vector<char> used(static_cast<std::size_t>(masks.rows()), 0);
+  std::size_t records = 0, misfits = 0;
+  std::optional<std::string> first;
+  bool first_usage = false;
+  for (IndexedFile& f : files) {
+    for (IndexedRecord& r : f.records) {
+      if (!r.error.empty()) {
+        ++report.loss_masks_bad_records;
+        continue;
+      }
+      ++records;
+      try {
+        used[static_cast<std::size_t>(masks.check_length(r.info.conversation_id, f.path, r.info.tokens))] = 1;
+        r.joined_loss_mask = true;
+      } catch (const Error& e) {
+        if (!first) {
+          first = e.what();
+          first_usage = dynamic_cast<const UsageError*>(&e) != nullptr;
+        }
+        ++misfits;
+      }
+    }
+  }
+  if (first) {
+    const std::string msg = *first + " (" + std::to_string(misfits) + " of the " + std::to_string(records) +
+                            " readable records do not fit " + masks.path() +
+                            ", so the index was not written: a record without its mask would train every token)";
+    if (first_usage) throw UsageError(msg);
+    throw Error(msg);
+  }
+  report.loss_masks_joined = records;
+  report.loss_masks_unused_rows = static_cast<std::size_t>(std::count(used.begin(), used.end(), 0));
+}
+
 }  // namespace
 
 IndexReport build_index(const IndexOptions& opts) {
@@ -233,6 +273,29 @@ IndexReport build_index(const IndexOptions& opts) {
       report.previous_error = e.what();
     }
   }
+
+  // The loss-mask file: opened and checked whole before any record is read, as convert does.
+  std::optional<LossMasks> masks;
+  std::optional<IndexLossMasks> masks_state;
+  {
+    std::string path = opts.loss_masks;
+    if (path.empty() && prev && prev->loss_masks()) {
+      path = prev->loss_masks()->path;
+      report.loss_masks_kept = true;
+      const std::string change = index_loss_masks_change(*prev->loss_masks());
+      if (change.rfind("is not there", 0) == 0)
+        throw Error(opts.out + " joins the loss masks of " + path + ", which " + change +
+                    ": pass --loss-masks FILE with its new place, or --full to index without it");
+    }
+    if (!path.empty()) {
+      masks_state = index_loss_masks_of(path);  // stat'ed before it is read
+      masks.emplace(LossMasks::open(path));
+      report.loss_masks = masks_state->path;
+      report.loss_masks_rows = static_cast<std::size_t>(masks->rows());
+      report.loss_masks_by_id = masks->by_conversation_id();
+    }
+  }
+
   std::unordered_map<std::string_view, std::size_t> prev_files;
   if (prev) {
     prev_files.reserve(prev->file_count());
@@ -318,7 +381,8 @@ IndexReport build_index(const IndexOptions& opts) {
       if (now.find(prev->file(i).path) == now.end()) ++report.gone_files;
   }
 
-  write_index(opts.out, roots, files);
+  if (masks) join_loss_masks(*masks, files, report);
+  write_index(opts.out, roots, files, masks_state ? &*masks_state : nullptr);
 
   std::unordered_map<std::string_view, std::size_t> id_count;
   for (const auto& f : files) {
@@ -359,10 +423,16 @@ std::string location(const DatasetIndex& index, const IndexEntry& e) {
 
 std::string index_to_text(const DatasetIndex& index) {
   std::ostringstream os;
-  os << "index " << index.path() << ": version " << DatasetIndex::kVersion << ", "
+  os << "index " << index.path() << ": version " << index.version() << ", "
      << index.size() << " records (" << index.bad_count() << " bad) in " << index.file_count()
      << " files\n";
   for (const auto& r : index.roots()) os << "root " << r << "\n";
+  if (const auto& m = index.loss_masks()) {
+    std::size_t joined = 0;
+    for (std::size_t i = 0; i < index.size(); ++i) joined += index.entry(i).joined_loss_mask;
+    os << "loss masks: " << joined << " records take theirs from " << m->path << " (" << m->size
+       << " bytes when indexed)\n";
+  }
   os << "conversation_id\ttokens\thidden\taux\tdtype\tformat\tcodec\tlocation\tstatus\n";
   for (std::size_t i = 0; i < index.size(); ++i) {
     const IndexEntry e = index.entry(i);
@@ -382,10 +452,17 @@ std::string index_to_json(const DatasetIndex& index) {
   using nlohmann::json;
   json j;
   j["path"] = index.path();
-  j["version"] = DatasetIndex::kVersion;
+  j["version"] = index.version();
   j["roots"] = index.roots();
   j["records"] = index.size();
   j["bad_records"] = index.bad_count();
+  if (const auto& m = index.loss_masks()) {
+    char hash[17];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(m->xxh3));
+    j["loss_masks"] = {{"path", m->path}, {"size", m->size}, {"mtime_ns", m->mtime_ns}, {"xxh3", hash}};
+  } else {
+    j["loss_masks"] = nullptr;
+  }
   json files = json::array();
   for (std::size_t i = 0; i < index.file_count(); ++i) {
     const IndexFile f = index.file(i);
@@ -415,6 +492,7 @@ std::string index_to_json(const DatasetIndex& index) {
       je["ids_dtype"] = dtype_name(e.ids_dtype);
       je["hidden_dtype"] = dtype_name(e.hidden_dtype);
       je["has_loss_mask"] = e.has_loss_mask;
+      je["joined_loss_mask"] = e.joined_loss_mask;
       je["hidden_states_prenorm"] =
           e.hidden_states_prenorm ? json(*e.hidden_states_prenorm) : json(nullptr);
       je["layout_prenorm"] = e.layout_prenorm ? json(*e.layout_prenorm) : json(nullptr);
@@ -446,6 +524,17 @@ std::string index_report_to_text(const IndexReport& r, const std::string& out) {
   if (!r.previous_error.empty())
     os << "warning: the previous index could not be read, so every file was read again: "
        << r.previous_error << "\n";
+  if (!r.loss_masks.empty()) {
+    os << "loss masks: " << r.loss_masks_joined << " records take theirs from " << r.loss_masks << " ("
+       << (r.loss_masks_by_id ? "by conversation id" : "by row: hs_{i}.safetensors takes row i")
+       << "; lengths checked, token ids checked as the loader reads)";
+    if (r.loss_masks_kept) os << "; kept from the previous index (--full indexes without it)";
+    os << "\n";
+    if (r.loss_masks_bad_records > 0)
+      os << "  " << r.loss_masks_bad_records << " bad records take none (they are not trained)\n";
+    if (r.loss_masks_unused_rows > 0)
+      os << "  " << r.loss_masks_unused_rows << " of its " << r.loss_masks_rows << " rows are no record's\n";
+  }
   constexpr std::size_t kShow = 5;
   if (r.bad_records > 0) {
     os << "bad records: " << r.bad_records << " (kept in the index as bad; `eaglekit validate` "
@@ -489,6 +578,17 @@ std::string index_report_to_json(const IndexReport& r, const std::string& out) {
                       {"held_locks", r.held_locks},
                       {"seconds", r.seconds}};
   if (!r.previous_error.empty()) j["previous_error"] = r.previous_error;
+  if (r.loss_masks.empty()) {
+    j["loss_masks"] = nullptr;
+  } else {
+    j["loss_masks"] = {{"path", r.loss_masks},
+                       {"kept", r.loss_masks_kept},
+                       {"by", r.loss_masks_by_id ? "conversation id" : "row"},
+                       {"joined", r.loss_masks_joined},
+                       {"bad_records", r.loss_masks_bad_records},
+                       {"rows", r.loss_masks_rows},
+                       {"unused_rows", r.loss_masks_unused_rows}};
+  }
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 

@@ -30,6 +30,10 @@ struct IndexOptions {
   int jobs = 0;                    // threads; 0: all cores
   bool incremental = true;         // reuse entries of an existing `out` whose file is unchanged
   int progress = -1;               // -1: redrawn on a terminal, plain lines in a log (lib/progress.h); 0 off; 1 on
+  // A loss-mask file (lib/loss_masks.h: speculators' by row, or by conversation id) whose
+  // masks the records take, as `convert --loss-masks` gives them; "": the previous index's
+  // when `incremental` and it joined one, else none. See build_index.
+  std::string loss_masks;
 };
 
 struct IndexReport {
@@ -51,6 +55,16 @@ struct IndexReport {
   // Of those, the ones whose flock was held while indexing: their record was still being
   // written, so it may be indexed half written (as a bad record) or not yet exist. Sorted.
   std::vector<std::string> held_locks;
+  // With a loss-mask file (IndexOptions::loss_masks): its absolute path ("" when none),
+  // whether it came from the previous index, the records that take their mask from it, the
+  // bad records (no mask: they are not trained), its rows and those no record took.
+  std::string loss_masks;
+  bool loss_masks_kept = false;
+  std::size_t loss_masks_joined = 0;
+  std::size_t loss_masks_bad_records = 0;
+  std::size_t loss_masks_rows = 0;
+  std::size_t loss_masks_unused_rows = 0;
+  bool loss_masks_by_id = false;
   double seconds = 0;
 };
 
@@ -61,6 +75,16 @@ struct IndexReport {
 // file or record that cannot be read becomes a bad entry; it never stops the run. Throws
 // IoError when a root does not exist or the output cannot be written, UsageError on bad
 // options.
+//
+// With a loss-mask file, every readable record must find its mask there, as `convert
+// --loss-masks` pairs them (speculators' file: hs_{i}.safetensors takes row i; a file by
+// conversation id: the record's id), of its token count; the file is opened and checked
+// whole first, and the records are checked from their headers (the loader checks the token
+// ids as it reads). Otherwise nothing is written: the error is the first record's, as
+// convert's would be (UsageError for a file name without a row or a row past the end, else
+// Error), with how many records do not fit. The index records the file (its path, size,
+// mtime, hash: formats/index_format.h IndexLossMasks) and flags the records; reused entries
+// are joined again, from the headers the index keeps, so an incremental run re-reads no record.
 IndexReport build_index(const IndexOptions& opts);
 
 // `eaglekit index --show`: the whole index as text (one line per entry) or JSON.

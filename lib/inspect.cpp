@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/error.h"
+#include "lib/loss_masks.h"
 
 namespace eaglekit {
 
@@ -155,6 +156,10 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
   res.path = rs.path;
   res.format = reader->format();
   res.record_count = reader->size();
+  res.loss_masks = options.loss_masks;
+  // Opened (and checked whole) before a record is read, as convert does.
+  std::optional<LossMasks> masks;
+  if (!options.loss_masks.empty()) masks.emplace(LossMasks::open(options.loss_masks));
   std::optional<std::size_t> pick;
   if (rs.conversation_id) {
     pick = reader->find(*rs.conversation_id);
@@ -165,12 +170,20 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
     pick = 0;
   }
   if (!pick) {
-    for (std::size_t i = 0; i < reader->size(); ++i) res.records.push_back({reader->info(i), {}});
+    for (std::size_t i = 0; i < reader->size(); ++i) {
+      RecordSummary s{reader->info(i), {}, std::nullopt};
+      if (masks) s.loss_mask_row = masks->check_length(s.info.conversation_id, rs.path, s.info.tokens);
+      res.records.push_back(std::move(s));
+    }
     return res;
   }
   RecordSummary s;
   s.info = reader->info(*pick);
-  const Record r = reader->read(*pick);
+  Record r = reader->read(*pick);
+  if (masks) {
+    s.loss_mask_row = masks->check_length(r.conversation_id, rs.path, r.tokens());
+    masks->apply(r, rs.path);
+  }
   auto add = [&](const char* name, const HostTensor& t) {
     TensorSummary ts;
     ts.name = name;
@@ -227,6 +240,7 @@ std::string inspect_json(const InspectResult& r) {
     j["tensors"] = std::move(tensors);
     j["codec"] = s.info.codec;
     j["hidden_states_prenorm"] = prenorm_json(s.info.hidden_states_prenorm);
+    if (s.loss_mask_row) j["loss_masks"] = {{"file", r.loss_masks}, {"row", *s.loss_mask_row}};
     return j.dump(2) + "\n";
   }
   j["record_count"] = r.record_count;
@@ -243,6 +257,7 @@ std::string inspect_json(const InspectResult& r) {
     e["codec"] = s.info.codec;
     e["byte_offset"] = s.info.byte_offset;
     e["byte_size"] = s.info.byte_size;
+    if (s.loss_mask_row) e["loss_mask_row"] = *s.loss_mask_row;
     recs.push_back(std::move(e));
   }
   j["records"] = std::move(recs);
@@ -258,6 +273,9 @@ std::string inspect_text(const InspectResult& r) {
     out += "conversation_id: " + s.info.conversation_id + "\n";
     out += "codec:           " + s.info.codec + "\n";
     out += "norm form:       " + norm_text(s.info) + "\n";
+    if (s.loss_mask_row)
+      out += "loss mask:       row " + std::to_string(*s.loss_mask_row) + " of " + r.loss_masks +
+             " (--loss-masks: its length and token ids checked)\n";
     out += "tensors:\n";
     for (const auto& t : s.tensors) {
       char line[512];
@@ -278,6 +296,7 @@ std::string inspect_text(const InspectResult& r) {
   }
   out += "records:         " + std::to_string(r.record_count) +
          " (FILE#conversation_id shows one)\n";
+  if (!r.loss_masks.empty()) out += "loss masks:      " + r.loss_masks + " (--loss-masks: rows below, lengths checked)\n";
   for (const auto& s : r.records) {
     char line[512];
     std::snprintf(line, sizeof line, "  %-24s tokens %-7lld H %-6lld aux %-7lld %-9s %s%s%s\n",
@@ -288,6 +307,10 @@ std::string inspect_text(const InspectResult& r) {
                   s.info.has_loss_mask ? " loss_mask" : "",
                   !s.info.hidden_states_prenorm ? "" : *s.info.hidden_states_prenorm ? " pre-norm" : " post-norm");
     out += line;
+    if (s.loss_mask_row) {
+      out.pop_back();
+      out += " loss_mask row " + std::to_string(*s.loss_mask_row) + "\n";
+    }
   }
   return out;
 }

@@ -1,7 +1,8 @@
 // What `eaglekit inspect` shows about a record file: its format, and per record the
 // conversation id, codec and each normalized tensor's dtype and shape, optionally with value
 // statistics. Works on every format open_reader() knows; "FILE#conversation_id" picks one
-// record of a multi-record file.
+// record of a multi-record file. With a loss-mask file (lib/loss_masks.h, as `convert` and
+// `index --loss-masks` join it), a record shows the mask it takes from there.
 //
 // Thread safety: plain functions; statistics are computed in parallel (TBB) inside.
 // Errors: IoError / FormatError from opening and reading; Error when FILE#id names no record.
@@ -38,10 +39,14 @@ struct TensorSummary {
 struct RecordSummary {
   RecordInfo info;                     // conversation id, codec, sizes, byte range
   std::vector<TensorSummary> tensors;  // empty in a listing of a multi-record file
+  // With InspectOptions::loss_masks: the row its mask comes from (for one record, the mask
+  // applied and checked: its tensors' loss_mask is that row's; in a listing, its length).
+  std::optional<std::int64_t> loss_mask_row;
 };
 
 struct InspectOptions {
   bool stats = false;
+  std::string loss_masks;  // a loss-mask file to join, as convert --loss-masks; "": none
 };
 
 struct InspectResult {
@@ -50,6 +55,7 @@ struct InspectResult {
   std::size_t record_count = 0;
   // One record: its tensors. Several (a shard without #id): one summary per record, info only.
   std::vector<RecordSummary> records;
+  std::string loss_masks;  // InspectOptions::loss_masks
   bool single() const { return records.size() == 1 && !records[0].tensors.empty(); }
 };
 
@@ -60,7 +66,9 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options = {
 //  {"dtype": "int64", "shape": [T]}, ...}, "codec": "raw"} for one record (tensors gain
 // "min", "max", "mean", "std", "nan", "inf" with stats); for a listing
 // {"format", "path", "records": [{"conversation_id", "tokens", "hidden_size", "aux_width",
-// "dtype", "loss_mask", "codec", "byte_offset", "byte_size"}, ...]}. Pretty-printed.
+// "dtype", "loss_mask", "codec", "byte_offset", "byte_size"}, ...]}. With a loss-mask file,
+// "loss_masks": {"file", "row"} for one record, and "loss_mask_row" per listed record.
+// Pretty-printed.
 std::string inspect_json(const InspectResult& r);
 // The same for a person, one line per tensor or record.
 std::string inspect_text(const InspectResult& r);

@@ -32,6 +32,7 @@
 #include "formats/pt_format.h"
 #include "lib/clock.h"
 #include "lib/index.h"
+#include "lib/loss_masks.h"
 
 namespace eaglekit {
 
@@ -192,6 +193,7 @@ struct Loader::Impl {
   Sampler::Planner planner;
   std::unique_ptr<BatchMemory> memory;
   std::unique_ptr<ReaderCache> readers;
+  std::unique_ptr<const LossMasks> masks;  // the index's loss-mask file, when samples join it
   std::unique_ptr<tbb::task_arena> arena;
   std::unique_ptr<tbb::global_control> allow;  // lets `jobs` exceed the core count
 
@@ -320,6 +322,8 @@ struct Loader::Impl {
                               std::to_string(std::min(s.tokens, need)) +
                               " tokens the index promised (" + std::to_string(s.tokens) +
                               " in all; re-run eaglekit index)");
+      // The index found its row and checked its length; the ids are checked here.
+      if (s.joined_loss_mask) masks->apply_prefix(r, path, s.tokens);
       // A NaN or Inf in a record would make the loss NaN steps later, with nothing pointing
       // back at the record: the values are checked here, one pass over the rows read (a
       // .pt read whole has had its zip CRC-32s checked by the reader as well).
@@ -438,6 +442,16 @@ Loader::Loader(const Dataset& dataset, std::vector<SampleRef> samples, LoaderOpt
   m.files = dataset.files;
   m.samples = std::move(samples);
   m.opts = std::move(opts);
+  // Opened (and checked to be the file indexed) before any record is read: a file moved
+  // or changed since indexing ends the run here rather than give each record other masks.
+  for (const SampleRef& s : m.samples) {
+    if (!s.joined_loss_mask) continue;
+    if (!dataset.loss_masks)
+      throw Error("conversation " + s.conversation_id + " takes its loss mask from the index's loss-mask file, but " +
+                  (dataset.index_path.empty() ? std::string("the index") : dataset.index_path) + " names none");
+    m.masks = std::make_unique<const LossMasks>(LossMasks::open_joined(*dataset.loss_masks, dataset.index_path));
+    break;
+  }
   const auto& co = m.opts.collate;
   // Validates the sampler options (and refuses an empty sample list) before any I/O.
   { Sampler probe(m.samples.size(), m.opts.sampler); }

@@ -15,6 +15,11 @@
 // Bad records (unreadable, a .pt failing its zip CRC-32, NaN/Inf among the values read, wrong
 // shape or dtype, token count not the index's) are skipped with a warning naming them and
 // counted, or, with `strict`, end the run: next() rethrows the worker's exception.
+// A sample whose mask the index joined from a loss-mask file (`eaglekit index --loss-masks`,
+// SampleRef::joined_loss_mask) takes its row as it is read (LossMasks::apply_prefix): token
+// ids that differ from the row's make it a bad record. The file is opened when the Loader
+// is constructed, which throws Error, naming the index and the file, when it moved or
+// changed since indexing.
 // Destroying a Loader mid-epoch stops and joins its threads.
 // Thread safety: one consumer thread calls next()/restore(); stats() and state() may be
 // called from any thread. Throws UsageError for bad options, Error when no sample of the

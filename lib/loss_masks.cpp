@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "formats/error.h"
+#include "formats/index_format.h"
 #include "formats/record.h"
 #include "formats/safetensors_format.h"
 
@@ -111,53 +112,93 @@ LossMasks LossMasks::open(const std::string& path) {
   return m;
 }
 
-void LossMasks::apply(Record& r, const std::string& source) const {
-  std::optional<std::int64_t> row;
-  std::string what;  // how errors name the row
+LossMasks LossMasks::open_joined(const IndexLossMasks& recorded, const std::string& index_path) {
+  const std::string problem = joined_problem(recorded, index_path);
+  if (!problem.empty()) throw Error(problem);
+  return open(recorded.path);
+}
+
+std::string LossMasks::joined_problem(const IndexLossMasks& recorded, const std::string& index_path) {
+  const std::string change = index_loss_masks_change(recorded);
+  if (change.empty()) return "";
+  return index_path + " joins the loss masks of " + recorded.path + ", which " + change +
+         ": index again, naming the file as it is now (`eaglekit index DIR... --out " + index_path +
+         " --loss-masks FILE`), which checks its rows against the records";
+}
+
+LossMasks::Row LossMasks::find_row(const std::string& conversation_id, const std::string& source) const {
+  Row out;
   if (by_id_) {
-    const auto it = by_id_->find(r.conversation_id);
+    const auto it = by_id_->find(conversation_id);
     if (it == by_id_->end())
-      throw FormatError(path(), std::nullopt, "conversation '" + r.conversation_id + "'",
+      throw FormatError(path(), std::nullopt, "conversation '" + conversation_id + "'",
                         "has no row, but " + source +
                             " holds it: the dump and the conversations the masks were computed from differ");
-    row = it->second;
-    what = "conversation '" + r.conversation_id + "' (row " + std::to_string(*row) + ")";
-  } else {
-    row = row_of(source);
-    if (!row)
-      throw UsageError(source + ": --loss-masks pairs a record with its dataset row by the file name "
-                                "hs_{row}.safetensors, as speculators does; this name has no row");
-    if (*row >= rows_)
-      throw UsageError(source + ": row " + std::to_string(*row) + " is past the end of " + path() +
-                       " (" + std::to_string(rows_) + " rows): the dump and the dataset differ");
-    what = "row " + std::to_string(*row);
+    out.row = it->second;
+    out.what = "conversation '" + conversation_id + "' (row " + std::to_string(out.row) + ")";
+    return out;
   }
+  const std::optional<std::int64_t> row = row_of(source);
+  if (!row)
+    throw UsageError(source + ": --loss-masks pairs a record with its dataset row by the file name "
+                              "hs_{row}.safetensors, as speculators does; this name has no row");
+  if (*row >= rows_)
+    throw UsageError(source + ": row " + std::to_string(*row) + " is past the end of " + path() +
+                     " (" + std::to_string(rows_) + " rows): the dump and the dataset differ");
+  out.row = *row;
+  out.what = "row " + std::to_string(*row);
+  return out;
+}
+
+std::int64_t LossMasks::check_row_length(const Row& row, const std::string& source, std::int64_t tokens) const {
   const SafetensorsFile& f = *file_;
   const HostTensor offsets = *f.get("row_offsets");
   const auto* off = reinterpret_cast<const std::int64_t*>(offsets.data);
-  const std::int64_t b = off[*row], e = off[*row + 1];
-  const std::uint64_t ids_at = f.data_start() + f.find("input_ids")->begin + 8 * static_cast<std::uint64_t>(b);
-  if (e - b != r.tokens())
-    throw FormatError(path(), ids_at, what,
+  const std::int64_t b = off[row.row], e = off[row.row + 1];
+  if (e - b != tokens)
+    throw FormatError(path(), f.data_start() + f.find("input_ids")->begin + 8 * static_cast<std::uint64_t>(b),
+                      row.what,
                       "holds " + std::to_string(e - b) + " tokens, but " + source + " holds " +
-                          std::to_string(r.tokens()) + ": the dump and the dataset differ");
-  const HostTensor ids = f.get("input_ids")->slice_rows(b, e);
+                          std::to_string(tokens) + ": the dump and the dataset differ");
+  return b;
+}
+
+std::int64_t LossMasks::check_length(const std::string& conversation_id, const std::string& source,
+                                     std::int64_t tokens) const {
+  const Row row = find_row(conversation_id, source);
+  check_row_length(row, source, tokens);
+  return row.row;
+}
+
+void LossMasks::apply(Record& r, const std::string& source) const { apply_prefix(r, source, r.tokens()); }
+
+void LossMasks::apply_prefix(Record& r, const std::string& source, std::int64_t tokens) const {
+  const Row row = find_row(r.conversation_id, source);
+  const std::int64_t b = check_row_length(row, source, tokens);
+  const std::int64_t n = r.tokens();  // the rows read
+  if (n > tokens)
+    throw FormatError(source, std::nullopt, "input_ids",
+                      "record has " + std::to_string(n) + " tokens, more than the " + std::to_string(tokens) +
+                          " its mask was joined for");
+  const SafetensorsFile& f = *file_;
+  const std::uint64_t ids_at = f.data_start() + f.find("input_ids")->begin + 8 * static_cast<std::uint64_t>(b);
+  const HostTensor ids = f.get("input_ids")->slice_rows(b, b + n);
   const HostTensor rec_ids = r.input_ids.contiguous();
-  for (std::int64_t t = 0; t < e - b; ++t)
+  for (std::int64_t t = 0; t < n; ++t)
     if (ids.get(t) != rec_ids.get(t))
       throw FormatError(path(), ids_at + 8 * static_cast<std::uint64_t>(t),
-                        what + " input_ids[" + std::to_string(t) + "]",
+                        row.what + " input_ids[" + std::to_string(t) + "]",
                         "is " + std::to_string(static_cast<long long>(ids.get(t))) + ", but " + source +
                             " holds token " + std::to_string(static_cast<long long>(rec_ids.get(t))) +
                             ": the dump and the dataset differ");
-  HostTensor mask = f.get("loss_mask")->slice_rows(b, e);
+  HostTensor mask = f.get("loss_mask")->slice_rows(b, b + n);
   if (r.loss_mask) {
     const HostTensor own = r.loss_mask->contiguous();
     const std::uint64_t mask_at = f.data_start() + f.find("loss_mask")->begin + static_cast<std::uint64_t>(b);
-    for (std::int64_t t = 0; t < e - b; ++t)
+    for (std::int64_t t = 0; t < n; ++t)
       if ((own.get(t) != 0) != (mask.get(t) != 0))
         throw FormatError(path(), mask_at + static_cast<std::uint64_t>(t),
-                          what + " loss_mask[" + std::to_string(t) + "]",
+                          row.what + " loss_mask[" + std::to_string(t) + "]",
                           "is " + std::to_string(static_cast<int>(mask.get(t))) + ", but the loss_mask " + source +
                               " holds is " + std::to_string(static_cast<int>(own.get(t))) +
                               ": the dump and the dataset differ");

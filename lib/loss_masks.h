@@ -15,6 +15,12 @@
 // {"eaglekit": "loss masks by conversation id", "version": "1", "rows": "N", "rule": ...}; a
 // record takes the row of its conversation id.
 //
+// `eaglekit index --loss-masks FILE` joins such a file without converting: it finds each
+// record's row and checks its length from the headers (check_length), and records the file
+// in the index (formats/index_format.h IndexLossMasks); the loader opens it again
+// (open_joined, which refuses a file moved or changed since) and applies each row as it
+// reads the record (apply_prefix), where the token ids are checked.
+//
 // Thread safety: immutable after open(); apply() may run on many threads. The file's
 // mapping lives as long as the object and any mask it handed out.
 #pragma once
@@ -27,12 +33,19 @@ namespace eaglekit {
 
 struct Record;
 class SafetensorsFile;
+struct IndexLossMasks;
 
 class LossMasks {
  public:
   // Reads and checks the whole file (offsets rising from 0 to the token count, masks 0/1, ids
   // unique). Throws IoError, FormatError naming the file, the byte offset and the tensor.
   static LossMasks open(const std::string& path);
+  // The file an index joined (DatasetIndex::loss_masks), opened after checking that it is
+  // the file indexed (formats/index_format.h index_loss_masks_change); Error naming the
+  // index and the file when it is not there or changed since.
+  static LossMasks open_joined(const IndexLossMasks& recorded, const std::string& index_path);
+  // Why the file an index joined cannot serve it ("" when it can): what open_joined throws.
+  static std::string joined_problem(const IndexLossMasks& recorded, const std::string& index_path);
 
   const std::string& path() const;
   std::int64_t rows() const { return rows_; }
@@ -46,7 +59,26 @@ class LossMasks {
   // or token ids differ from the record's, or the record already holds a different mask.
   void apply(Record& r, const std::string& source) const;
 
+  // apply() for a record read as the first r.tokens() of its `tokens` rows
+  // (RecordReader::read_prefix, as the loader reads): the row must hold `tokens`, and its
+  // first r.tokens() ids and mask values are checked and taken.
+  void apply_prefix(Record& r, const std::string& source, std::int64_t tokens) const;
+
+  // From headers only (`eaglekit index`): the row of the record with this conversation id
+  // in `source` holding `tokens` tokens, as apply() pairs them; throws what apply() throws
+  // when there is none or its length differs (the ids are checked when the record is read).
+  std::int64_t check_length(const std::string& conversation_id, const std::string& source,
+                            std::int64_t tokens) const;
+
  private:
+  struct Row {
+    std::int64_t row = 0;
+    std::string what;  // how errors name it: "row 3", "conversation 'a' (row 0)"
+  };
+  Row find_row(const std::string& conversation_id, const std::string& source) const;
+  // Throws unless `row` holds `tokens` tokens; returns its first token's offset.
+  std::int64_t check_row_length(const Row& row, const std::string& source, std::int64_t tokens) const;
+
   std::shared_ptr<const SafetensorsFile> file_;
   std::int64_t rows_ = 0;
   std::shared_ptr<const std::unordered_map<std::string, std::int64_t>> by_id_;  // null: by row

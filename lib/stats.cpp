@@ -18,6 +18,7 @@
 #include "lib/conversation_text.h"
 #include "lib/dataset.h"
 #include "lib/index.h"
+#include "lib/loss_masks.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -83,6 +84,11 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
     ++s.per_codec[e.codec.empty() ? std::string("raw") : std::string(e.codec)];
     ++s.per_hidden_size[e.hidden_size];
     ++aux_counts[e.aux_width];
+    s.joined_loss_masks += e.joined_loss_mask;
+  }
+  if (const auto& lm = index.loss_masks()) {
+    s.loss_masks = lm->path;
+    s.loss_masks_problem = LossMasks::joined_problem(*lm, index.path());
   }
   s.records = tokens.size();
   s.files = files.size();
@@ -174,6 +180,12 @@ std::string stats_to_json(const DatasetStats& s) {
             {"per_codec", s.per_codec},
             {"per_hidden_size", hidden}};
   j["padding"] = s.padding_scanned ? json::parse(padding_to_json(s.padding)) : json(nullptr);
+  if (s.loss_masks.empty())
+    j["loss_masks"] = nullptr;
+  else
+    j["loss_masks"] = {{"path", s.loss_masks},
+                       {"joined", s.joined_loss_masks},
+                       {"problem", s.loss_masks_problem.empty() ? json(nullptr) : json(s.loss_masks_problem)}};
   if (s.has_plan)
     j["plan"] = {{"conversations", s.plan_conversations},
                  {"tokens_per_conversation", s.plan_tokens},
@@ -225,6 +237,11 @@ std::string stats_to_text(const DatasetStats& s) {
     counts("hidden sizes", s.per_hidden_size);
     if (s.per_hidden_size.size() > 1)
       os << "warning: mixed hidden sizes; `eaglekit validate` lists the odd records\n";
+  }
+  if (!s.loss_masks.empty()) {
+    os << "loss masks: " << s.joined_loss_masks << " of the " << s.records << " records take theirs from "
+       << s.loss_masks << ", joined by `eaglekit index --loss-masks`\n";
+    if (!s.loss_masks_problem.empty()) os << "warning: " << s.loss_masks_problem << "\n";
   }
   if (s.padding_scanned) os << padding_text(s.padding);
   if (s.has_plan) {

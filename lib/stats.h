@@ -62,6 +62,12 @@ struct DatasetStats {
   double plan_bytes_on_disk = 0;    // at this dataset's measured bytes per token
   bool padding_scanned = false;
   PaddingReport padding;
+  // The index's loss-mask file (`eaglekit index --loss-masks`): its path ("" when none), the
+  // records that take their mask from it, and why it cannot serve them: moved or changed
+  // since indexing ("" when it can; the loader refuses it then).
+  std::string loss_masks;
+  std::size_t joined_loss_masks = 0;
+  std::string loss_masks_problem;
 };
 
 DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts = {});

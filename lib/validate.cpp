@@ -31,6 +31,7 @@
 #include "formats/zip.h"
 #include "lib/dataset.h"
 #include "lib/index.h"
+#include "lib/loss_masks.h"
 #include "lib/progress.h"
 
 namespace eaglekit {
@@ -83,7 +84,10 @@ struct DeepResult {
   std::string detail;
 };
 
-DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std::string& where) {
+// `masks`: the index's loss-mask file, for a record that takes its mask from it (the row is
+// applied as the loader applies it, the token ids checked); null otherwise.
+DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std::string& where,
+                      const LossMasks* masks, const std::string& path) {
   Record r;
   try {
     r = reader.read(e.record);
@@ -107,6 +111,13 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
                 std::string(dtype_name(r.hidden_states.dtype)) +
                 " (the file changed since indexing: run `eaglekit index` again)"};
   if (auto where_bad = first_nonfinite(r)) return {DeepOutcome::kNonfinite, std::move(*where_bad)};
+  if (masks != nullptr) {
+    try {
+      masks->apply(r, path);
+    } catch (const Error& ex) {
+      return {DeepOutcome::kUnreadable, ex.what()};
+    }
+  }
   return {};
 }
 
@@ -233,6 +244,21 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
   const bool by_row = d.matched_by == "row";
   rep.matched = d.samples.size();
   rep.no_loss_mask = no_loss_mask_line(d.samples, o.max_length);
+  rep.joined_loss_masks = joined_loss_mask_line(d.loss_masks, d.samples);
+  // The loader opens the loss-mask file when a sample joins it, and refuses one moved or
+  // changed since indexing: so is it fatal here.
+  std::string masks_problem;
+  std::unique_ptr<const LossMasks> masks;
+  if (!rep.joined_loss_masks.empty() && index.loss_masks()) {
+    masks_problem = LossMasks::joined_problem(*index.loss_masks(), index.path());
+    if (masks_problem.empty() && o.deep) {
+      try {
+        masks = std::make_unique<const LossMasks>(LossMasks::open(index.loss_masks()->path));
+      } catch (const Error& e) {
+        masks_problem = e.what();
+      }
+    }
+  }
   // Matched entries by (file path, record): ids alone do not say which entry a row matched.
   std::set<std::pair<std::string, std::uint32_t>> matched_at;
   for (const auto& s : d.samples) {
@@ -429,7 +455,8 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
             for (std::size_t k = er.begin(); k != er.end(); ++k) {
               const std::size_t i = entries[k];
               const IndexEntry e = index.entry(i);
-              results[i] = deep_check(*reader, e, location(index, e));
+              results[i] = deep_check(*reader, e, location(index, e), e.joined_loss_mask ? masks.get() : nullptr,
+                                      std::string(f.path));
               progress.add(1);
             }
           });
@@ -501,6 +528,10 @@ ValidateReport validate_dataset(const ValidateOptions& o) {
     rep.fatal.push_back(std::to_string(fatal_stale) +
                         " matched records are in files that moved, vanished or changed since the index was built: "
                         "re-run `eaglekit index` (an index moved together with its dumps still finds them)");
+  if (!masks_problem.empty()) {
+    rep.fatal.push_back(masks_problem);
+    rep.loss_masks_fatal = true;
+  }
   rep.ok = rep.fatal.empty();
 
   rep.quarantine_groups = {
@@ -542,6 +573,7 @@ std::string validate_report_to_json(const ValidateReport& r) {
   j["matched_by"] = r.matched_by;
   j["padding"] = padding_json(r.padding);
   j["no_loss_mask"] = r.no_loss_mask.empty() ? json(nullptr) : json(r.no_loss_mask);
+  j["joined_loss_masks"] = r.joined_loss_masks.empty() ? json(nullptr) : json(r.joined_loss_masks);
   if (r.max_length > 0)
     j["truncation"] = {{"max_length", r.max_length},
                        {"records", r.truncated_records},
@@ -564,6 +596,7 @@ std::string validate_report_to_text(const ValidateReport& r) {
        << r.aux_width / r.hidden_size << " layers), " << dtype_name(r.dtype) << "\n";
   if (r.deep) os << "deep: read " << r.deep_records << " matched records in full\n";
   if (!r.no_loss_mask.empty()) os << r.no_loss_mask << "\n";
+  if (!r.joined_loss_masks.empty()) os << r.joined_loss_masks << "\n";
 
   std::size_t warnings = 0;
   auto section = [&](const char* name, std::size_t n, const std::string& what,
@@ -644,7 +677,7 @@ std::string validate_report_to_text(const ValidateReport& r) {
   } else {
     os << "\nresult: NOT trainable as is:\n";
     for (const auto& f : r.fatal) os << "  - " << f << "\n";
-    if (r.matched > 0 && r.quarantine_path.empty())
+    if (r.matched > 0 && r.quarantine_path.empty() && r.fatal.size() > (r.loss_masks_fatal ? 1u : 0u))
       os << "  run again with --quarantine FILE and pass FILE to training to leave these records out\n";
   }
   return os.str();

@@ -116,6 +116,11 @@ struct ValidateReport {
   std::int64_t matched_tokens = 0;
   PaddingReport padding;            // over the matched records (padding_candidate)
   std::string no_loss_mask;         // lib/dataset.h no_loss_mask_line over the matched records ("" when one has one)
+  // lib/dataset.h joined_loss_mask_line over the matched records ("" when none takes its mask
+  // from the index's loss-mask file). That file moved or changed since indexing is fatal
+  // (the loader refuses it); with deep, each such record read is checked against its row.
+  std::string joined_loss_masks;
+  bool loss_masks_fatal = false;    // one of `fatal` is that file's (no quarantine leaves it out)
   std::vector<std::string> fatal;   // why the dataset is not trainable (empty when ok)
   std::string quarantine_path;      // written when non-empty
   std::size_t quarantined = 0;      // ids written to it
@@ -135,7 +140,8 @@ void write_validate_quarantine(ValidateReport& report, const std::string& path);
 // {"ok", "conversations", "records", "matched", "missing", "orphans", "duplicate_ids",
 //  "unreadable": [{"path", "error"}], "shape_mismatch", "dtype_mismatch", "nonfinite",
 //  "too_short"} (lists of ids), "bad_conversations": [{"line", "error"}], "quarantine_read",
-// "no_loss_mask" (lib/dataset.h no_loss_mask_line, null when some record stores a mask),
+// "no_loss_mask" (lib/dataset.h no_loss_mask_line, null when some record has a mask),
+// "joined_loss_masks" (lib/dataset.h joined_loss_mask_line, null when none is joined),
 // plus "truncation" with --max-length and "quarantine" when one was written.
 std::string validate_report_to_json(const ValidateReport& report);
 // Counts, the first few of each problem and a hint of what to do.

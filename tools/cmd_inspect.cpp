@@ -18,6 +18,9 @@ int run_inspect(int argc, char** argv) {
   const opt::Groups groups{opt::Group{
       "Inspect",
       {opt::field("stats", "", o.stats, "Add min/max/mean/std and NaN/Inf counts per tensor (reads every value)"),
+       opt::field("loss-masks", "FILE", o.loss_masks,
+                  "Show the mask the record takes from a loss-mask file, as `convert --loss-masks` and "
+                  "`index --loss-masks` join it (hs_{i}.safetensors: row i; else by conversation id), checked"),
        opt::field("json", "", json, "Print JSON")}}};
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " FILE[#conversation_id] [OPTIONS]",

@@ -205,7 +205,7 @@ TEST_CASE("index: corrupt index files fail with a clear error") {
   bytes[8] = 9;
   test::write_bytes(p, bytes);
   CHECK(error_of<UnsupportedError>([&] { DatasetIndex::load(p); }) ==
-        p + ": version at byte 8: index version 9; this build reads 2 to 3: rebuild it with "
+        p + ": version at byte 8: index version 9; this build reads 2 to 4: rebuild it with "
             "`eaglekit index`");
   bytes = good;
   bytes[16] = 81;
@@ -289,6 +289,94 @@ TEST_CASE("index: paths below the index's folder are stored relative, so the ind
   const DatasetIndex old = DatasetIndex::load(dir / "v2.ekidx");
   CHECK(old.file(0).path == "/d/a.pt");
   CHECK(old.roots() == std::vector<std::string>{"/d"});
+}
+
+// `eaglekit index --loss-masks` (lib/index.h): the index names the file and the entries
+// whose mask is its. Such an index is version 4, which an older build refuses rather than
+// train on no mask; any other stays version 3, which older builds read.
+TEST_CASE("index: a joined loss-mask file is named by a version 4 index; without one it stays version 3") {
+  test::TempDir dir("idxmask");
+  const std::string d = dir.path();
+  IndexedFile f;
+  f.path = d + "/dump/hs_0.safetensors";
+  f.format = Format::kSafetensors;
+  IndexedRecord r;
+  r.info.conversation_id = "hs_0";
+  r.info.tokens = 6;
+  r.info.hidden_size = 4;
+  r.info.aux_width = 12;
+  r.joined_loss_mask = true;
+  f.records.push_back(r);
+  IndexedFile plain = f;
+  plain.path = d + "/dump/hs_1.safetensors";
+  plain.records[0].joined_loss_mask = false;
+  IndexLossMasks m;
+  m.path = d + "/prepared/loss_masks.safetensors";  // below the index's folder: stored relative
+  m.size = 1234;
+  m.mtime_ns = 1700000000123456789LL;
+  m.xxh3 = 0x0123456789abcdefull;
+  write_index(d + "/masked.eki", {d + "/dump"}, {f, plain}, &m);
+  {
+    const auto bytes = test::read_bytes(d + "/masked.eki");
+    CHECK(load_le32(&bytes[8]) == 4);
+    const std::uint64_t entries = load_le64(&bytes[64]);
+    CHECK(bytes[entries + 75] == 128);
+    CHECK(bytes[entries + 80 + 75] == 0);
+    const std::string text(bytes.begin(), bytes.end());
+    CHECK(text.find(m.path) == std::string::npos);
+    CHECK(text.find("prepared/loss_masks.safetensors") != std::string::npos);
+  }
+  const DatasetIndex idx = DatasetIndex::load(d + "/masked.eki");
+  CHECK(idx.version() == 4);
+  REQUIRE(idx.loss_masks().has_value());
+  CHECK(idx.loss_masks()->path == m.path);
+  CHECK(idx.loss_masks()->size == 1234);
+  CHECK(idx.loss_masks()->mtime_ns == m.mtime_ns);
+  CHECK(idx.loss_masks()->xxh3 == m.xxh3);
+  CHECK(idx.entry(0).joined_loss_mask);
+  CHECK_FALSE(idx.entry(0).has_loss_mask);
+  CHECK_FALSE(idx.entry(1).joined_loss_mask);
+
+  // Moved together with its index, the file is found where it now is.
+  std::filesystem::create_directories(d + "/moved");
+  std::filesystem::copy_file(d + "/masked.eki", d + "/moved/masked.eki");
+  CHECK(DatasetIndex::load(d + "/moved/masked.eki").loss_masks()->path == d + "/moved/prepared/loss_masks.safetensors");
+
+  // Without one: version 3, header bytes 112..127 zero, no entry flagged.
+  write_index(d + "/plain.eki", {d + "/dump"}, {plain});
+  {
+    const auto bytes = test::read_bytes(d + "/plain.eki");
+    CHECK(load_le32(&bytes[8]) == 3);
+    CHECK(load_le64(&bytes[112]) == 0);
+    CHECK(load_le64(&bytes[120]) == 0);
+  }
+  const DatasetIndex p3 = DatasetIndex::load(d + "/plain.eki");
+  CHECK(p3.version() == 3);
+  CHECK_FALSE(p3.loss_masks().has_value());
+
+  // An entry that joins a mask needs the file: the writer refuses, and a reader refuses the flag
+  // in an index that names none (its bytes made so, checksum fixed).
+  CHECK(error_of<UsageError>([&] { write_index(d + "/x.eki", {d}, {f}); }) ==
+        "index: " + f.path + " record 0 joins a loss mask, but no loss-mask file is given");
+  CHECK_FALSE(std::filesystem::exists(d + "/x.eki"));
+  auto bytes = test::read_bytes(d + "/plain.eki");
+  bytes[8] = 4;
+  const std::uint64_t entries = load_le64(&bytes[64]);
+  bytes[entries + 75] = 128;
+  const std::uint64_t h = XXH3_64bits(bytes.data(), bytes.size() - 8);
+  for (int i = 0; i < 8; ++i) bytes[bytes.size() - 8 + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  const DatasetIndex flagged = DatasetIndex::from_source(ByteSource::from_bytes(bytes, "flag.eki"));
+  CHECK(error_of<FormatError>([&] { flagged.entry(0); }) ==
+        "flag.eki: entry flags at byte " + std::to_string(entries + 75) +
+            ": the entry joins a loss mask, but the index names no loss-mask file");
+  // A block outside the file.
+  bytes[112] = 0xf8;
+  bytes[113] = 0xff;
+  const std::uint64_t h2 = XXH3_64bits(bytes.data(), bytes.size() - 8);
+  for (int i = 0; i < 8; ++i) bytes[bytes.size() - 8 + i] = static_cast<std::uint8_t>(h2 >> (8 * i));
+  CHECK(error_of<FormatError>([&] { DatasetIndex::from_source(ByteSource::from_bytes(bytes, "far.eki")); }) ==
+        "far.eki: loss-mask file at byte 112: block at byte 65528 of 32 bytes lies outside the file's " +
+            std::to_string(bytes.size() - 8) + " bytes");
 }
 
 TEST_CASE("index: error kinds have stable names") {

@@ -21,7 +21,9 @@
 #include "formats/error.h"
 #include "formats/byte_source.h"
 #include "formats/pt_format.h"
+#include "formats/safetensors_format.h"
 #include "formats/zip.h"
+#include "lib/convert.h"
 #include "lib/index.h"
 #include "lib/loader.h"
 #include "tests/compare.h"
@@ -701,6 +703,103 @@ TEST_CASE("loader: context-parallel ranks read their chunk; the chunks tile the 
         CHECK(at::equal(at::cat(chunks, 1), named[k].second));
       }
     }
+  }
+}
+
+// speculators keeps the loss mask in its prepared dataset folder (tests/data/speculators_masks,
+// written by speculators 0.9's own code): `index --loss-masks` trains straight from its dump
+// with exactly the masks `convert --loss-masks` writes into the records.
+TEST_CASE("loader: index --loss-masks gives batches the loss masks of convert --loss-masks, whole or cut") {
+  test::TempDir dir("loader-masks");
+  const std::string fx = test::source_dir() + "/tests/data/speculators_masks";
+  const std::string dump = fx + "/prepared/hidden_states";
+  const std::string masks = dir / "loss_masks.safetensors";
+  fs::copy_file(fx + "/loss_masks.safetensors", masks);
+  IndexOptions io;
+  io.jobs = 1;
+  io.progress = 0;
+  io.roots = {dump};
+  io.out = dir / "joined.eki";
+  io.loss_masks = masks;
+  build_index(io);
+  ConvertOptions co;
+  co.loss_masks = masks;
+  co.jobs = 1;
+  convert_records(dump, dir / "masked.eks", co);
+  io.roots = {dir / "masked.eks"};
+  io.out = dir / "converted.eki";
+  io.loss_masks.clear();
+  build_index(io);
+  io.roots = {dump};
+  io.out = dir / "plain.eki";
+  build_index(io);
+
+  auto batches = [&](const std::string& index, std::int64_t max_length) {
+    DataSelection sel;
+    sel.index = index;
+    sel.split = "all";
+    const SelectedData data = select_data(sel);
+    Loader l(data.dataset, data.samples, options(2, max_length));
+    return drain(l);
+  };
+  for (const std::int64_t max_length : {8, 4}) {  // whole records, and hs_0 (6 tokens) cut to 4
+    CAPTURE(max_length);
+    const auto joined = batches(dir / "joined.eki", max_length);
+    const auto converted = batches(dir / "converted.eki", max_length);
+    const auto plain = batches(dir / "plain.eki", max_length);
+    REQUIRE(joined.size() == 1);
+    REQUIRE(converted.size() == 1);
+    REQUIRE(plain.size() == 1);
+    CHECK(joined[0].conversation_ids == std::vector<std::string>{"hs_0", "hs_1"});
+    CHECK(joined[0].conversation_ids == converted[0].conversation_ids);
+    CHECK(at::equal(joined[0].input_ids, converted[0].input_ids));
+    CHECK(at::equal(joined[0].attention_mask, converted[0].attention_mask));
+    CHECK(at::equal(joined[0].hidden_states, converted[0].hidden_states));
+    CHECK(at::equal(joined[0].loss_mask, converted[0].loss_mask));
+    // The dump alone trains every token; the masks do not (else the comparison shows nothing).
+    CHECK_FALSE(at::equal(joined[0].loss_mask, plain[0].loss_mask));
+    // Row k holds speculators' own mask of hs_k (expected/), cut to the row, 0 after it.
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      const HostTensor want = *SafetensorsFile::open(fx + "/expected/hs_" + std::to_string(k) + ".safetensors")->get("loss_mask");
+      const std::int64_t n = std::min<std::int64_t>(want.shape[0], max_length);
+      for (std::int64_t t = 0; t < max_length; ++t)
+        CHECK(joined[0].loss_mask[k][t].item<std::int64_t>() == (t < n ? static_cast<std::int64_t>(want.get(t)) : 0));
+    }
+  }
+  // The dataset says where the masks come from.
+  DataSelection sel;
+  sel.index = dir / "joined.eki";
+  sel.split = "all";
+  const SelectedData data = select_data(sel);
+  CHECK(no_loss_mask_line(data.samples, 8).empty());
+  CHECK(joined_loss_mask_line(data.dataset.loss_masks, data.samples) ==
+        "loss masks: 2 of the 2 records take theirs from " + masks +
+            ", joined by `eaglekit index --loss-masks` (lengths checked then, token ids as each record is read)");
+  CHECK_FALSE(no_loss_mask_line(select_data([&] { DataSelection p = sel; p.index = dir / "plain.eki"; return p; }()).samples, 8)
+                  .empty());
+
+  // Changed after indexing (one mask value, same size), or moved: refused naming the index
+  // and the file, before a batch is read.
+  {
+    auto bytes = test::read_bytes(masks);
+    const auto f = SafetensorsFile::open(masks);
+    bytes[f->data_start() + f->find("loss_mask")->begin + 2] ^= 1;
+    test::write_bytes(masks, bytes);
+  }
+  const std::string head = dir / "joined.eki" + " joins the loss masks of " + masks + ", which ";
+  try {
+    Loader l(data.dataset, data.samples, options(2, 8));
+    FAIL("a changed loss-mask file was read");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find(head + "holds other bytes than when indexed") == 0);
+  }
+  fs::rename(masks, dir / "moved.safetensors");
+  try {
+    Loader l(data.dataset, data.samples, options(2, 8));
+    FAIL("a moved loss-mask file was read");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find(head + "is not there (moved or deleted since indexing?)") == 0);
   }
 }
 

@@ -1,15 +1,19 @@
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "formats/error.h"
+#include "formats/index_format.h"
 #include "formats/pt_format.h"
 #include "formats/registry.h"
 #include "formats/safetensors_format.h"
 #include "lib/convert.h"
+#include "lib/index.h"
 #include "lib/loss_masks.h"
 #include "tests/support.h"
 
@@ -252,4 +256,209 @@ TEST_CASE("loss_masks: a file by conversation id is refused with the id when it 
                       {{"eaglekit", "loss masks by conversation id"}, {"version", "1"}});
     CHECK(error_of<FormatError>([&] { LossMasks::open(p); }).find(p + ": id_offsets[1] at byte ") == 0);
   }
+}
+
+// `eaglekit index --loss-masks` records the file (formats/index_format.h IndexLossMasks); the
+// loader opens it again only while it is that file, and applies a row to the prefix of a
+// record it reads.
+TEST_CASE("loss_masks: a joined file opens only while it is the file indexed; a prefix takes its row's first values") {
+  test::TempDir dir("masks-joined");
+  const std::string masks = dir / "loss_masks.safetensors";
+  fs::copy_file(fixture("loss_masks.safetensors"), masks);
+  const std::string index = dir / "dump.eki";
+  const IndexLossMasks recorded = index_loss_masks_of(masks);
+  CHECK(recorded.path == masks);
+  CHECK(recorded.size == fs::file_size(masks));
+  CHECK(LossMasks::joined_problem(recorded, index).empty());
+  const LossMasks m = LossMasks::open_joined(recorded, index);
+
+  // hs_0 holds 6 tokens; the loader reads 4 of them (max_length 4).
+  const std::string hs0 = fixture("prepared/hidden_states/hs_0.safetensors");
+  const auto want = SafetensorsFile::open(fixture("expected/hs_0.safetensors"))->get("loss_mask")->slice_rows(0, 4);
+  Record r = open_reader(hs0)->read_prefix(0, 4);
+  REQUIRE(r.tokens() == 4);
+  m.apply_prefix(r, hs0, 6);
+  REQUIRE(r.loss_mask.has_value());
+  CHECK(r.loss_mask->equal(want));
+  Record r2 = open_reader(hs0)->read_prefix(0, 4);
+  CHECK(error_of<FormatError>([&] { m.apply_prefix(r2, hs0, 5); }).find("holds 6 tokens, but " + hs0 + " holds 5") !=
+        std::string::npos);
+  CHECK(m.check_length("hs_0", hs0, 6) == 0);
+  CHECK(error_of<FormatError>([&] { m.check_length("hs_0", dir / "hs_1.safetensors", 6); })
+            .find(masks + ": row 1 at byte ") == 0);
+
+  const std::string head = index + " joins the loss masks of " + masks + ", which ";
+  // New times, the same bytes (a copy without -p): the same file.
+  fs::last_write_time(masks, fs::last_write_time(masks) + std::chrono::hours(1));
+  CHECK(LossMasks::joined_problem(recorded, index).empty());
+  // The same size, another mask value.
+  {
+    auto bytes = test::read_bytes(masks);
+    const auto f = SafetensorsFile::open(masks);
+    const std::uint64_t at = f->data_start() + f->find("loss_mask")->begin;
+    bytes[at] ^= 1;
+    test::write_bytes(masks, bytes);
+  }
+  std::string e = LossMasks::joined_problem(recorded, index);
+  CHECK_MESSAGE(e.find(head + "holds other bytes than when indexed (same size; XXH3-64 ") == 0, e);
+  CHECK(e.find("index again, naming the file as it is now (`eaglekit index DIR... --out " + index +
+               " --loss-masks FILE`), which checks its rows against the records") != std::string::npos);
+  CHECK(error_of<Error>([&] { LossMasks::open_joined(recorded, index); }) == e);
+  // Another size; gone.
+  {
+    auto bytes = test::read_bytes(masks);
+    bytes.push_back(0);
+    test::write_bytes(masks, bytes);
+  }
+  CHECK(LossMasks::joined_problem(recorded, index).find(head + "has " + std::to_string(recorded.size + 1) + " bytes, " +
+                                                        std::to_string(recorded.size) + " when indexed: ") == 0);
+  fs::rename(masks, dir / "moved.safetensors");
+  CHECK(LossMasks::joined_problem(recorded, index).find(head + "is not there (moved or deleted since indexing?): ") == 0);
+}
+
+// `eaglekit index --loss-masks`: speculators' dump indexed as it is, its masks joined from
+// the file loss_masks.py wrote (a copy of the fixture, so that the index sits beside it).
+namespace {
+
+struct SpeculatorsCopy {
+  test::TempDir dir{"index-masks"};
+  std::string dump = dir / "hidden_states";
+  std::string masks = dir / "loss_masks.safetensors";
+  std::string index = dir / "dump.eki";
+  SpeculatorsCopy() {
+    fs::create_directories(dump);
+    for (const char* f : {"hs_0.safetensors", "hs_1.safetensors"})
+      fs::copy_file(fixture(std::string("prepared/hidden_states/") + f), dump + "/" + f);
+    fs::copy_file(fixture("loss_masks.safetensors"), masks);
+  }
+  IndexOptions options(const std::string& loss_masks) const {
+    IndexOptions o;
+    o.roots = {dump};
+    o.out = index;
+    o.jobs = 1;
+    o.progress = 0;
+    o.loss_masks = loss_masks;
+    return o;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("loss_masks: index --loss-masks flags every record and names the file; an incremental run keeps it") {
+  const SpeculatorsCopy c;
+  const IndexReport rep = build_index(c.options(c.masks));
+  CHECK(rep.loss_masks == c.masks);
+  CHECK_FALSE(rep.loss_masks_kept);
+  CHECK(rep.loss_masks_joined == 2);
+  CHECK(rep.loss_masks_rows == 3);
+  CHECK(rep.loss_masks_unused_rows == 1);  // row 2 has no dump (make_fixture.py)
+  CHECK_FALSE(rep.loss_masks_by_id);
+  const std::string text = index_report_to_text(rep, c.index);
+  CHECK_MESSAGE(text.find("loss masks: 2 records take theirs from " + c.masks + " (by row") != std::string::npos, text);
+  CHECK(text.find("1 of its 3 rows are no record's") != std::string::npos);
+  const auto json = nlohmann::json::parse(index_report_to_json(rep, c.index));
+  CHECK(json["loss_masks"]["joined"] == 2);
+  CHECK(json["loss_masks"]["path"] == c.masks);
+  {
+    const DatasetIndex idx = DatasetIndex::load(c.index);
+    CHECK(idx.version() == 4);
+    REQUIRE(idx.loss_masks().has_value());
+    const IndexLossMasks now = index_loss_masks_of(c.masks);
+    CHECK(idx.loss_masks()->path == now.path);
+    CHECK(idx.loss_masks()->size == now.size);
+    CHECK(idx.loss_masks()->mtime_ns == now.mtime_ns);
+    CHECK(idx.loss_masks()->xxh3 == now.xxh3);
+    for (std::size_t i = 0; i < idx.size(); ++i) {
+      CHECK(idx.entry(i).joined_loss_mask);
+      CHECK_FALSE(idx.entry(i).has_loss_mask);
+    }
+    CHECK(index_to_text(idx).find("loss masks: 2 records take theirs from " + c.masks) != std::string::npos);
+    CHECK(nlohmann::json::parse(index_to_json(idx))["entries"][0]["joined_loss_mask"] == true);
+  }
+
+  // Again without --loss-masks: the unchanged files are reused, and joined again to the same file.
+  const IndexReport again = build_index(c.options(""));
+  CHECK(again.unchanged_files == 2);
+  CHECK(again.loss_masks_kept);
+  CHECK(again.loss_masks_joined == 2);
+  CHECK(index_report_to_text(again, c.index).find("kept from the previous index (--full indexes without it)") !=
+        std::string::npos);
+  CHECK(DatasetIndex::load(c.index).entry(1).joined_loss_mask);
+  // A new dump file: read, and joined with the rest.
+  fs::copy_file(c.dump + "/hs_0.safetensors", c.dump + "/hs_9.safetensors");
+  CHECK_THROWS_WITH_AS(build_index(c.options("")),
+                       (c.dump + "/hs_9.safetensors: row 9 is past the end of " + c.masks +
+                        " (3 rows): the dump and the dataset differ (1 of the 3 readable records do not fit " + c.masks +
+                        ", so the index was not written: a record without its mask would train every token)")
+                           .c_str(),
+                       UsageError);
+  CHECK(DatasetIndex::load(c.index).size() == 2);  // the previous index stays
+  fs::remove(c.dump + "/hs_9.safetensors");
+
+  // Moved away: the incremental run says where it was.
+  fs::rename(c.masks, c.dir / "elsewhere.safetensors");
+  CHECK(error_of<Error>([&] { build_index(c.options("")); }) ==
+        c.index + " joins the loss masks of " + c.masks +
+            ", which is not there (moved or deleted since indexing?): pass --loss-masks FILE with its new place, "
+            "or --full to index without it");
+  // --full starts over: no file, version 3.
+  IndexOptions full = c.options("");
+  full.incremental = false;
+  CHECK(build_index(full).loss_masks.empty());
+  const DatasetIndex plain = DatasetIndex::load(c.index);
+  CHECK(plain.version() == 3);
+  CHECK_FALSE(plain.loss_masks().has_value());
+  CHECK_FALSE(plain.entry(0).joined_loss_mask);
+}
+
+TEST_CASE("loss_masks: index --loss-masks refuses a file that does not fit, naming it and the position; nothing is written") {
+  const SpeculatorsCopy c;
+  SUBCASE("rows of other lengths (the dump's files swapped)") {
+    fs::rename(c.dump + "/hs_0.safetensors", c.dump + "/tmp");
+    fs::rename(c.dump + "/hs_1.safetensors", c.dump + "/hs_0.safetensors");
+    fs::rename(c.dump + "/tmp", c.dump + "/hs_1.safetensors");
+    const std::string e = error_of<Error>([&] { build_index(c.options(c.masks)); });
+    const auto f = SafetensorsFile::open(c.masks);
+    const std::uint64_t row0 = f->data_start() + f->find("input_ids")->begin;  // row 0 starts the ids
+    CHECK(e == c.masks + ": row 0 at byte " + std::to_string(row0) + ": holds 6 tokens, but " + c.dump +
+                   "/hs_0.safetensors holds 4: the dump and the dataset differ (2 of the 2 readable records do not fit " +
+                   c.masks + ", so the index was not written: a record without its mask would train every token)");
+  }
+  SUBCASE("a file of fewer rows") {
+    write_masks(c.masks, i64({0, 6}), i64({10, 29, 19, 4, 25, 20}), u8({0, 0, 1, 1, 1, 0}));
+    CHECK(error_of<UsageError>([&] { build_index(c.options(c.masks)); })
+              .find(c.dump + "/hs_1.safetensors: row 1 is past the end of " + c.masks + " (1 rows)") == 0);
+  }
+  SUBCASE("a truncated file") {
+    auto bytes = test::read_bytes(c.masks);
+    bytes.resize(bytes.size() - 10);
+    test::write_bytes(c.masks, bytes);
+    CHECK(error_of<FormatError>([&] { build_index(c.options(c.masks)); }).find(c.masks + ": ") == 0);
+  }
+  CHECK_FALSE(fs::exists(c.index));
+}
+
+TEST_CASE("loss_masks: index --loss-masks joins a file by conversation id to ModelOpt's .pt records") {
+  test::TempDir dir("index-masks-id");
+  const std::string d = dir.path();
+  fs::create_directories(d + "/dump");
+  write_modelopt_pt(d + "/dump/conv-b.pt", "conv-b", {1, 5, 6, 7});
+  write_modelopt_pt(d + "/dump/conv-a.pt", "conv-a", {1, 3, 4, 2, 9});
+  const std::string masks = d + "/masks.safetensors";
+  write_masks_by_id(masks, {"conv-a", "skipped", "conv-b"}, i64({0, 5, 7, 11}),
+                    i64({1, 3, 4, 2, 9, 1, 8, 1, 5, 6, 7}), u8({0, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1}));
+  IndexOptions o;
+  o.roots = {d + "/dump"};
+  o.out = d + "/dump.eki";
+  o.progress = 0;
+  o.loss_masks = masks;
+  const IndexReport rep = build_index(o);
+  CHECK(rep.loss_masks_by_id);
+  CHECK(rep.loss_masks_joined == 2);
+  CHECK(rep.loss_masks_unused_rows == 1);
+  // A record whose id has no row.
+  write_modelopt_pt(d + "/dump/conv-c.pt", "conv-c", {1, 2});
+  CHECK(error_of<Error>([&] { build_index(o); })
+            .find(masks + ": conversation 'conv-c': has no row, but " + d + "/dump/conv-c.pt holds it") == 0);
+  CHECK(DatasetIndex::load(d + "/dump.eki").size() == 2);
 }

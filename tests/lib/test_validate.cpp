@@ -220,7 +220,7 @@ TEST_CASE("validate: problems the loader skips are warnings; exit 0") {
   CHECK(keys == std::set<std::string>{"ok", "conversations", "records", "matched", "missing",
                                       "orphans", "duplicate_ids", "unreadable", "shape_mismatch",
                                       "dtype_mismatch", "nonfinite", "too_short", "fatal", "matched_by",
-                                      "padding", "bad_conversations", "quarantine_read", "no_loss_mask"});
+                                      "padding", "bad_conversations", "quarantine_read", "no_loss_mask", "joined_loss_masks"});
   CHECK(j["matched_by"] == "id");
   CHECK(j["ok"] == true);
   CHECK(j["matched"] == 10);

@@ -467,6 +467,62 @@ TEST_CASE("producers cli: convert --loss-masks joins speculators' prepared-datas
                     std::string::npos, r.err);
 }
 
+// The same dump trained straight from the producer's files: `index --loss-masks` joins the
+// masks without converting, and validate, stats, inspect and the plan say where they come
+// from; a loss-mask file changed after indexing stops validate and train, naming both files.
+TEST_CASE("producers cli: index --loss-masks trains speculators' dump on its prepared-dataset masks, unconverted") {
+  test::TempDir dir("producers-index-masks");
+  const std::string fx = test::source_dir() + "/tests/data/speculators_masks";
+  const std::string masks = dir / "loss_masks.safetensors";
+  fs::copy_file(fx + "/loss_masks.safetensors", masks);
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "unused") + " --conversations 2 --hidden 8 --vocab 32"
+                          " --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string dump = fx + "/prepared/hidden_states";
+  const std::string conversations = test::source_dir() + "/tests/data/speculators_fp8/conversations.jsonl";
+  const std::string index = dir / "joined.eki";
+  const std::string flags = " --base " + test::quote(dir / "base") + " --aux-layer-ids 1,2 --batch-size 2"
+                            " --max-length 16 --eval-fraction 0 --eval-every -1 --dry-run";
+  r = test::eaglekit("index " + test::quote(dump) + " --out " + test::quote(index) + " --loss-masks " +
+                     test::quote(masks) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["loss_masks"]["joined"] == 2);
+  const std::string said = "loss masks: 2 of the 2 records take theirs from " + masks + ", joined by `eaglekit index --loss-masks`";
+  const std::string data = " --data " + test::quote(conversations) + " --index " + test::quote(index);
+  for (const char* deep : {"", " --deep"}) {
+    r = test::eaglekit(std::string("validate") + data + deep);
+    CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+    CHECK_MESSAGE(r.out.find(said) != std::string::npos, r.out);
+    CHECK_MESSAGE(r.out.find("no loss mask found") == std::string::npos, r.out);
+  }
+  r = test::eaglekit("stats --index " + test::quote(index) + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["loss_masks"]["joined"] == 2);
+  r = test::eaglekit("inspect " + test::quote(dump + "/hs_1.safetensors") + " --loss-masks " + test::quote(masks));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("loss mask:       row 1 of " + masks) != std::string::npos, r.out);
+  r = test::eaglekit("train" + data + flags + " --out " + test::quote(dir / "run"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE((r.out + r.err).find(said) != std::string::npos, std::string(r.out + r.err));
+  CHECK_MESSAGE((r.out + r.err).find("no loss mask found") == std::string::npos, std::string(r.out + r.err));
+
+  // One mask value changed after indexing.
+  {
+    auto bytes = test::read_bytes(masks);
+    const auto f = SafetensorsFile::open(masks);
+    bytes[f->data_start() + f->find("loss_mask")->begin + 3] ^= 1;
+    test::write_bytes(masks, bytes);
+  }
+  const std::string refused = index + " joins the loss masks of " + masks + ", which holds other bytes than when indexed";
+  r = test::eaglekit("validate" + data);
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.out.find(refused) != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find("--quarantine") == std::string::npos, r.out);  // no quarantine leaves it out
+  r = test::eaglekit("train" + data + flags + " --out " + test::quote(dir / "run2"));
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.err.find("eaglekit train: error: " + refused) != std::string::npos, r.err);
+}
+
 // NeMo AutoModel's EAGLE-3 cache (tests/data/nemo_cache/, written by NeMo 0.7.0's own producer
 // code: make_fixture.py): indexed by its manifest.json (its shards are not records of their own)
 // and counted; reading a record, as validate --deep and train do, is refused naming what is

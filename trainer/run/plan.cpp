@@ -588,6 +588,8 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
     for (const auto& w : p.norm.warnings) p.notes.push_back("warning: " + w);
     p.notes.push_back(p.norm.said);
     if (std::string l = no_loss_mask_line(p.train_data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
+    if (std::string l = joined_loss_mask_line(p.train_data->dataset.loss_masks, p.train_data->samples); !l.empty())
+      p.notes.push_back(l);
   }
   p.base = load_base_config(o.base);
   for (const auto& d : p.base.defaults_applied) p.notes.push_back(o.base + "/config.json: " + d);
@@ -711,6 +713,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   p.train_data = data;
   plan_norm(p, data->samples);
   if (std::string l = no_loss_mask_line(data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
+  if (std::string l = joined_loss_mask_line(data->dataset.loss_masks, data->samples); !l.empty()) p.notes.push_back(l);
 
   p.base = load_base_config(o.base);
   DraftSource source;
