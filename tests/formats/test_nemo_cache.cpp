@@ -131,6 +131,7 @@ TEST_CASE("nemo: the caches NeMo's writer made read as NeMo's CachedEagle3Datase
       CHECK(head.tokens() == 3);
       CHECK(head.target_probs->shape == std::vector<std::int64_t>{3, 16});
       CHECK(same_bytes(head.target_probs->contiguous(), probs.rows(3).contiguous()));
+    }
     CHECK_FALSE(reader->find("5"));
     CHECK_FALSE(reader->find("01"));
     // Only the manifest is a record file: the shards and the embeddings belong to it.

@@ -500,7 +500,7 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
   const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
   // --deep checks what a cache without hidden states holds: every stored distribution.
   r = test::eaglekit("validate" + data + " --deep");
-  CHECK_MESSAGE(r.exit_code == 0, r.out + r.err);
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
   // convert has no output format for a stored distribution: refused, saying so.
   r = test::eaglekit("convert " + test::quote(fx + "/topk/manifest.json") + " " + test::quote(dir / "n.eks"));
   CHECK(r.exit_code == 1);
@@ -553,5 +553,5 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
   r = test::eaglekit("validate --data " + test::quote(fx + "/conversations.jsonl") + " --index " +
                      test::quote(dir / "damaged.eki") + " --deep");
   CHECK(r.exit_code == 1);
-  CHECK_MESSAGE((r.out + r.err).find("target_probs at token 0 sums to") != std::string::npos, r.out + r.err);
+  CHECK_MESSAGE((r.out + r.err).find("target_probs at token 0 sums to") != std::string::npos, std::string(r.out + r.err));
 }
