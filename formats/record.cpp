@@ -26,19 +26,29 @@ void Record::check(const std::string& where) const {
   if (input_ids.dtype != DType::kInt64 && input_ids.dtype != DType::kInt32)
     fail("input_ids", "expected int64 or int32, got " + std::string(dtype_name(input_ids.dtype)));
   const std::int64_t t = input_ids.shape[0];
+  // Hidden states (or, in their place, a stored target distribution) and aux, in the order
+  // the messages have always come in for a record of hidden states.
+  if (!target_probs && hidden_states.dim() != 2)
+    fail("hidden_states", "expected shape [T, H], got " + hidden_states.shape_string());
+  if (target_probs && hidden_states.dim() != 0)
+    fail("hidden_states", "a record with target_probs holds no hidden states, got " + hidden_states.shape_string());
   if (aux_hidden_states.dim() != 2)
     fail("aux_hidden_states", "expected shape [T, k*H], got " + aux_hidden_states.shape_string());
+  if (!target_probs && !is_floating(hidden_states.dtype))
+    fail("hidden_states", "expected a floating dtype, got " +
+                              std::string(dtype_name(hidden_states.dtype)));
   if (!is_floating(aux_hidden_states.dtype))
     fail("aux_hidden_states", "expected a floating dtype, got " +
                                   std::string(dtype_name(aux_hidden_states.dtype)));
+  if (!target_probs && hidden_states.shape[0] != t)
+    fail("hidden_states", std::to_string(hidden_states.shape[0]) + " rows but input_ids has " +
+                              std::to_string(t) + " tokens");
   if (aux_hidden_states.shape[0] != t)
     fail("aux_hidden_states", std::to_string(aux_hidden_states.shape[0]) +
                                   " rows but input_ids has " + std::to_string(t) + " tokens");
   std::int64_t h = 0;
   if (target_probs) {
     // A record of stored target distributions (NeMo): no hidden states; H is stated.
-    if (hidden_states.dim() != 0)
-      fail("hidden_states", "a record with target_probs holds no hidden states, got " + hidden_states.shape_string());
     if (target_probs->dim() != 2 || target_probs->shape[0] != t || target_probs->shape[1] <= 0)
       fail("target_probs", "expected shape [" + std::to_string(t) + ", Vd], got " + target_probs->shape_string());
     if (target_probs->dtype != aux_hidden_states.dtype)
@@ -47,14 +57,6 @@ void Record::check(const std::string& where) const {
     h = target_hidden_size;
     if (h <= 0) fail("target_hidden_size", "hidden size is 0");
   } else {
-    if (hidden_states.dim() != 2)
-      fail("hidden_states", "expected shape [T, H], got " + hidden_states.shape_string());
-    if (!is_floating(hidden_states.dtype))
-      fail("hidden_states", "expected a floating dtype, got " +
-                                std::string(dtype_name(hidden_states.dtype)));
-    if (hidden_states.shape[0] != t)
-      fail("hidden_states", std::to_string(hidden_states.shape[0]) + " rows but input_ids has " +
-                                std::to_string(t) + " tokens");
     h = hidden_states.shape[1];
     if (h <= 0) fail("hidden_states", "hidden size is 0");
   }
