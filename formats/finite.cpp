@@ -116,15 +116,45 @@ std::optional<std::int64_t> first_nonfinite(const HostTensor& t) {
 }
 
 std::optional<std::string> first_nonfinite(const Record& r) {
+  const HostTensor none;
   const std::pair<const char*, const HostTensor*> tensors[] = {
-      {"hidden_states", &r.hidden_states}, {"aux_hidden_states", &r.aux_hidden_states}};
+      {"hidden_states", &r.hidden_states},
+      {"aux_hidden_states", &r.aux_hidden_states},
+      {"target_probs", r.target_probs ? &*r.target_probs : &none}};
   for (const auto& [name, t] : tensors) {
+    if (t->dim() == 0) continue;
     if (const auto i = first_nonfinite(*t)) {
       const std::int64_t cols = t->dim() == 2 ? t->shape[1] : 1;
       const double v = t->get(*i);
       return std::string(std::isnan(v) ? "NaN" : "Inf") + " in " + name + " at token " +
              std::to_string(*i / cols) + ", column " + std::to_string(*i % cols);
     }
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> first_bad_distribution(const Record& r) {
+  if (!r.target_probs || r.target_probs->dim() != 2) return std::nullopt;
+  const HostTensor& p = *r.target_probs;
+  const std::int64_t rows = p.shape[0], cols = p.shape[1];
+  // A stored softmax rounded to the dtype: each value within half an ulp, so the sum within
+  // Vd half-ulps of 1 at worst; bf16 sums of real distributions land within a few 1e-3.
+  const double tol = p.dtype == DType::kBFloat16 ? 2e-2 : p.dtype == DType::kFloat16 ? 5e-3 : 1e-4;
+  for (std::int64_t t = 0; t < rows; ++t) {
+    double sum = 0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double v = p.get(t * cols + j);
+      if (!std::isfinite(v))
+        return std::string(std::isnan(v) ? "NaN" : "Inf") + " in target_probs at token " + std::to_string(t) +
+               ", column " + std::to_string(j);
+      if (v < 0)
+        return "target_probs at token " + std::to_string(t) + ", column " + std::to_string(j) + " is " +
+               std::to_string(v) + " (a probability is not negative)";
+      sum += v;
+    }
+    if (std::fabs(sum - 1.0) > tol)
+      return "target_probs at token " + std::to_string(t) + " sums to " + std::to_string(sum) +
+             " (a distribution sums to 1; tolerance " + std::to_string(tol) + " in " + std::string(dtype_name(p.dtype)) + ")";
   }
   return std::nullopt;
 }

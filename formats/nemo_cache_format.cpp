@@ -1,6 +1,8 @@
 #include "formats/nemo_cache_format.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
@@ -139,6 +141,19 @@ struct NemoCacheReader::Impl {
         bad(sh, sh.ids, row, j, i, "input_ids",
             "holds " + std::to_string(static_cast<std::int64_t>(id)) + " outside the target vocabulary of " +
                 std::to_string(target_vocab));
+    }
+    // position_mask[t] = loss_mask[t] and the target's argmax in the draft vocabulary; the
+    // target of the last real position is read at the first padding one and never counts.
+    for (std::int64_t j = 0; j < seq; ++j) {
+      const double pm = s.position_mask.get(j);
+      if (pm == 0) continue;
+      if (s.loss_mask.get(j) == 0)
+        bad(sh, sh.position, row, j, i, "position_mask",
+            "is set at position " + std::to_string(j) + " where loss_mask is 0 (NeMo sets it only inside the loss mask)");
+      if (j >= t - 1)
+        bad(sh, sh.position, row, j, i, "position_mask",
+            "is set at position " + std::to_string(j) + ", past the last target inside the sample's " +
+                std::to_string(t) + " tokens (that target is read at a padding position)");
     }
     if (topk == 0) {
       s.target_probs = view(sh, sh.probs, row);
@@ -279,6 +294,8 @@ std::int64_t NemoCacheReader::hidden_size() const { return impl_->hidden; }
 const std::vector<std::int64_t>& NemoCacheReader::aux_layer_ids() const { return impl_->layers; }
 const std::vector<std::int64_t>& NemoCacheReader::selected_token_ids() const { return impl_->selected; }
 std::int64_t NemoCacheReader::target_probs_topk() const { return impl_->topk; }
+std::int64_t NemoCacheReader::target_vocab_size() const { return impl_->target_vocab; }
+std::int64_t NemoCacheReader::draft_vocab_size() const { return impl_->draft_vocab; }
 DType NemoCacheReader::dtype() const { return impl_->dtype; }
 NemoCacheSample NemoCacheReader::sample(std::size_t i) const { return impl_->sample(i); }
 
@@ -294,6 +311,7 @@ RecordInfo NemoCacheReader::info(std::size_t i) const {
   info.ids_dtype = DType::kInt64;
   info.hidden_dtype = impl_->dtype;
   info.has_loss_mask = true;
+  info.target_probs_width = impl_->draft_vocab;
   info.codec = impl_->topk ? "nemo-topk" : "nemo";
   // The sample's rows in its shard (FormatRow::records_beside), padding included.
   info.byte_offset = 0;
@@ -302,13 +320,53 @@ RecordInfo NemoCacheReader::info(std::size_t i) const {
   return info;
 }
 
-Record NemoCacheReader::read_prefix(std::size_t i, std::int64_t) const {
-  (void)impl_->sample(i);  // a damaged sample says so first
-  throw UnsupportedError(impl_->path, std::nullopt, "sample " + std::to_string(i) + " hidden_states",
-                         "NeMo AutoModel's EAGLE-3 cache stores no last hidden state (its target is target_probs "
-                         "over the draft vocabulary); eaglekit's loss takes the target from the base's lm_head over "
-                         "the last hidden state, so it cannot train on or convert this cache. index, stats and "
-                         "inspect read it; docs/formats.md says what training on target_probs would need");
+// The sample as a normalized record (formats/nemo_cache_format.h, "As a record").
+Record NemoCacheReader::read_prefix(std::size_t i, std::int64_t max_rows) const {
+  const Impl& m = *impl_;
+  const NemoCacheSample s = m.sample(i);
+  const std::int64_t n = max_rows < 0 ? s.tokens : std::min(s.tokens, max_rows);
+  Record r;
+  r.conversation_id = std::to_string(i);
+  // Unshifted: row j holds token j. The first token is not stored; row 0 reads 0, which
+  // nothing trained reads (the draft embeds token t+1 at position t, docs/ttt.md).
+  r.input_ids = HostTensor::zeros(DType::kInt64, {n});
+  HostTensor mask = HostTensor::zeros(DType::kInt64, {n});
+  auto* ids = reinterpret_cast<std::int64_t*>(r.input_ids.mutable_data());
+  auto* w = reinterpret_cast<std::int64_t*>(mask.mutable_data());
+  for (std::int64_t j = 1; j < n; ++j) {
+    ids[j] = static_cast<std::int64_t>(s.input_ids.get(j - 1));
+    // position_mask[t] weighs the target read at position t+1: eaglekit's loss_mask[t+1].
+    w[j] = s.position_mask.get(j - 1) != 0 ? 1 : 0;
+  }
+  r.loss_mask = std::move(mask);
+  r.aux_hidden_states = s.aux_hidden_states.rows(n);
+  r.target_hidden_size = m.hidden;
+  if (s.target_probs) {
+    r.target_probs = s.target_probs->rows(n);
+  } else {
+    // NeMo's reader scatters the top k back to the draft vocabulary's width, zeros elsewhere.
+    const Shard& sh = m.shards[i / static_cast<std::size_t>(m.shard_size)];
+    const auto row = static_cast<std::int64_t>(i % static_cast<std::size_t>(m.shard_size));
+    HostTensor full = HostTensor::zeros(m.dtype, {n, m.draft_vocab});
+    const std::size_t item = dtype_size(m.dtype);
+    std::uint8_t* out = full.mutable_data();
+    std::vector<std::int64_t> seen(static_cast<std::size_t>(m.draft_vocab), -1);
+    for (std::int64_t t = 0; t < n; ++t) {
+      for (std::int64_t k = 0; k < m.topk; ++k) {
+        const std::int64_t e = t * m.topk + k;
+        const auto d = static_cast<std::int64_t>(s.target_probs_indices->get(e));
+        if (seen[static_cast<std::size_t>(d)] == t)
+          m.bad(sh, sh.indices, row, e, i, "target_probs_indices",
+                "names draft id " + std::to_string(d) + " twice at position " + std::to_string(t) +
+                    " (a top k lists distinct ids)");
+        seen[static_cast<std::size_t>(d)] = t;
+        std::memcpy(out + static_cast<std::size_t>(t * m.draft_vocab + d) * item,
+                    s.target_probs_values->data + static_cast<std::size_t>(e) * item, item);
+      }
+    }
+    r.target_probs = std::move(full);
+  }
+  return r;
 }
 
 std::optional<std::size_t> NemoCacheReader::find(std::string_view id) const {

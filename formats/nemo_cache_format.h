@@ -26,11 +26,15 @@
 //                                          the top k of that, renormalised (0 < k < Vd)
 //   target_embeddings.safetensors   "weight" F32 [V, H], the target's input embeddings.
 //
-// NeMo's cache holds no last hidden state: its training target is target_probs. eaglekit's loss
-// takes the target from the base's lm_head over the last hidden state, so a record of this
-// format cannot be read as a Record: read_prefix checks the sample's bytes and then throws
-// UnsupportedError saying so. info() (index, stats, inspect) and sample() (every stored field)
-// work.
+// As a record (read / read_prefix): NeMo's cache holds no last hidden state; its training
+// target is target_probs, which the record carries (Record::target_probs, hidden_states
+// empty). NeMo's target_probs[t] is eaglekit's target p[t] (docs/ttt.md): the distribution of
+// token t+2 read at position t+1, so it is carried row for row (a view of the shard; with
+// top k, scattered to [T, Vd] as NeMo's reader does). The other fields are unshifted to
+// eaglekit's layout, T = the attention mask's ones: input_ids[j] = the stored input_ids[j-1]
+// (token j; input_ids[0], the first token, is not stored and reads 0: nothing trained reads
+// it), loss_mask[j] = position_mask[j-1] (0 at j = 0), aux_hidden_states as stored. The draft
+// vocabulary is selected_token_ids (d2t[i] = selected_token_ids[i] - i).
 //
 // Detection is by content: a JSON object of at most 16 MiB whose top level holds
 // "format_version", "shard_size", "aux_hidden_dim" and "selected_token_ids". The shards and
@@ -93,7 +97,7 @@ class NemoCacheReader final : public RecordReader {
   const std::string& path() const override;
   std::size_t size() const override;
   RecordInfo info(std::size_t i) const override;
-  // Checks sample i, then throws UnsupportedError: the cache has no last hidden state.
+  // Sample i as a record of stored target distributions (above), its first max_rows rows.
   Record read_prefix(std::size_t i, std::int64_t max_rows) const override;
   std::optional<std::size_t> find(std::string_view conversation_id) const override;
 
@@ -103,6 +107,8 @@ class NemoCacheReader final : public RecordReader {
   const std::vector<std::int64_t>& aux_layer_ids() const;
   const std::vector<std::int64_t>& selected_token_ids() const;
   std::int64_t target_probs_topk() const;  // 0 when the full distribution is stored
+  std::int64_t target_vocab_size() const;  // V
+  std::int64_t draft_vocab_size() const;   // Vd
   DType dtype() const;
 
  private:

@@ -8,9 +8,11 @@ Record Record::prefix(std::int64_t n) const {
   Record r;
   r.conversation_id = conversation_id;
   r.input_ids = input_ids.rows(n);
-  r.hidden_states = hidden_states.rows(n);
+  if (hidden_states.dim() > 0) r.hidden_states = hidden_states.rows(n);
   r.aux_hidden_states = aux_hidden_states.rows(n);
   if (loss_mask) r.loss_mask = loss_mask->rows(n);
+  if (target_probs) r.target_probs = target_probs->rows(n);
+  r.target_hidden_size = target_hidden_size;
   r.hidden_states_prenorm = hidden_states_prenorm;
   r.layout_prenorm = layout_prenorm;
   return r;
@@ -24,24 +26,40 @@ void Record::check(const std::string& where) const {
   if (input_ids.dtype != DType::kInt64 && input_ids.dtype != DType::kInt32)
     fail("input_ids", "expected int64 or int32, got " + std::string(dtype_name(input_ids.dtype)));
   const std::int64_t t = input_ids.shape[0];
-  if (hidden_states.dim() != 2)
+  // Hidden states (or, in their place, a stored target distribution) and aux, in the order
+  // the messages have always come in for a record of hidden states.
+  if (!target_probs && hidden_states.dim() != 2)
     fail("hidden_states", "expected shape [T, H], got " + hidden_states.shape_string());
+  if (target_probs && hidden_states.dim() != 0)
+    fail("hidden_states", "a record with target_probs holds no hidden states, got " + hidden_states.shape_string());
   if (aux_hidden_states.dim() != 2)
     fail("aux_hidden_states", "expected shape [T, k*H], got " + aux_hidden_states.shape_string());
-  if (!is_floating(hidden_states.dtype))
+  if (!target_probs && !is_floating(hidden_states.dtype))
     fail("hidden_states", "expected a floating dtype, got " +
                               std::string(dtype_name(hidden_states.dtype)));
   if (!is_floating(aux_hidden_states.dtype))
     fail("aux_hidden_states", "expected a floating dtype, got " +
                                   std::string(dtype_name(aux_hidden_states.dtype)));
-  if (hidden_states.shape[0] != t)
+  if (!target_probs && hidden_states.shape[0] != t)
     fail("hidden_states", std::to_string(hidden_states.shape[0]) + " rows but input_ids has " +
                               std::to_string(t) + " tokens");
   if (aux_hidden_states.shape[0] != t)
     fail("aux_hidden_states", std::to_string(aux_hidden_states.shape[0]) +
                                   " rows but input_ids has " + std::to_string(t) + " tokens");
-  const std::int64_t h = hidden_states.shape[1];
-  if (h <= 0) fail("hidden_states", "hidden size is 0");
+  std::int64_t h = 0;
+  if (target_probs) {
+    // A record of stored target distributions (NeMo): no hidden states; H is stated.
+    if (target_probs->dim() != 2 || target_probs->shape[0] != t || target_probs->shape[1] <= 0)
+      fail("target_probs", "expected shape [" + std::to_string(t) + ", Vd], got " + target_probs->shape_string());
+    if (target_probs->dtype != aux_hidden_states.dtype)
+      fail("target_probs", "dtype " + std::string(dtype_name(target_probs->dtype)) + " differs from aux_hidden_states' " +
+                               std::string(dtype_name(aux_hidden_states.dtype)));
+    h = target_hidden_size;
+    if (h <= 0) fail("target_hidden_size", "hidden size is 0");
+  } else {
+    h = hidden_states.shape[1];
+    if (h <= 0) fail("hidden_states", "hidden size is 0");
+  }
   if (aux_hidden_states.shape[1] % h != 0 || aux_hidden_states.shape[1] == 0)
     fail("aux_hidden_states", "width " + std::to_string(aux_hidden_states.shape[1]) +
                                   " is not a positive multiple of hidden size " + std::to_string(h));
@@ -74,6 +92,7 @@ HostTensor widened(const HostTensor& t, DType to) {
 }
 
 Record Record::with_common_hidden_dtype() const {
+  if (target_probs) return *this;  // one dtype: the producer's (NeMo writes both in its cache dtype)
   const DType want = common_hidden_dtype(hidden_states.dtype, aux_hidden_states.dtype);
   if (hidden_states.dtype == want && aux_hidden_states.dtype == want) return *this;
   Record r = *this;
@@ -89,7 +108,9 @@ RecordInfo info_of(const Record& r) {
   info.hidden_size = r.hidden_size();
   info.aux_width = r.aux_width();
   info.ids_dtype = r.input_ids.dtype;
-  info.hidden_dtype = common_hidden_dtype(r.hidden_states.dtype, r.aux_hidden_states.dtype);
+  info.hidden_dtype = r.target_probs ? r.aux_hidden_states.dtype
+                                     : common_hidden_dtype(r.hidden_states.dtype, r.aux_hidden_states.dtype);
+  info.target_probs_width = r.target_probs_width();
   info.has_loss_mask = r.loss_mask.has_value();
   info.hidden_states_prenorm = r.hidden_states_prenorm;
   info.layout_prenorm = r.layout_prenorm;

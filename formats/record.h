@@ -13,9 +13,17 @@ namespace eaglekit {
 struct Record {
   std::string conversation_id;
   HostTensor input_ids;          // [T] int64 or int32
-  HostTensor hidden_states;      // [T, H] bf16 / fp16 / fp32
+  // [T, H] bf16 / fp16 / fp32. Empty (dim 0) in a record that carries target_probs instead.
+  HostTensor hidden_states;
   HostTensor aux_hidden_states;  // [T, k*H], floating; may differ from hidden_states' dtype
   std::optional<HostTensor> loss_mask;  // [T] int64 / bool / uint8; absent = all ones
+  // The target's distribution over the draft vocabulary as a producer stored it, instead of
+  // the last hidden state (NeMo AutoModel's EAGLE-3 cache): [T, Vd], floating, in the dtype
+  // of aux_hidden_states. Row t is the trainer's target p[t] itself (docs/ttt.md): the base's
+  // distribution of token t+2, read at position t+1, over the draft vocabulary (draft id i is
+  // target id i + d2t[i]). Present: hidden_states is empty and target_hidden_size gives H.
+  std::optional<HostTensor> target_probs;
+  std::int64_t target_hidden_size = 0;  // H of a record with target_probs (the aux layers' width)
   // Whether hidden_states were taken before the base's final norm, as the producer stated
   // it (ModelOpt's `hidden_states_prenorm`; docs/data.md, pre- and post-norm dumps):
   // true pre-norm, false post-norm, nullopt when the record does not say.
@@ -30,7 +38,14 @@ struct Record {
   std::optional<bool> known_prenorm() const { return hidden_states_prenorm ? hidden_states_prenorm : layout_prenorm; }
 
   std::int64_t tokens() const { return input_ids.shape.empty() ? 0 : input_ids.shape[0]; }
-  std::int64_t hidden_size() const { return hidden_states.dim() == 2 ? hidden_states.shape[1] : 0; }
+  std::int64_t hidden_size() const {
+    return target_probs ? target_hidden_size : hidden_states.dim() == 2 ? hidden_states.shape[1] : 0;
+  }
+  // Vd of target_probs; 0 for a record of hidden states.
+  std::int64_t target_probs_width() const { return target_probs && target_probs->dim() == 2 ? target_probs->shape[1] : 0; }
+  // The dtype the record's floating tensors are read in: hidden_states', or with target_probs
+  // aux_hidden_states' (which target_probs shares).
+  DType stored_dtype() const { return target_probs ? aux_hidden_states.dtype : hidden_states.dtype; }
   std::int64_t aux_width() const {
     return aux_hidden_states.dim() == 2 ? aux_hidden_states.shape[1] : 0;
   }
@@ -60,6 +75,7 @@ struct RecordInfo {
   std::int64_t tokens = 0;
   std::int64_t hidden_size = 0;
   std::int64_t aux_width = 0;      // k*H
+  std::int64_t target_probs_width = 0;  // Vd of a record that stores target_probs (Record::target_probs); else 0
   DType ids_dtype = DType::kInt64;
   DType hidden_dtype = DType::kBFloat16;  // of both hidden and aux, as read (common_hidden_dtype)
   bool has_loss_mask = false;

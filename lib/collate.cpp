@@ -40,7 +40,8 @@ std::vector<std::pair<std::string, at::Tensor>> Batch::named_tensors() const {
   std::vector<std::pair<std::string, at::Tensor>> out = {
       {"input_ids", input_ids},         {"attention_mask", attention_mask},
       {"loss_mask", loss_mask},         {"labels", labels},
-      {"hidden_states", hidden_states}, {"aux_hidden_states", aux_hidden_states},
+      {target_probs.defined() ? "target_probs" : "hidden_states", target_probs.defined() ? target_probs : hidden_states},
+      {"aux_hidden_states", aux_hidden_states},
   };
   if (document_ids.defined()) out.emplace_back("document_ids", document_ids);
   if (position_ids.defined()) out.emplace_back("position_ids", position_ids);
@@ -263,11 +264,11 @@ HostTensor to_host_tensor(const at::Tensor& t) {
 }
 
 RecordShape RecordShape::of(const Record& r) {
-  return RecordShape{r.hidden_size(), r.aux_width(), r.hidden_states.dtype};
+  return RecordShape{r.hidden_size(), r.aux_width(), r.stored_dtype(), r.target_probs_width()};
 }
 
 RecordShape RecordShape::of(const RecordInfo& info) {
-  return RecordShape{info.hidden_size, info.aux_width, info.hidden_dtype};
+  return RecordShape{info.hidden_size, info.aux_width, info.hidden_dtype, info.target_probs_width};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -368,9 +369,17 @@ void check_fits(const Placement& p, const RecordShape& shape) {
     throw FormatError(where, std::nullopt, "aux_hidden_states",
                       "width " + std::to_string(r.aux_width()) + " differs from the batch's " +
                           std::to_string(shape.aux_width));
-  if (r.hidden_states.dtype != shape.dtype || r.aux_hidden_states.dtype != shape.dtype)
-    throw FormatError(where, std::nullopt, "hidden_states",
-                      "dtype " + std::string(dtype_name(r.hidden_states.dtype)) +
+  if (r.target_probs_width() != shape.target_probs_width)
+    throw FormatError(where, std::nullopt, "target_probs",
+                      (r.target_probs ? "a stored target distribution over " + std::to_string(r.target_probs_width()) +
+                                            " draft tokens"
+                                      : std::string("hidden states (no stored target distribution)")) +
+                          ", but the batch's records " +
+                          (shape.target_probs_width ? "store one over " + std::to_string(shape.target_probs_width)
+                                                    : std::string("hold hidden states")));
+  if (r.stored_dtype() != shape.dtype || r.aux_hidden_states.dtype != shape.dtype)
+    throw FormatError(where, std::nullopt, r.target_probs ? "target_probs" : "hidden_states",
+                      "dtype " + std::string(dtype_name(r.stored_dtype())) +
                           " differs from the batch's " + std::string(dtype_name(shape.dtype)));
 }
 
@@ -418,7 +427,8 @@ BatchBuilder::BatchBuilder(std::size_t placements, std::int64_t rows, std::int64
       {{rows, width}, at::kLong},
       {{rows, width}, at::kLong},
       {{rows, width}, at::kLong},
-      {{rows, width, shape.hidden}, hs_type},
+      // hidden_states, or a stored target distribution in its place (the same copy path).
+      {{rows, width, shape.target_probs_width > 0 ? shape.target_probs_width : shape.hidden}, hs_type},
       {{rows, width, shape.aux_width}, hs_type},
   };
   if (m.pack) {
@@ -441,7 +451,7 @@ BatchBuilder::BatchBuilder(std::size_t placements, std::int64_t rows, std::int64
   b.attention_mask = t[1];
   b.loss_mask = t[2];
   b.labels = t[3];
-  b.hidden_states = t[4];
+  (shape.target_probs_width > 0 ? b.target_probs : b.hidden_states) = t[4];
   b.aux_hidden_states = t[5];
   if (m.pack) {
     b.document_ids = t[6];
@@ -449,7 +459,7 @@ BatchBuilder::BatchBuilder(std::size_t placements, std::int64_t rows, std::int64
   }
   Dest& d = m.d;
   d.width = width;
-  d.hidden = shape.hidden;
+  d.hidden = shape.target_probs_width > 0 ? shape.target_probs_width : shape.hidden;  // the columns of t[4]
   d.aux = shape.aux_width;
   d.item = dtype_size(shape.dtype);
   d.zeroed = zeroed;
@@ -457,7 +467,7 @@ BatchBuilder::BatchBuilder(std::size_t placements, std::int64_t rows, std::int64
   d.attn = b.attention_mask.data_ptr<std::int64_t>();
   d.loss = b.loss_mask.data_ptr<std::int64_t>();
   d.labels = b.labels.data_ptr<std::int64_t>();
-  d.hs = static_cast<std::uint8_t*>(b.hidden_states.data_ptr());
+  d.hs = static_cast<std::uint8_t*>(t[4].data_ptr());
   d.aux_hs = static_cast<std::uint8_t*>(b.aux_hidden_states.data_ptr());
   if (m.pack) {
     d.docs = b.document_ids.data_ptr<std::int64_t>();
@@ -502,7 +512,8 @@ void BatchBuilder::place(std::size_t i, const Placement& p) {
     fill_i64(d.docs + at, cnt, p.document);
     for (std::int64_t k = 0; k < cnt; ++k) d.pos[at + k] = s0 + k;
   }
-  copy_rows(rec.hidden_states, s0, s1, d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
+  copy_rows(rec.target_probs ? *rec.target_probs : rec.hidden_states, s0, s1,
+            d.hs + static_cast<std::size_t>(at * d.hidden) * d.item);
   copy_rows(rec.aux_hidden_states, s0, s1, d.aux_hs + static_cast<std::size_t>(at * d.aux) * d.item);
   m.spans[i] = Span{a - m.first, e - m.first};
   m.bytes[i] = static_cast<std::uint64_t>(cnt) *
@@ -547,7 +558,8 @@ Batch BatchBuilder::finish(const std::vector<Placement>& placements, bool parall
       b.attention_mask = b.attention_mask.narrow(0, 0, out_rows);
       b.loss_mask = b.loss_mask.narrow(0, 0, out_rows);
       b.labels = b.labels.narrow(0, 0, out_rows);
-      b.hidden_states = b.hidden_states.narrow(0, 0, out_rows);
+      if (b.hidden_states.defined()) b.hidden_states = b.hidden_states.narrow(0, 0, out_rows);
+      if (b.target_probs.defined()) b.target_probs = b.target_probs.narrow(0, 0, out_rows);
       b.aux_hidden_states = b.aux_hidden_states.narrow(0, 0, out_rows);
     }
   } else {

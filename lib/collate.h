@@ -57,8 +57,12 @@ struct Batch {
   at::Tensor attention_mask;     // [B, W] int64: 1 on tokens, 0 on padding
   at::Tensor loss_mask;          // [B, W] int64: stored mask (else 1) on tokens, 0 on padding
   at::Tensor labels;             // [B, W] int64: -100 on tokens, 0 on padding
-  at::Tensor hidden_states;      // [B, W, H], dtype as stored
+  at::Tensor hidden_states;      // [B, W, H], dtype as stored; undefined when target_probs is
   at::Tensor aux_hidden_states;  // [B, W, k*H], dtype as stored
+  // Records of stored target distributions (Record::target_probs, NeMo's cache) instead of
+  // hidden states: [B, W, Vd], dtype as stored, row t the target p[t] itself (docs/ttt.md);
+  // zeros on padding. Undefined for records of hidden states.
+  at::Tensor target_probs;
   // pack mode only (undefined otherwise):
   at::Tensor document_ids;  // [B, W] int64: 0, 1, ... per document of a row; -1 on padding
   at::Tensor position_ids;  // [B, W] int64: restarts at 0 for each document; 0 on padding
@@ -83,7 +87,8 @@ struct Batch {
 
   std::int64_t rows() const { return input_ids.defined() ? input_ids.size(0) : 0; }
   // The tensors in the reference's key order (pack adds document_ids, position_ids; a
-  // batch with stated norm forms adds hidden_states_prenorm).
+  // batch with stated norm forms adds hidden_states_prenorm; one of stored target
+  // distributions has target_probs in hidden_states' place).
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
 };
 
@@ -135,6 +140,9 @@ struct RecordShape {
   std::int64_t hidden = 0;     // H
   std::int64_t aux_width = 0;  // k*H
   DType dtype = DType::kBFloat16;
+  // Vd when the records carry stored target distributions instead of hidden states
+  // (Record::target_probs); 0 for records of hidden states. A run holds one kind.
+  std::int64_t target_probs_width = 0;
   static RecordShape of(const Record& r);
   static RecordShape of(const RecordInfo& info);
 };

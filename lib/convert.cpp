@@ -65,6 +65,14 @@ std::vector<Record> read_unit(const Unit& u, const LossMasks* masks) {
   }
   // The form the source's layout implies is stated in the output, whose layout implies none.
   for (Record& r : out) {
+    // No writer has a field for a stored target distribution (NeMo's cache), and every
+    // output format's readers and the trainer take a record without hidden states for
+    // one with them: refused rather than written without its target.
+    if (r.target_probs)
+      throw UnsupportedError(u.path, std::nullopt, "conversation " + r.conversation_id + " target_probs",
+                             "the record stores the target's distribution over the draft vocabulary instead of a "
+                             "last hidden state (NeMo AutoModel's EAGLE-3 cache), and no output format carries "
+                             "that; train on the cache where it is (eaglekit train reads it directly)");
     r.hidden_states_prenorm = r.known_prenorm();
     if (masks) masks->apply(r, u.path);
   }

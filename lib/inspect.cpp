@@ -193,7 +193,8 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
     s.tensors.push_back(std::move(ts));
   };
   add("input_ids", r.input_ids);
-  add("hidden_states", r.hidden_states);
+  if (r.target_probs) add("target_probs", *r.target_probs);  // in place of hidden states (NeMo's cache)
+  else add("hidden_states", r.hidden_states);
   add("aux_hidden_states", r.aux_hidden_states);
   if (r.loss_mask) add("loss_mask", *r.loss_mask);
   res.records.push_back(std::move(s));

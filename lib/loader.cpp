@@ -170,13 +170,16 @@ class ReaderCache {
 };
 
 bool same_shape(const Record& r, const RecordShape& s) {
-  return r.hidden_size() == s.hidden && r.aux_width() == s.aux_width &&
-         r.hidden_states.dtype == s.dtype && r.aux_hidden_states.dtype == s.dtype;
+  return r.hidden_size() == s.hidden && r.aux_width() == s.aux_width && r.stored_dtype() == s.dtype &&
+         r.aux_hidden_states.dtype == s.dtype && r.target_probs_width() == s.target_probs_width;
 }
 
-std::string shape_text(std::int64_t hidden, std::int64_t aux, DType dtype) {
+std::string shape_text(std::int64_t hidden, std::int64_t aux, DType dtype, std::int64_t target_probs_width) {
   return "hidden " + std::to_string(hidden) + ", aux width " + std::to_string(aux) + ", " +
-         std::string(dtype_name(dtype));
+         std::string(dtype_name(dtype)) +
+         (target_probs_width > 0 ? ", stored target distribution over " + std::to_string(target_probs_width) +
+                                       " draft tokens"
+                                 : std::string());
 }
 
 }  // namespace
@@ -313,9 +316,9 @@ struct Loader::Impl {
       r.check(path);
       if (!same_shape(r, shape))
         throw FormatError(path, std::nullopt, "hidden_states",
-                          shape_text(r.hidden_size(), r.aux_width(), r.hidden_states.dtype) +
+                          shape_text(r.hidden_size(), r.aux_width(), r.stored_dtype(), r.target_probs_width()) +
                               " differs from the dataset's " +
-                              shape_text(shape.hidden, shape.aux_width, shape.dtype));
+                              shape_text(shape.hidden, shape.aux_width, shape.dtype, shape.target_probs_width));
       if (s.tokens > 0 && r.tokens() != std::min(s.tokens, need))
         throw FormatError(path, std::nullopt, "input_ids",
                           "record has " + std::to_string(r.tokens()) + " of the " +

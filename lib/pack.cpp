@@ -403,8 +403,8 @@ VerifyResult verify_records(const std::vector<std::string>& paths, const VerifyO
               n += static_cast<std::uint64_t>(t.shape[0]) * t.row_bytes();
           } else {
             const Record r = reader->read(i);
-            n = r.input_ids.nbytes() + r.hidden_states.nbytes() + r.aux_hidden_states.nbytes() +
-                (r.loss_mask ? r.loss_mask->nbytes() : 0);
+            n = r.input_ids.nbytes() + (r.target_probs ? r.target_probs->nbytes() : r.hidden_states.nbytes()) +
+                r.aux_hidden_states.nbytes() + (r.loss_mask ? r.loss_mask->nbytes() : 0);
           }
           file_bytes += n;
         } catch (const Error& e) {

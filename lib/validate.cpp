@@ -101,14 +101,14 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
     return {DeepOutcome::kShape, ex.what()};
   }
   if (r.tokens() != e.tokens || r.hidden_size() != e.hidden_size || r.aux_width() != e.aux_width ||
-      r.hidden_states.dtype != e.hidden_dtype)
+      r.stored_dtype() != e.hidden_dtype)
     return {DeepOutcome::kShape,
             where + ": the index says " + std::to_string(e.tokens) + " tokens, hidden " +
                 std::to_string(e.hidden_size) + ", aux " + std::to_string(e.aux_width) + ", " +
                 std::string(dtype_name(e.hidden_dtype)) + " but the record has " +
                 std::to_string(r.tokens()) + ", " + std::to_string(r.hidden_size()) + ", " +
                 std::to_string(r.aux_width()) + ", " +
-                std::string(dtype_name(r.hidden_states.dtype)) +
+                std::string(dtype_name(r.stored_dtype())) +
                 " (the file changed since indexing: run `eaglekit index` again)"};
   if (auto where_bad = first_nonfinite(r)) return {DeepOutcome::kNonfinite, std::move(*where_bad)};
   if (masks != nullptr) {
@@ -118,6 +118,9 @@ DeepResult deep_check(const RecordReader& reader, const IndexEntry& e, const std
       return {DeepOutcome::kUnreadable, ex.what()};
     }
   }
+  // A stored target distribution (NeMo's cache) stands in for the last hidden state: each
+  // row must be one (non-negative, summing to 1).
+  if (auto bad = first_bad_distribution(r)) return {DeepOutcome::kNonfinite, where + ": " + *bad};
   return {};
 }
 

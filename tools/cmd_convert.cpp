@@ -55,7 +55,8 @@ int run_convert(int argc, char** argv) {
           "), or a folder that receives one file per record (" +
           format_list(&FormatRow::name, one_record, ", ", ", ") +
           "). The format comes from --format, else DST's extension, else pt. Outputs are written "
-          "atomically.",
+          "atomically. A NeMo AutoModel EAGLE-3 cache is refused: it stores the target's distribution, "
+          "which no output format carries.",
       2);
   if (!cl) return 0;
   if (cl->positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");

@@ -55,7 +55,9 @@ int run_train(int argc, char** argv) {
                             opt::cli_only(opt::field("json", "", json, "Print the result as JSON"))}});
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " [OPTIONS]",
-      "Train an EAGLE-3 draft with training-time test on offline hidden states. Writes "
+      "Train an EAGLE-3 draft with training-time test on offline hidden states, or on the target "
+      "distributions a NeMo AutoModel EAGLE-3 cache stores (its draft vocabulary and position_mask; "
+      "--loss kl only). Writes "
       "OUT/metrics.jsonl, OUT/tensorboard/, OUT/checkpoint-STEP/, OUT/final/ and with --keep-best "
       "OUT/best/. SIGINT or "
       "SIGTERM saves a checkpoint and exits 3 (--resume continues).");

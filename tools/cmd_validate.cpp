@@ -16,7 +16,8 @@ opt::Groups ValidateCli::groups() {
   using opt::field;
   return {data_options(data).only({"data", "index", "match_by"}),
           opt::Group{"Validate",
-                     {field("deep", "", options.deep, "Read every value of every matched record: NaN/Inf, checksums, shapes"),
+                     {field("deep", "", options.deep, "Read every value of every matched record: NaN/Inf, checksums, shapes; stored target "
+                                 "distributions (NeMo's cache) sum to 1"),
                       field("max_length", "L", options.max_length,
                             "Report how many records and tokens truncation to L drops (0: no report)"),
                       field("quarantine", "FILE", options.quarantine,

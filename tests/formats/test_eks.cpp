@@ -292,7 +292,8 @@ TEST_CASE("eks: read_prefix decodes only the blocks it needs") {
     CHECK(p.tokens() == std::min<std::int64_t>(n, 100));
     check_same(p, Record{want.conversation_id, want.input_ids.contiguous(),
                          want.hidden_states.contiguous(), want.aux_hidden_states.contiguous(),
-                         want.loss_mask->contiguous(), want.hidden_states_prenorm, want.layout_prenorm});
+                         want.loss_mask->contiguous(), std::nullopt, 0, want.hidden_states_prenorm,
+                         want.layout_prenorm});
   }
   // Wreck every frame of record 0 that starts at row 32 or later: a 32-row prefix still
   // decodes (those frames are never touched), the full record does not.

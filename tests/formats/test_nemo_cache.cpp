@@ -102,14 +102,35 @@ TEST_CASE("nemo: the caches NeMo's writer made read as NeMo's CachedEagle3Datase
                 static_cast<float>(s.target_probs_values->get(t * 4 + j));
         CHECK(same_bytes(full, probs));
       }
-      // No last hidden state: reading a Record is refused, saying why.
-      CHECK_THROWS_AS(reader->read(i), UnsupportedError);
-      try {
-        reader->read(i);
-      } catch (const UnsupportedError& e) {
-        CHECK(std::string(e.what()).find("stores no last hidden state") != std::string::npos);
-        CHECK(std::string(e.what()).find(manifest) == 0);
+      // As a record: NeMo's target_probs[t] row for row (top k scattered as NeMo's reader
+      // does: its expected file holds the full-width result), the ids and position_mask
+      // unshifted by one, aux as stored, no hidden states.
+      const Record r = reader->read(i);
+      r.check(manifest);
+      const std::int64_t t = lens[i];
+      CHECK(r.tokens() == t);
+      CHECK(r.hidden_states.dim() == 0);
+      CHECK(r.hidden_size() == 8);
+      CHECK(r.target_probs_width() == 16);
+      CHECK(r.stored_dtype() == dtype);
+      REQUIRE(r.target_probs);
+      CHECK(same_bytes(r.target_probs->contiguous(), probs.rows(t).contiguous()));
+      CHECK(same_bytes(r.aux_hidden_states.contiguous(), want->get("aux_hidden_states")->rows(t).contiguous()));
+      REQUIRE(r.loss_mask);
+      CHECK(r.input_ids.get(0) == 0);
+      CHECK(r.loss_mask->get(0) == 0);
+      for (std::int64_t j = 1; j < t; ++j) {
+        CHECK(r.input_ids.get(j) == want->get("input_ids")->get(j - 1));
+        CHECK(r.loss_mask->get(j) == want->get("position_mask")->get(j - 1));
       }
+      const RecordInfo from_record = info_of(r);
+      CHECK(from_record.target_probs_width == info.target_probs_width);
+      CHECK(from_record.hidden_dtype == info.hidden_dtype);
+      // A prefix is the first rows of the same.
+      const Record head = reader->read_prefix(i, 3);
+      CHECK(head.tokens() == 3);
+      CHECK(head.target_probs->shape == std::vector<std::int64_t>{3, 16});
+      CHECK(same_bytes(head.target_probs->contiguous(), probs.rows(3).contiguous()));
     }
     CHECK_FALSE(reader->find("5"));
     CHECK_FALSE(reader->find("01"));
@@ -198,6 +219,15 @@ TEST_CASE("nemo: damaged caches are refused naming the file, the byte offset and
        "sample 2 target_probs_indices at byte " +
            std::to_string(tensor_start(t0, "target_probs_indices") + 2 * 8 * 4 * 4 + 4) +
            ": holds 16 outside the draft vocabulary of 16", false},
+      {"position_mask outside the loss mask", "lossless", edit_file("shard-000000.safetensors", [&](std::string& b) {
+         put_le(b, tensor_start(l0, "position_mask"), 1, 1); }), 0, "shard-000000.safetensors",
+       "sample 0 position_mask at byte " + std::to_string(tensor_start(l0, "position_mask")) +
+           ": is set at position 0 where loss_mask is 0", false},
+      {"position_mask on the last token", "lossless", edit_file("shard-000000.safetensors", [&](std::string& b) {
+         put_le(b, tensor_start(l0, "loss_mask") + 8 * 8 + 7 * 8, 1, 8);
+         put_le(b, tensor_start(l0, "position_mask") + 8 + 7, 1, 1); }), 1, "shard-000000.safetensors",
+       "sample 1 position_mask at byte " + std::to_string(tensor_start(l0, "position_mask") + 8 + 7) +
+           ": is set at position 7, past the last target inside the sample's 8 tokens", false},
   };
   for (const Case& c : cases) {
     const std::string name = c.name;
@@ -242,5 +272,29 @@ TEST_CASE("nemo: a JSON file that is not a NeMo manifest is not a record file") 
     CAPTURE(text);
     spit(dir.path() + "/manifest.json", text);
     CHECK(record_file_format(dir.path() + "/manifest.json") == std::nullopt);
+  }
+}
+
+TEST_CASE("nemo: a top k naming one draft id twice is refused when the record is read") {
+  test::TempDir dir("nemo");
+  const std::string cache = dir.path() + "/cache";
+  fs::copy(fixture("topk"), cache);
+  const std::string shard = cache + "/shard-000000.safetensors";
+  const std::uint64_t at = tensor_start(shard, "target_probs_indices");
+  std::string b = slurp(shard);
+  // Sample 0, position 1: its second index becomes its first.
+  const std::uint64_t first = at + 4 * 4, second = first + 4;
+  std::memcpy(&b[second], &b[first], 4);
+  spit(shard, b);
+  const auto reader = NemoCacheReader::open(cache + "/manifest.json");
+  CHECK_NOTHROW(reader->info(0));
+  try {
+    reader->read(0);
+    FAIL("read a top k with a repeated id");
+  } catch (const FormatError& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find(shard + ": sample 0 target_probs_indices at byte " + std::to_string(second)) == 0);
+    CHECK(what.find("twice at position 1") != std::string::npos);
   }
 }

@@ -527,7 +527,7 @@ TEST_CASE("producers cli: index --loss-masks trains speculators' dump on its pre
 // code: make_fixture.py): indexed by its manifest.json (its shards are not records of their own)
 // and counted; reading a record, as validate --deep and train do, is refused naming what is
 // missing: the cache holds no last hidden state.
-TEST_CASE("producers cli: a NeMo cache indexes and counts; validate --deep and train refuse it by name") {
+TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and trains on its stored distributions") {
   test::TempDir dir("producers-nemo");
   const std::string fx = test::source_dir() + "/tests/data/nemo_cache";
   const std::string index = dir / "nemo.eki";
@@ -554,10 +554,60 @@ TEST_CASE("producers cli: a NeMo cache indexes and counts; validate --deep and t
   CHECK_MESSAGE(r.exit_code == 0, r.err);
   CHECK(nlohmann::json::parse(r.out)["total_tokens"] == 31);
   const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
+  // --deep checks what a cache without hidden states holds: every stored distribution.
   r = test::eaglekit("validate" + data + " --deep");
-  CHECK(r.exit_code == 1);
-  CHECK_MESSAGE((r.out + r.err).find("stores no last hidden state") != std::string::npos, std::string(r.out + r.err));
+  CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+  // convert has no output format for a stored distribution: refused, saying so.
   r = test::eaglekit("convert " + test::quote(fx + "/topk/manifest.json") + " " + test::quote(dir / "n.eks"));
   CHECK(r.exit_code == 1);
-  CHECK_MESSAGE(r.err.find("stores no last hidden state") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("no output format carries that") != std::string::npos, r.err);
+
+  // A base of the cache's shape (H 8, V 32): synth's tiny base folder.
+  r = test::eaglekit("synth --out " + test::quote(dir / "synth") + " --conversations 2 --hidden 8 --vocab 32 "
+                     "--min-tokens 4 --max-tokens 6 --dtype fp32 --seed 3 --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string train = "train" + data + " --base " + test::quote(dir / "base") +
+                            " --aux-layer-ids 1,2,3 --max-length 8 --batch-size 2 --eval-every -1 --threads 1";
+  r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run") + " --dry-run");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("targets: the cache's stored distribution over its 16 draft tokens") != std::string::npos,
+                r.out);
+  CHECK_MESSAGE(r.out.find("top 4 of them per position") != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find("the tail) is lost for good") != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find("draft vocab: 16 of 32") != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find("selected_token_ids of") != std::string::npos, r.out);
+  // Losses that need the base's logits, DFlash, and another draft vocabulary: refused by name.
+  r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run") + " --dry-run --loss rkl");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--loss rkl is computed from the base's logits") != std::string::npos, r.err);
+  r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run") + " --dry-run --draft-vocab-size 8");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--draft-vocab-size 8 differs from the 16 draft tokens") != std::string::npos, r.err);
+  r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run") +
+                     " --dry-run --draft-arch dflash --mask-token-id 31");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("DFlash") != std::string::npos, r.err);
+  // Two real steps, exported; the draft's d2t is the cache's selected_token_ids - i.
+  r = test::eaglekit(train + " --max-steps 2 --out " + test::quote(dir / "run"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.err.find("draft vocabulary: the 16 tokens of selected_token_ids") != std::string::npos, r.err);
+  CHECK(std::filesystem::exists(dir / "run/final/config.json"));
+
+  // A stored distribution that does not sum to 1 fails validate --deep, named.
+  const std::string cache = dir / "damaged";
+  std::filesystem::copy(fx + "/topk", cache);
+  {
+    const auto shard = SafetensorsFile::open(cache + "/shard-000000.safetensors");
+    const std::uint64_t at = shard->data_start() + shard->find("target_probs_values")->begin;
+    std::fstream f(cache + "/shard-000000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    const float two = 2.0f;
+    f.seekp(static_cast<std::streamoff>(at));  // sample 0, position 0, the largest kept value
+    f.write(reinterpret_cast<const char*>(&two), 4);
+  }
+  r = test::eaglekit("index " + test::quote(cache) + " --out " + test::quote(dir / "damaged.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("validate --data " + test::quote(fx + "/conversations.jsonl") + " --index " +
+                     test::quote(dir / "damaged.eki") + " --deep");
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE((r.out + r.err).find("target_probs at token 0 sums to") != std::string::npos, std::string(r.out + r.err));
 }

@@ -603,6 +603,7 @@ TttBatch shard_batch(const TttBatch& full, int cp_size, int cp_rank) {
   b.document_ids = cut(full.document_ids);
   b.position_ids = cut(full.position_ids);
   b.hidden_states_prenorm = cut(full.hidden_states_prenorm);
+  b.target_probs = cut(full.target_probs);  // p[t] is local to t: no boundary row needed
   return b;
 }
 

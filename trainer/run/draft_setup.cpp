@@ -33,6 +33,10 @@ std::int64_t fresh_draft_vocab_size(const TrainOptions& o, const BaseConfig& bas
   return vd;
 }
 
+bool same_d2t(const at::Tensor& a, const at::Tensor& b) {
+  return a.numel() == b.numel() && at::equal(a.to(at::kCPU).to(at::kLong), b.to(at::kCPU).to(at::kLong));
+}
+
 std::string ids_text(const std::vector<std::int64_t>& ids) {
   std::string s;
   for (auto id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
@@ -160,7 +164,7 @@ DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>&
 }
 
 DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const RecordShape& shape,
-                           const DraftOrigin& origin) {
+                           const DraftOrigin& origin, const at::Tensor& data_d2t, const std::string& data_source) {
   const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
   DraftDecision d;
   if (origin.kind == DraftOrigin::Kind::kResume) {
@@ -200,6 +204,11 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
       throw UsageError("--d2t " + o.d2t + " differs from the d2t of --init-draft " + origin.dir +
                        " (its lm_head rows belong to its own d2t)");
     }
+    if (data_d2t.defined() && !same_d2t(origin.d2t(), data_d2t))
+      throw UsageError("the draft vocabulary of --init-draft " + origin.dir + " (" +
+                       std::to_string(origin.d2t().size(0)) + " tokens) is not the one the data's target "
+                       "distributions are over (" + data_source + ", " + std::to_string(data_d2t.size(0)) +
+                       " tokens): its lm_head rows would be trained against other tokens' probabilities");
     c.check();
     d.config = c;
     d.source = "--init-draft " + origin.dir + (origin.layout.empty() ? "" : " (" + origin.layout + ")");
@@ -213,7 +222,25 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     if (dflash && ((o.draft_vocab_size > 0 && o.draft_vocab_size != bc.vocab_size) || !o.d2t.empty()))
       throw UsageError("a DFlash draft predicts over the base's whole vocabulary with the base's lm_head: drop "
                        "--draft-vocab-size and --d2t");
-    dopts.draft_vocab_size = dflash ? bc.vocab_size : fresh_draft_vocab_size(o, bc);
+    if (data_d2t.defined()) {
+      // The stored distributions are over the data's own draft vocabulary: the draft takes it.
+      const std::int64_t vd = data_d2t.size(0);
+      if (dflash)
+        throw UsageError("a DFlash draft trains against the base's whole vocabulary; the data stores the target's "
+                         "distribution over a draft vocabulary of " + std::to_string(vd) + " tokens (" + data_source +
+                         "): train an EAGLE draft on it (drop --draft-arch dflash)");
+      if (o.draft_vocab_size > 0 && o.draft_vocab_size != vd)
+        throw UsageError("--draft-vocab-size " + std::to_string(o.draft_vocab_size) + " differs from the " +
+                         std::to_string(vd) + " draft tokens the data's target distributions are over (" +
+                         data_source + "): drop it");
+      if (!o.d2t.empty() && !same_d2t(load_d2t(o.d2t), data_d2t))
+        throw UsageError("--d2t " + o.d2t + " differs from the draft vocabulary the data's target distributions are "
+                         "over (" + data_source + "): drop it, the run takes the data's");
+      dopts.draft_vocab_size = vd;
+      d.d2t = data_d2t;
+    } else {
+      dopts.draft_vocab_size = dflash ? bc.vocab_size : fresh_draft_vocab_size(o, bc);
+    }
     // DFlash pairs one draft layer with each target layer (ModelOpt's default).
     dopts.num_hidden_layers = o.draft_layers > 0 ? o.draft_layers : dflash ? aux_layers : 1;
     d.config = draft_config_from_base(bc, dopts);
@@ -221,7 +248,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
       d.said.push_back("DFlash draft of " + std::to_string(d.config.num_hidden_layers) +
                        " decoder layers, one per target layer of the dump as ModelOpt pairs them; pass "
                        "--draft-layers to choose");
-    d.count_d2t = !dflash && o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
+    d.count_d2t = !dflash && !data_d2t.defined() && o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
     d.source = "fresh from the base";
     d.aux_layer_ids_source = "--aux-layer-ids";
     if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {

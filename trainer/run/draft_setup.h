@@ -66,9 +66,17 @@ struct DraftDecision {
   // kFresh with a smaller vocabulary and no --d2t: the d2t is counted over the train split
   // when the run opens (trainer/run/open_run.h).
   bool count_d2t = false;
+  // kFresh on records of stored target distributions: the data's d2t (data_d2t below), which
+  // the fresh draft takes. Undefined otherwise.
+  at::Tensor d2t;
 };
+// data_d2t: defined when the records store the target's distribution over a draft vocabulary
+// of their own (NeMo's selected_token_ids, d2t[i] = selected[i] - i; `data_source` names it):
+// a fresh draft takes it (--d2t and --draft-vocab-size, when given, must agree; DFlash is
+// refused), an --init-draft's must equal it. A resumed draft's is compared when the run opens.
 DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
-                           const DraftOrigin& origin);
+                           const DraftOrigin& origin, const at::Tensor& data_d2t = at::Tensor(),
+                           const std::string& data_source = "");
 // The origin of an --init-draft folder: loads it into `init` (which the origin's config and
 // d2t then point into, so it must outlive the origin). FormatError/IoError from load_draft.
 DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init);

@@ -25,6 +25,11 @@ at::Tensor fresh_d2t(const RunPlan& plan, const Say& say) {
   const TrainOptions& o = plan.options;
   const BaseConfig& base = plan.base;
   const std::int64_t vd = plan.draft.config.draft_vocab_size;
+  if (plan.draft.d2t.defined()) {  // the data's own (records of stored target distributions)
+    say("draft vocabulary: the " + std::to_string(vd) + " tokens of selected_token_ids in " +
+        plan.stored_targets->source);
+    return plan.draft.d2t;
+  }
   if (!o.d2t.empty()) return load_d2t(o.d2t);
   if (!plan.draft.count_d2t) return identity_d2t(base.vocab_size);
   const auto t0 = Clock::now();
@@ -76,6 +81,17 @@ std::unique_ptr<OpenRun> open_run(const RunPlan& plan, const dist::Mesh& mesh, c
   bo.final_norm = plan.norm.any_pre;
   r.base = load_base_model(o.base, bo);
   r.draft.emplace(resumed ? resumed->draft : build_draft(plan, r.base, say));
+  if (plan.stored_targets) {
+    // The resumed (or evaluated) draft's lm_head rows must be the tokens the stored
+    // distributions are over.
+    const at::Tensor want = plan.stored_targets->d2t();
+    const at::Tensor has = r.draft->d2t().to(at::kCPU).to(at::kLong);
+    if (has.numel() != want.numel() || !at::equal(has, want))
+      throw UsageError("the draft of " + (plan.draft_dir.empty() ? std::string("this run") : plan.draft_dir) +
+                       " has another draft vocabulary (" + std::to_string(has.numel()) + " tokens) than the one " +
+                       plan.stored_targets->source + "'s stored target distributions are over (" +
+                       std::to_string(want.numel()) + " tokens, its selected_token_ids)");
+  }
   r.draft->to(r.device, at::kFloat);
   if (training) r.draft->train(true);
   if (plan.block())

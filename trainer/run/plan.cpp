@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "formats/nemo_cache_format.h"
 #include "lib/clock.h"
 #include "lib/loader.h"
 #include "trainer/io/export.h"
@@ -281,10 +282,24 @@ void plan_norm(RunPlan& p, const std::vector<SampleRef>& samples) {
   p.decisions.push_back({"norm form", value + " (" + sources + ")", n.said});
 }
 
+// Records of stored target distributions train the soft cross-entropy only: every other
+// --loss compares with the base's logits (losses.h), which the cache does not hold.
+void check_stored_target_loss(const RunPlan& p) {
+  if (!p.stored_targets || is_soft_ce(p.ttt.loss_terms)) return;
+  throw UsageError("--loss " + loss_spec_text(p.ttt.loss_terms) + " is computed from the base's logits (" +
+                   "log p over the draft vocabulary); the records store the target's probabilities (NeMo's cache, " +
+                   p.stored_targets->source + "), rounded to its dtype" +
+                   (p.stored_targets->topk > 0 ? " and zero outside the top k" : "") +
+                   ", so only kl (the soft cross-entropy, what NeMo trains with) takes them: drop --loss");
+}
+
 std::string draft_vocab_why(const RunPlan& p) {
   const TrainOptions& o = p.options;
   if (p.draft_kind == DraftOrigin::Kind::kResume) return "the resumed checkpoint's draft";
   if (p.draft_kind == DraftOrigin::Kind::kInit) return "the --init-draft's (its lm_head rows follow its d2t)";
+  if (p.stored_targets)
+    return "selected_token_ids of " + p.stored_targets->source +
+           " (d2t[i] = selected_token_ids[i] - i): the vocabulary its stored target distributions are over";
   if (!o.d2t.empty()) return "--d2t " + o.d2t;
   if (p.draft.count_d2t)
     return "--draft-vocab-size " + std::to_string(o.draft_vocab_size) +
@@ -326,6 +341,10 @@ void plan_dflash(RunPlan& p) {
   if (!p.block()) return;
   const TrainOptions& o = p.options;
   const DraftConfig& c = p.draft.config;
+  if (p.stored_targets)
+    throw UsageError("a DFlash draft trains against the base's whole vocabulary through its lm_head; the records "
+                     "store the target's distribution over a draft vocabulary instead (NeMo's cache, " +
+                     p.stored_targets->source + "): train an EAGLE draft on them");
   if (!o.loss.empty())
     throw UsageError("--loss chooses the TTT unroll's loss; DFlash's is its own: --dflash-weights and --dflash-distill");
   if (p.cp_size > 1)
@@ -568,7 +587,97 @@ void plan_splits(RunPlan& p) {
   p.train_data = train;
 }
 
+// The caches behind records of stored target distributions (RunPlan::StoredTargets): every
+// file the samples of `data` read from, which must all be NeMo caches over one draft vocabulary.
+void read_stored_targets(const SelectedData& data, std::optional<RunPlan::StoredTargets>& st) {
+  std::vector<bool> seen(data.dataset.files.size(), false);
+  for (const SampleRef& s : data.samples) {
+    if (s.file >= seen.size() || seen[s.file]) continue;
+    seen[s.file] = true;
+    const std::string& path = data.dataset.files[s.file];
+    const auto reader = open_reader(path);
+    const auto* nemo = dynamic_cast<const NemoCacheReader*>(reader.get());
+    if (!nemo)
+      throw UsageError(path + ": records of stored target distributions (NeMo's cache) and of hidden states "
+                       "cannot train in one run; index them apart");
+    if (!st) {
+      st.emplace();
+      st->source = path;
+      st->selected = nemo->selected_token_ids();
+      st->target_vocab = static_cast<std::int64_t>(0);
+    } else if (nemo->selected_token_ids() != st->selected) {
+      throw UsageError(path + ": its selected_token_ids differ from those of " + st->source +
+                       "; a run trains one draft vocabulary, so its caches must share one");
+    }
+    st->topk = std::max(st->topk, nemo->target_probs_topk());
+    const std::int64_t v = nemo->target_vocab_size();
+    if (st->target_vocab != 0 && st->target_vocab != v)
+      throw UsageError(path + ": target_vocab_size " + std::to_string(v) + " differs from " + st->source + "'s " +
+                       std::to_string(st->target_vocab));
+    st->target_vocab = v;
+  }
+}
+
+// RunPlan::stored_targets from the splits, checked against the base and the options; the
+// decisions a person reads about the targets. Only when the records store distributions.
+void plan_stored_targets(RunPlan& p) {
+  if (p.shape.target_probs_width <= 0) return;
+  const TrainOptions& o = p.options;
+  std::optional<RunPlan::StoredTargets> st;
+  read_stored_targets(*p.train_data, st);
+  if (p.eval_data) read_stored_targets(*p.eval_data, st);
+  if (!st) throw UsageError("no record file of the split could be opened to read its draft vocabulary");
+  const auto vd = static_cast<std::int64_t>(st->selected.size());
+  if (vd != p.shape.target_probs_width)
+    throw UsageError(st->source + ": selected_token_ids lists " + std::to_string(vd) + " tokens but the records' "
+                     "target_probs are " + std::to_string(p.shape.target_probs_width) + " wide");
+  {
+    std::vector<bool> used(static_cast<std::size_t>(st->target_vocab), false);
+    for (std::int64_t i = 0; i < vd; ++i) {
+      const std::int64_t id = st->selected[static_cast<std::size_t>(i)];
+      if (used[static_cast<std::size_t>(id)])
+        throw UsageError(st->source + ": selected_token_ids lists target id " + std::to_string(id) +
+                         " twice (draft id " + std::to_string(i) + "); a draft vocabulary maps each draft id to "
+                         "a distinct target id");
+      used[static_cast<std::size_t>(id)] = true;
+    }
+  }
+  if (st->target_vocab != p.base.vocab_size)
+    throw UsageError(st->source + ": target_vocab_size " + std::to_string(st->target_vocab) +
+                     " is not the vocabulary of the base in " + o.base + " (" + std::to_string(p.base.vocab_size) +
+                     "): the cache was made with another target model");
+  if (o.hidden_states_norm != HiddenStatesNorm::kAuto)
+    throw UsageError("--hidden-states-norm " + std::string(name_in(kHiddenStatesNormNames, o.hidden_states_norm)) +
+                     " names the form of last hidden states; the records store the target's distribution instead "
+                     "(NeMo's cache, " + st->source + "): drop it");
+  p.stored_targets = std::move(st);
+  const RunPlan::StoredTargets& t = *p.stored_targets;
+  p.decisions.push_back(
+      {"targets",
+       "the cache's stored distribution over its " + std::to_string(vd) + " draft tokens (" + t.source + ")" +
+           (t.topk > 0 ? ", top " + std::to_string(t.topk) + " of them per position" : std::string()),
+       "the records carry NeMo's target_probs instead of a last hidden state: target p[t] is target_probs[t] itself "
+       "(no base lm_head runs), the loss mask is NeMo's position_mask (loss_mask and the target's argmax inside the "
+       "draft vocabulary), the draft vocabulary is the cache's selected_token_ids" +
+           (t.topk > 0 ? std::string("; with top k NeMo renormalised the k kept values to sum 1, so the mass "
+                                     "outside them (the tail) is lost for good and the draft learns the truncated "
+                                     "distribution")
+                       : std::string())});
+  p.decisions.push_back({"norm form", "not used",
+                         "the records hold no last hidden state (NeMo's cache), so no norm is applied to one"});
+  if (t.topk > 0)
+    p.notes.push_back("targets: top " + std::to_string(t.topk) + " of " + std::to_string(vd) +
+                      " draft tokens per position (" + t.source + "), renormalised by NeMo: the tail mass is lost");
+}
+
 }  // namespace
+
+at::Tensor RunPlan::StoredTargets::d2t() const {
+  at::Tensor d = at::empty({static_cast<std::int64_t>(selected.size())}, at::kLong);
+  auto* p = d.data_ptr<std::int64_t>();
+  for (std::size_t i = 0; i < selected.size(); ++i) p[i] = selected[i] - static_cast<std::int64_t>(i);
+  return d;
+}
 
 RunPlan resolve(const TrainOptions& o, int world_size) {
   o.check();
@@ -581,25 +690,27 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   if (resumed) p.resume_step = resumed->state.step;
 
   plan_splits(p);
-  {
+  // The record layout first: records of stored target distributions have no norm form.
+  const Probe probe = probe_loader(p, resumed ? std::optional<SamplerState>(resumed->state.sampler) : std::nullopt);
+  p.shape = probe.shape;
+  p.micro_batches_per_epoch = probe.micro_batches;
+  if (p.shape.target_probs_width <= 0) {
     std::vector<SampleRef> read = p.train_data->samples;  // the records the run reads
     if (p.eval_data) read.insert(read.end(), p.eval_data->samples.begin(), p.eval_data->samples.end());
     plan_norm(p, read);
     for (const auto& w : p.norm.warnings) p.notes.push_back("warning: " + w);
     p.notes.push_back(p.norm.said);
-    if (std::string l = no_loss_mask_line(p.train_data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
-    if (std::string l = joined_loss_mask_line(p.train_data->dataset.loss_masks, p.train_data->samples); !l.empty())
-      p.notes.push_back(l);
   }
+  if (std::string l = no_loss_mask_line(p.train_data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
+  if (std::string l = joined_loss_mask_line(p.train_data->dataset.loss_masks, p.train_data->samples); !l.empty())
+    p.notes.push_back(l);
   p.base = load_base_config(o.base);
   for (const auto& d : p.base.defaults_applied) p.notes.push_back(o.base + "/config.json: " + d);
   p.decisions.push_back({"base", "hidden " + std::to_string(p.base.hidden_size) + ", " +
                                      std::to_string(p.base.num_hidden_layers) + " layers, vocab " +
                                      std::to_string(p.base.vocab_size),
                          o.base + "/config.json (its weights are read when the run opens)"});
-  const Probe probe = probe_loader(p, resumed ? std::optional<SamplerState>(resumed->state.sampler) : std::nullopt);
-  p.shape = probe.shape;
-  p.micro_batches_per_epoch = probe.micro_batches;
+  plan_stored_targets(p);
   p.hidden = p.shape.hidden;
   p.aux_layers = aux_layers_of(p.shape, p.base, o.base);
 
@@ -624,7 +735,9 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
                ? std::string("one decoder layer per target layer of the dump (DFlash's default; --draft-layers N to choose)")
                : std::string("1 decoder layer (the default; --draft-layers N for more)"));
   }
-  p.draft = decide_draft(o, p.base, p.shape, origin);
+  p.draft = p.stored_targets ? decide_draft(o, p.base, p.shape, origin, p.stored_targets->d2t(),
+                                            "selected_token_ids of " + p.stored_targets->source)
+                             : decide_draft(o, p.base, p.shape, origin);
   for (const auto& line : p.draft.said) p.notes.push_back(line);
   p.draft_kind = origin.kind;
   p.draft_dir = origin.dir;
@@ -637,6 +750,7 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
   p.ttt.steps = o.ttt_steps;
   p.ttt.loss_decay = o.loss_decay;
   p.ttt.loss_terms = parse_loss_spec(o.loss);
+  check_stored_target_loss(p);
   if (!p.block()) p.decisions.push_back({"loss", loss_spec_text(p.ttt.loss_terms),
                          o.loss.empty() ? "kl, the default: forward KL to the base's distribution, computed as the soft "
                                           "cross-entropy (the same gradient; the reported loss includes the targets' "
@@ -711,7 +825,6 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   for (const auto& s : data->samples) p.tokens_per_epoch += std::min(s.tokens, o.max_length);
   p.decisions.push_back({"split", std::to_string(p.train_samples) + " samples", "--split " + o.split});
   p.train_data = data;
-  plan_norm(p, data->samples);
   if (std::string l = no_loss_mask_line(data->samples, o.max_length); !l.empty()) p.notes.push_back(l);
   if (std::string l = joined_loss_mask_line(data->dataset.loss_masks, data->samples); !l.empty()) p.notes.push_back(l);
 
@@ -727,6 +840,8 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   const Probe probe = probe_loader(p, std::nullopt);
   p.shape = probe.shape;
   p.micro_batches_per_epoch = probe.micro_batches;
+  if (p.shape.target_probs_width <= 0) plan_norm(p, data->samples);
+  plan_stored_targets(p);  // the draft's d2t is compared with the cache's when the run opens
   if (p.shape.aux_width != dc.aux_width() || p.shape.hidden != dc.target_hidden_size) {
     throw UsageError("the data has hidden size " + std::to_string(p.shape.hidden) + " and aux width " +
                      std::to_string(p.shape.aux_width) + ", the draft expects " +
@@ -746,6 +861,7 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   p.ttt.steps = o.ttt_steps;
   p.ttt.loss_decay = o.loss_decay;
   p.ttt.loss_terms = parse_loss_spec(o.loss);
+  check_stored_target_loss(p);
   p.ttt.autocast = autocast_type(o.compute_dtype);
   p.ttt.prenorm_hidden_states = p.norm.default_pre;
   p.ttt.attention = o.ttt_attention;

@@ -42,6 +42,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "lib/loader.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/model/architecture_rows.h"
@@ -72,6 +74,18 @@ struct RunPlan {
   // (--eval-every >= 0 and the split is not empty; else null).
   std::shared_ptr<const SelectedData> train_data, eval_data;
   RecordShape shape;  // of the first record that opens
+  // Records that store the target's distribution instead of hidden states (NeMo AutoModel's
+  // EAGLE-3 cache; shape.target_probs_width > 0): the draft vocabulary it is over. The run's
+  // targets are those distributions (TttBatch::target_probs), the draft's d2t is theirs, and
+  // only the soft cross-entropy trains; the norm form is moot.
+  struct StoredTargets {
+    std::string source;                  // the first cache's manifest
+    std::vector<std::int64_t> selected;  // selected_token_ids: draft id i is target id selected[i]
+    std::int64_t target_vocab = 0;       // the caches' target_vocab_size
+    std::int64_t topk = 0;               // the largest target_probs_topk among the caches (0: full)
+    at::Tensor d2t() const;              // [Vd] int64: selected[i] - i
+  };
+  std::optional<StoredTargets> stored_targets;
   NormPlan norm;      // over the records the run reads
   DraftDecision draft;
   DraftOrigin::Kind draft_kind = DraftOrigin::Kind::kFresh;

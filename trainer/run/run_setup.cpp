@@ -143,6 +143,7 @@ TttBatch to_ttt_batch(const Batch& batch) {
   t.document_ids = batch.document_ids;
   t.position_ids = batch.position_ids;
   t.hidden_states_prenorm = batch.hidden_states_prenorm;
+  t.target_probs = batch.target_probs;
   return t;
 }
 

@@ -36,6 +36,10 @@ struct Sampled {
 Sampled sample_record(const RecordReader& reader, std::uint32_t record, std::int64_t positions, std::int64_t hidden,
                       const std::string& where) {
   const Record r = reader.read(record);
+  if (r.target_probs)
+    throw UsageError(where + ": stores the target's distribution (NeMo AutoModel's EAGLE-3 cache), not a last hidden "
+                     "state, so there is nothing to run through the base's head; validate --deep checks the stored "
+                     "distributions instead");
   const at::Tensor ids = tensor_from_host(r.input_ids).to(at::kLong).reshape({-1});
   const at::Tensor hs = tensor_from_host(r.hidden_states).to(at::kFloat);
   const std::int64_t t = ids.size(0);

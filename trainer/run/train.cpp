@@ -114,7 +114,8 @@ TrainingError non_finite_error(double loss, double grad_norm, const std::vector<
     for (const auto& id : b.conversation_ids)
       if (n_ids++ < 8) ids += (ids.empty() ? "" : ", ") + id;
     if (b.rows() > 0)
-      largest = std::max({largest, b.hidden_states.abs().max().item<double>(),
+      largest = std::max({largest,
+                          (b.hidden_states.defined() ? b.hidden_states : b.target_probs).abs().max().item<double>(),
                           b.aux_hidden_states.abs().max().item<double>()});
   }
   if (n_ids > 8) ids += ", ... (" + std::to_string(n_ids) + " in all)";

@@ -464,7 +464,17 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   };
   check(batch.attention_mask, "attention_mask", {b, n});
   check(batch.loss_mask, "loss_mask", {b, n});
-  check(batch.hidden_states, "hidden_states", {b, n, c.hidden_size});
+  // A stored target distribution (NeMo's cache) takes the place of the last hidden states.
+  const bool stored_p = batch.target_probs.defined();
+  if (stored_p) {
+    check(batch.target_probs, "target_probs", {b, n, c.draft_vocab_size});
+    if (!is_soft_ce(impl_->options.loss_terms))
+      throw UsageError("TTT batch: --loss " + loss_spec_text(impl_->options.loss_terms) +
+                       " compares with the base's logits; the batch carries the stored target distribution "
+                       "(NeMo's cache), which trains only kl (the soft cross-entropy)");
+  } else {
+    check(batch.hidden_states, "hidden_states", {b, n, c.hidden_size});
+  }
   check(batch.aux_hidden_states, "aux_hidden_states", {b, n, c.aux_width()});
   const bool packed = batch.document_ids.defined();
   if (packed) {
@@ -499,35 +509,41 @@ TttResult TttUnroll::forward(const TttBatch& batch, SequenceContext* context) {
   {
     at::NoGradGuard no_grad;
     emb = at::embedding(impl_->embed_tokens, cx.shift_left(ids)).to(dtype);
-    // Target at position t: the base distribution of hidden state t + 1 over the draft vocab.
-    // Pre-norm tokens first go through the base's final RMSNorm, in float32 (docs/draft.md,
-    // pre- and post-norm dumps): every token when the run's default is pre, else those
-    // whose record states pre-norm (a stated form wins over the default).
-    at::Tensor hs = batch.hidden_states.to(device);
-    const bool default_pre = impl_->options.prenorm_hidden_states;
-    at::Tensor pre;  // [B, L] bool; undefined: every token takes default_pre
-    if (batch.hidden_states_prenorm.defined()) {
-      check(batch.hidden_states_prenorm, "hidden_states_prenorm", {b, n});
-      const at::Tensor f = batch.hidden_states_prenorm.to(device, at::kLong);
-      pre = default_pre ? f != 0 : f == 1;
+    if (stored_p) {
+      // The producer's target distribution, row t = p[t] already (docs/ttt.md): no shift.
+      p_target = batch.target_probs.to(device, at::kFloat);
+      target_argmax = p_target.argmax(-1);
+    } else {
+      // Target at position t: the base distribution of hidden state t + 1 over the draft vocab.
+      // Pre-norm tokens first go through the base's final RMSNorm, in float32 (docs/draft.md,
+      // pre- and post-norm dumps): every token when the run's default is pre, else those
+      // whose record states pre-norm (a stated form wins over the default).
+      at::Tensor hs = batch.hidden_states.to(device);
+      const bool default_pre = impl_->options.prenorm_hidden_states;
+      at::Tensor pre;  // [B, L] bool; undefined: every token takes default_pre
+      if (batch.hidden_states_prenorm.defined()) {
+        check(batch.hidden_states_prenorm, "hidden_states_prenorm", {b, n});
+        const at::Tensor f = batch.hidden_states_prenorm.to(device, at::kLong);
+        pre = default_pre ? f != 0 : f == 1;
+      }
+      // Whether some token is pre-norm is read from the device only when the answer can fail
+      // the batch (no final norm); otherwise the norm is applied where pre says, without a sync.
+      const bool any_pre = pre.defined() ? (impl_->final_norm.defined() || pre.any().item<bool>()) : default_pre;
+      if (any_pre) {
+        if (!impl_->final_norm.defined())
+          throw UsageError("TTT batch: records state pre-norm hidden states but the base was loaded without its "
+                           "final norm weight (model.norm.weight)");
+        const at::Tensor x = hs.to(at::kFloat);
+        const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
+        hs = pre.defined() ? at::where(pre.unsqueeze(-1), normed, x) : normed;
+      }
+      at::Tensor hs_next = cx.shift_left(hs);
+      const at::Tensor target_logits =
+          at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
+      p_target = at::softmax(target_logits, -1);
+      if (!is_soft_ce(impl_->options.loss_terms)) target_logits_kept = target_logits;
+      target_argmax = target_logits.argmax(-1);
     }
-    // Whether some token is pre-norm is read from the device only when the answer can fail
-    // the batch (no final norm); otherwise the norm is applied where pre says, without a sync.
-    const bool any_pre = pre.defined() ? (impl_->final_norm.defined() || pre.any().item<bool>()) : default_pre;
-    if (any_pre) {
-      if (!impl_->final_norm.defined())
-        throw UsageError("TTT batch: records state pre-norm hidden states but the base was loaded without its "
-                         "final norm weight (model.norm.weight)");
-      const at::Tensor x = hs.to(at::kFloat);
-      const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + impl_->final_norm_eps) * impl_->final_norm;
-      hs = pre.defined() ? at::where(pre.unsqueeze(-1), normed, x) : normed;
-    }
-    at::Tensor hs_next = cx.shift_left(hs);
-    const at::Tensor target_logits =
-        at::matmul(hs_next.to(impl_->target_head.scalar_type()), impl_->target_head.t()).to(at::kFloat);
-    p_target = at::softmax(target_logits, -1);
-    if (!is_soft_ce(impl_->options.loss_terms)) target_logits_kept = target_logits;
-    target_argmax = target_logits.argmax(-1);
     loss_weight = cx.shift_left(batch.loss_mask.to(device).to(at::kFloat));
     if (packed) loss_weight = loss_weight * next_same_doc.to(at::kFloat);
   }

@@ -164,6 +164,11 @@ struct TttBatch {
   // not stated, which takes TttOptions::prenorm_hidden_states. Undefined: every token
   // takes it (lib/collate.h Batch::hidden_states_prenorm).
   at::Tensor hidden_states_prenorm;
+  // A stored target distribution (lib/collate.h Batch::target_probs, NeMo's cache): [B, L, Vd]
+  // (any floating dtype), row t the target p[t] itself. Defined: the unroll takes p from it
+  // instead of softmax(target_head . hidden_states[t + 1]), hidden_states may be undefined,
+  // and only the soft cross-entropy (TttOptions::loss_terms kl) trains (UsageError else).
+  at::Tensor target_probs;
 };
 
 struct TttOptions {
