@@ -186,7 +186,7 @@ TEST_CASE("run plan cli: --dry-run says why it decided each thing, as text and a
     names.push_back(decision["name"]);
     CHECK_MESSAGE(!decision["why"].get<std::string>().empty(), decision.dump());
   }
-  CHECK(names == std::vector<std::string>{"mesh", "threads", "openmp waiting", "split", "evaluation", "norm form",
+  CHECK(names == std::vector<std::string>{"mesh", "threads", "openmp waiting", "freed memory", "split", "evaluation", "norm form",
                                           "base", "draft", "architecture", "aux ids", "draft vocab", "rope", "loss",
                                           "optimizer", "steps"});
   // The thread count says where it came from; --adapt-threads says what it does, and is for
