@@ -66,8 +66,8 @@ MallocPolicy current_malloc_policy() {
       break;
     case State::kUsers:
       p.value = g_users;
-      p.why = "the environment's (eaglekit sets nothing when one of " + std::string("MALLOC_*_ or GLIBC_TUNABLES") +
-              " names an allocator setting)";
+      p.why = "the environment's (eaglekit sets nothing when a MALLOC_*_ variable or a GLIBC_TUNABLES glibc.malloc "
+              "tunable is set)";
       break;
     case State::kOptedOut:
       p.value = "the C library's defaults";

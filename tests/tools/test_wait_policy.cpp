@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <vector>
 
 #include "tests/support.h"
 #include "tests/tools/plan_decision.h"
@@ -23,24 +24,36 @@ nlohmann::json decision(const std::string& plan_json, const std::string& name) {
   return test::plan_decision(nlohmann::json::parse(plan_json), name);
 }
 
-}  // namespace
-
-TEST_CASE("wait policy: train starts passive by default, as eaglekit or eaglekit-torch, and says why") {
-  test::TempDir dir("wait-policy");
+// A tiny synthetic data set and base in `dir`, indexed: the arguments of a `train --dry-run
+// --json` on it (after the binary), and the two binaries that run it (eaglekit, eaglekit-torch).
+struct DryRun {
+  std::string args;
+  std::vector<std::string> binaries;
+};
+DryRun dry_run(const test::TempDir& dir) {
   auto r = test::eaglekit("synth --out " + test::quote(dir / "data") +
                           " --conversations 12 --hidden 16 --vocab 32 --min-tokens 8 --max-tokens 16 --dtype fp32"
                           " --base-out " + test::quote(dir / "base"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   r = test::eaglekit("index " + test::quote(dir / "data") + " --out " + test::quote(dir / "index.eki"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  const std::string args = " train --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
-                           test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base") + " --out " +
-                           test::quote(dir / "out") + " --max-length 16 --batch-size 2 --dry-run --json";
-  const std::string front = test::quote(test::eaglekit_path());
-  std::string torch = test::eaglekit_path();
-  torch = test::quote(torch.substr(0, torch.rfind('/')) + "/eaglekit-torch");
+  DryRun d;
+  d.args = " train --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
+           test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base") + " --out " +
+           test::quote(dir / "out") + " --max-length 16 --batch-size 2 --dry-run --json";
+  const std::string front = test::eaglekit_path();
+  d.binaries = {test::quote(front), test::quote(front.substr(0, front.rfind('/')) + "/eaglekit-torch")};
+  return d;
+}
 
-  for (const std::string& bin : {front, torch}) {
+}  // namespace
+
+TEST_CASE("wait policy: train starts passive by default, as eaglekit or eaglekit-torch, and says why") {
+  test::TempDir dir("wait-policy");
+  const DryRun d = dry_run(dir);
+  const std::string& args = d.args;
+  test::RunResult r;
+  for (const std::string& bin : d.binaries) {
     CAPTURE(bin);
     r = test::run(kClean + bin + args);
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -69,20 +82,12 @@ TEST_CASE("wait policy: train starts passive by default, as eaglekit or eaglekit
 // alike; a user's allocator setting is kept and named.
 TEST_CASE("malloc policy: train keeps freed memory by default and names a user's allocator setting") {
   test::TempDir dir("malloc-policy");
-  auto r = test::eaglekit("synth --out " + test::quote(dir / "data") +
-                          " --conversations 12 --hidden 16 --vocab 32 --min-tokens 8 --max-tokens 16 --dtype fp32"
-                          " --base-out " + test::quote(dir / "base"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  r = test::eaglekit("index " + test::quote(dir / "data") + " --out " + test::quote(dir / "index.eki"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-  const std::string args = " train --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
-                           test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base") + " --out " +
-                           test::quote(dir / "out") + " --max-length 16 --batch-size 2 --dry-run --json";
+  const DryRun d = dry_run(dir);
+  const std::string& args = d.args;
+  test::RunResult r;
   const std::string clean = "env -u MALLOC_TRIM_THRESHOLD_ -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TOP_PAD_ "
                             "-u MALLOC_MMAP_MAX_ -u MALLOC_ARENA_MAX -u GLIBC_TUNABLES -u EAGLEKIT_MALLOC ";
-  std::string torch = test::eaglekit_path();
-  torch = test::quote(torch.substr(0, torch.rfind('/')) + "/eaglekit-torch");
-  for (const std::string& bin : {test::quote(test::eaglekit_path()), torch}) {
+  for (const std::string& bin : d.binaries) {
     CAPTURE(bin);
     r = test::run(clean + bin + args);
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
