@@ -198,6 +198,11 @@ Format DeepSpecReader::format() const { return Format::kDeepSpec; }
 const std::string& DeepSpecReader::path() const { return impl_->path; }
 std::size_t DeepSpecReader::size() const { return impl_->samples; }
 const std::vector<std::int64_t>& DeepSpecReader::target_layer_ids() const { return impl_->layers; }
+FileFacts DeepSpecReader::facts() const {
+  FileFacts f;
+  for (const std::int64_t id : impl_->layers) f.aux_layer_ids.push_back(id + 1);
+  return f;
+}
 std::int64_t DeepSpecReader::hidden_size() const { return impl_->hidden; }
 
 RecordInfo DeepSpecReader::info(std::size_t i) const {

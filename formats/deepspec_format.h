@@ -80,6 +80,9 @@ class DeepSpecReader final : public RecordReader {
   RecordInfo info(std::size_t i) const override;
   Record read_prefix(std::size_t i, std::int64_t max_rows) const override;
   std::optional<std::size_t> find(std::string_view conversation_id) const override;
+  // target_layer_ids + 1 (DeepSpec's -1 is the embeddings, i the output of layers[i]: HF
+  // hidden_states[i+1]).
+  FileFacts facts() const override;
 
   const std::vector<std::int64_t>& target_layer_ids() const;
   std::int64_t hidden_size() const;

@@ -43,6 +43,13 @@ std::optional<std::size_t> RecordReader::find(std::string_view id) const {
   return std::nullopt;
 }
 
+std::vector<std::string> RecordWriter::set_facts(const FileFacts& facts) {
+  std::vector<std::string> dropped;
+  if (!facts.aux_layer_ids.empty()) dropped.emplace_back(kFactAuxLayerIds);
+  if (facts.target_vocabulary) dropped.emplace_back(kFactTargetVocabulary);
+  return dropped;
+}
+
 std::unique_ptr<RecordReader> open_reader(const std::string& path) {
   const FormatRow* row = format_row(detect_file_format(path));
   if (!row) {

@@ -45,6 +45,30 @@ std::optional<Format> parse_format(std::string_view name);
 Format detect_format(const std::uint8_t* head, std::size_t n);
 Format detect_file_format(const std::string& path);
 
+// The draft vocabulary a file's records of stored target distributions are over
+// (Record::target_probs; NeMo's cache states it in its manifest).
+struct TargetVocabulary {
+  std::vector<std::int64_t> selected;  // draft id i is target id selected[i]; size Vd
+  std::int64_t target_vocab_size = 0;  // V of the target model
+  std::int64_t topk = 0;               // the producer kept the top k per position (0: all)
+  bool operator==(const TargetVocabulary& o) const {
+    return selected == o.selected && target_vocab_size == o.target_vocab_size && topk == o.topk;
+  }
+};
+
+// What a file states once for all of its records, beside their tensors (a cache's manifest).
+struct FileFacts {
+  // The base's layers aux_hidden_states holds, side by side, as HF hidden_states indices
+  // (0 the embeddings, i the output of decoder layer i: what eaglekit's --aux-layer-ids and
+  // the engines' eagle_aux_hidden_state_layer_ids count). Empty: not stated.
+  std::vector<std::int64_t> aux_layer_ids;
+  std::optional<TargetVocabulary> target_vocabulary;  // present iff records carry target_probs
+  bool empty() const { return aux_layer_ids.empty() && !target_vocabulary; }
+};
+
+inline constexpr const char* kFactAuxLayerIds = "aux layer ids";
+inline constexpr const char* kFactTargetVocabulary = "target vocabulary";
+
 class RecordReader {
  public:
   virtual ~RecordReader() = default;
@@ -59,6 +83,8 @@ class RecordReader {
   Record read(std::size_t i) const { return read_prefix(i, -1); }
   // Index of the record with this conversation id, if any (linear by default).
   virtual std::optional<std::size_t> find(std::string_view conversation_id) const;
+  // What the file states for all its records (none by default: most formats state nothing).
+  virtual FileFacts facts() const { return {}; }
 };
 
 struct WriterOptions {
@@ -73,6 +99,11 @@ class RecordWriter {
   virtual ~RecordWriter() = default;
   virtual void add(const Record& r) = 0;
   virtual void finish() = 0;
+  // Takes the source's file facts, before the first add(); a writer that keeps them writes
+  // them so that its reader's facts() returns them. Returns the names of the facts its
+  // format has no field for (kFactAuxLayerIds, kFactTargetVocabulary), for the caller to say
+  // they are dropped or to refuse. The default keeps none.
+  virtual std::vector<std::string> set_facts(const FileFacts& facts);
 };
 
 // Opens any supported file, detected by magic bytes. Throws IoError / FormatError /

@@ -292,6 +292,12 @@ std::size_t NemoCacheReader::size() const { return impl_->samples; }
 std::int64_t NemoCacheReader::seq_length() const { return impl_->seq; }
 std::int64_t NemoCacheReader::hidden_size() const { return impl_->hidden; }
 const std::vector<std::int64_t>& NemoCacheReader::aux_layer_ids() const { return impl_->layers; }
+FileFacts NemoCacheReader::facts() const {
+  FileFacts f;
+  for (const std::int64_t id : impl_->layers) f.aux_layer_ids.push_back(id + 1);
+  f.target_vocabulary = TargetVocabulary{impl_->selected, target_vocab_size(), target_probs_topk()};
+  return f;
+}
 const std::vector<std::int64_t>& NemoCacheReader::selected_token_ids() const { return impl_->selected; }
 std::int64_t NemoCacheReader::target_probs_topk() const { return impl_->topk; }
 std::int64_t NemoCacheReader::target_vocab_size() const { return impl_->target_vocab; }

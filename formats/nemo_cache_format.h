@@ -100,6 +100,9 @@ class NemoCacheReader final : public RecordReader {
   // Sample i as a record of stored target distributions (above), its first max_rows rows.
   Record read_prefix(std::size_t i, std::int64_t max_rows) const override;
   std::optional<std::size_t> find(std::string_view conversation_id) const override;
+  // aux_layer_ids + 1 (NeMo hooks layers[i]: HF hidden_states[i+1]) and the draft vocabulary
+  // (selected_token_ids, target_vocab_size, target_probs_topk).
+  FileFacts facts() const override;
 
   NemoCacheSample sample(std::size_t i) const;
   std::int64_t seq_length() const;

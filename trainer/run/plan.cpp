@@ -16,7 +16,6 @@
 #include <sstream>
 
 #include "formats/error.h"
-#include "formats/nemo_cache_format.h"
 #include "lib/clock.h"
 #include "lib/loader.h"
 #include "trainer/io/export.h"
@@ -587,30 +586,30 @@ void plan_splits(RunPlan& p) {
   p.train_data = train;
 }
 
-// The caches behind records of stored target distributions (RunPlan::StoredTargets): every
-// file the samples of `data` read from, which must all be NeMo caches over one draft vocabulary.
+// The files behind records of stored target distributions (RunPlan::StoredTargets): every
+// file the samples of `data` read from, which must all state one draft vocabulary
+// (FileFacts::target_vocabulary: NeMo's cache, or an .eks converted from one).
 void read_stored_targets(const SelectedData& data, std::optional<RunPlan::StoredTargets>& st) {
   std::vector<bool> seen(data.dataset.files.size(), false);
   for (const SampleRef& s : data.samples) {
     if (s.file >= seen.size() || seen[s.file]) continue;
     seen[s.file] = true;
     const std::string& path = data.dataset.files[s.file];
-    const auto reader = open_reader(path);
-    const auto* nemo = dynamic_cast<const NemoCacheReader*>(reader.get());
-    if (!nemo)
+    const std::optional<TargetVocabulary> tv = open_reader(path)->facts().target_vocabulary;
+    if (!tv)
       throw UsageError(path + ": records of stored target distributions (NeMo's cache) and of hidden states "
                        "cannot train in one run; index them apart");
     if (!st) {
       st.emplace();
       st->source = path;
-      st->selected = nemo->selected_token_ids();
+      st->selected = tv->selected;
       st->target_vocab = static_cast<std::int64_t>(0);
-    } else if (nemo->selected_token_ids() != st->selected) {
+    } else if (tv->selected != st->selected) {
       throw UsageError(path + ": its selected_token_ids differ from those of " + st->source +
                        "; a run trains one draft vocabulary, so its caches must share one");
     }
-    st->topk = std::max(st->topk, nemo->target_probs_topk());
-    const std::int64_t v = nemo->target_vocab_size();
+    st->topk = std::max(st->topk, tv->topk);
+    const std::int64_t v = tv->target_vocab_size;
     if (st->target_vocab != 0 && st->target_vocab != v)
       throw UsageError(path + ": target_vocab_size " + std::to_string(v) + " differs from " + st->source + "'s " +
                        std::to_string(st->target_vocab));
