@@ -75,17 +75,18 @@ const std::vector<FormatRow>& format_rows() {
       {Format::kHdf5, "hdf5", {"h5"}, {".h5", ".hdf5"}, 4, false, true, "HDF5", hdf5_magic,
        open_hdf5_reader, create_hdf5_writer, {}},
       {Format::kEks, "eks", {}, {".eks"}, 5, false, true, ".eks shard", eks_magic, open_eks_reader,
-       create_eks_writer, {}},
+       create_eks_writer, {}, nullptr, false, /*states_facts=*/true},
       // A folder; its manifest.json is the file found and indexed (formats/deepspec_format.h).
       {Format::kDeepSpec, "deepspec", {}, {}, 7, false, false, "DeepSpec manifest.json", json_object_magic,
        open_deepspec_reader, nullptr,
        "DeepSpec's target cache stores target_last_hidden_states, AutoModel's last_hidden_state: after the "
        "base's final norm",
-       is_deepspec_manifest, /*records_beside=*/true},
+       is_deepspec_manifest, /*records_beside=*/true, /*states_facts=*/true},
       // A folder; its manifest.json is the file found and indexed (formats/nemo_cache_format.h).
-      // Its records have no last hidden state: the reader describes them and refuses to read them.
+      // Its records hold the target's stored distribution instead of a last hidden state.
       {Format::kNemoCache, "nemo", {}, {}, 8, false, false, "NeMo cache manifest.json", json_object_magic,
-       open_nemo_cache_reader, nullptr, {}, is_nemo_cache_manifest, /*records_beside=*/true},
+       open_nemo_cache_reader, nullptr, {}, is_nemo_cache_manifest, /*records_beside=*/true,
+       /*states_facts=*/true},
   };
   return kRows;
 }

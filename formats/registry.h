@@ -48,6 +48,9 @@ struct FormatRow {
   // The records' bytes lie in files beside the one found and indexed (DeepSpec: shards beside
   // its manifest.json), so `stats` counts each record's RecordInfo::byte_size, not the file's.
   bool records_beside = false;
+  // Its files may state facts for all their records (RecordReader::facts: a cache's manifest,
+  // an .eks shard's facts block), so a run's plan opens them to read those.
+  bool states_facts = false;
 };
 
 // Every row, in the order detection tries them and help lists them.

@@ -412,7 +412,10 @@ Dataset match_keys(const std::vector<Conversation>& conversations, const std::ve
       continue;
     }
     auto [slot, added] = file_slot.try_emplace(e.file, static_cast<std::uint32_t>(d.files.size()));
-    if (added) d.files.emplace_back(index.file(e.file).path);
+    if (added) {
+      d.files.emplace_back(index.file(e.file).path);
+      d.file_formats.push_back(index.file(e.file).format);
+    }
     d.samples.push_back({c.id, slot->second, e.record, e.tokens, e.hidden_states_prenorm, e.layout_prenorm,
                          e.has_loss_mask, e.joined_loss_mask});
   }

@@ -76,6 +76,7 @@ std::string joined_loss_mask_line(const std::optional<IndexLossMasks>& loss_mask
 
 struct Dataset {
   std::vector<std::string> files;   // paths of record files
+  std::vector<Format> file_formats; // their formats as indexed (parallel to files; empty when not filled)
   std::vector<SampleRef> samples;   // matched records, in conversation order
   std::size_t conversations = 0;    // conversations read
   std::size_t quarantined = 0;      // has a record but excluded by the quarantine list

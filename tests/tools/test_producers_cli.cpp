@@ -383,12 +383,33 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
       CHECK(got.loss_mask->get(t) == want.loss_mask->get(t));
     }
   }
-  // train: matched by id, post-norm by the row's fact, the stored loss mask used.
-  r = test::eaglekit("train" + data + " --base " + test::quote(dir / "base") + " --out " + test::quote(dir / "run") +
-                     " --aux-layer-ids 1,2,3 --max-steps 2 --batch-size 2 --max-length 16 --eval-fraction 0"
-                     " --eval-every -1 --jobs 2 --threads 2 --json");
+  // The aux layers are the manifest's target_layer_ids 1,2,3, HF hidden_states 2,3,4: another
+  // --aux-layer-ids is refused, and without it the draft takes the data's.
+  const std::string train = "train" + data + " --base " + test::quote(dir / "base") + " --out " +
+                            test::quote(dir / "run") + " --max-steps 2 --batch-size 2 --max-length 16 "
+                            "--eval-fraction 0 --eval-every -1 --jobs 2 --threads 2";
+  r = test::eaglekit(train + " --aux-layer-ids 1,2,3 --dry-run");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--aux-layer-ids 1,2,3 differs from the layers the data holds, 2,3,4, as the DeepSpec "
+                           "manifest.json") != std::string::npos, r.err);
+  r = test::eaglekit(train + " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["aux_layer_ids"] == std::vector<int>{2, 3, 4});
+    CHECK_MESSAGE(j["aux_layer_ids_source"].get<std::string>().find("the data: the DeepSpec manifest.json") == 0,
+                  j.dump());
+  }
+  // train: matched by id, post-norm by the row's fact, the stored loss mask used, the aux
+  // layers the export names the data's.
+  r = test::eaglekit(train + " --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(nlohmann::json::parse(r.out)["steps"] == 2);
+  {
+    std::ifstream f(dir / "run/final/config.json");
+    const auto c = nlohmann::json::parse(f);
+    CHECK(c["eagle_aux_hidden_state_layer_ids"] == std::vector<int>{2, 3, 4});
+  }
   CHECK(r.err.find("0 pre-norm, 0 post-norm, 4 not stated, of which 0 pre-norm and 4 post-norm by their layout") !=
         std::string::npos);
   CHECK(r.err.find("no loss mask found") == std::string::npos);
@@ -567,9 +588,11 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
                      "--min-tokens 4 --max-tokens 6 --dtype fp32 --seed 3 --base-out " + test::quote(dir / "base"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const std::string train = "train" + data + " --base " + test::quote(dir / "base") +
-                            " --aux-layer-ids 1,2,3 --max-length 8 --batch-size 2 --eval-every -1 --threads 1";
+                            " --max-length 8 --batch-size 2 --eval-every -1 --threads 1";
   r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run") + " --dry-run");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // NeMo's aux_layer_ids 0,1,2 hook layers[i]: HF hidden_states 1,2,3, taken without being told.
+  CHECK_MESSAGE(r.out.find("aux ids:     1,2,3 (the data: the NeMo cache manifest.json") != std::string::npos, r.out);
   CHECK_MESSAGE(r.out.find("targets: the cache's stored distribution over its 16 draft tokens") != std::string::npos,
                 r.out);
   CHECK_MESSAGE(r.out.find("top 4 of them per position") != std::string::npos, r.out);
@@ -592,6 +615,28 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK_MESSAGE(r.err.find("draft vocabulary: the 16 tokens of selected_token_ids") != std::string::npos, r.err);
   CHECK(std::filesystem::exists(dir / "run/final/config.json"));
+  // A draft of other aux layers: evaluate refuses it on this data, and an --init-draft from it
+  // trains on the data's layers and says so.
+  std::filesystem::copy(dir / "run/final", dir / "other");
+  {
+    std::ifstream in(dir / "other/config.json");
+    auto c = nlohmann::json::parse(in);
+    REQUIRE(c["eagle_aux_hidden_state_layer_ids"] == std::vector<int>{1, 2, 3});
+    c["eagle_aux_hidden_state_layer_ids"] = {4, 8, 12};
+    std::ofstream(dir / "other/config.json") << c.dump(2);
+  }
+  const std::string evaluate = "evaluate" + data + " --base " + test::quote(dir / "base") +
+                               " --max-length 8 --split all --threads 1 --draft ";
+  r = test::eaglekit(evaluate + test::quote(dir / "other"));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("reads aux layers 4,8,12 but the data holds 1,2,3") != std::string::npos, r.err);
+  r = test::eaglekit(evaluate + test::quote(dir / "run/final"));
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit(train + " --max-steps 1 --out " + test::quote(dir / "run2") + " --dry-run --init-draft " +
+                     test::quote(dir / "other"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("was trained on aux layers 4,8,12; the data holds 1,2,3") != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find("aux ids:     1,2,3 (the data: the NeMo cache manifest.json") != std::string::npos, r.out);
 
   // A stored distribution that does not sum to 1 fails validate --deep, named.
   const std::string cache = dir / "damaged";

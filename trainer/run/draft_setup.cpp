@@ -164,8 +164,27 @@ DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>&
 }
 
 DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const RecordShape& shape,
-                           const DraftOrigin& origin, const at::Tensor& data_d2t, const std::string& data_source) {
+                           const DraftOrigin& origin, const DataFacts& data) {
   const std::int64_t aux_layers = aux_layers_of(shape, bc, o.base);
+  const at::Tensor& data_d2t = data.d2t;
+  const std::string& data_source = data.d2t_source;
+  const std::vector<std::int64_t>& stated = data.aux_layer_ids;
+  const std::string stated_text =
+      stated.empty() ? std::string() : ids_text(stated) + ", as " + data.aux_source + " states them";
+  if (!stated.empty()) {
+    if (static_cast<std::int64_t>(stated.size()) != aux_layers)
+      throw UsageError(data.aux_source + " states " + std::to_string(stated.size()) + " aux layers (" +
+                       ids_text(stated) + ") but its records hold " + std::to_string(aux_layers) +
+                       " side by side (aux width " + std::to_string(shape.aux_width) + ", hidden " +
+                       std::to_string(shape.hidden) + ")");
+    if (stated.front() < 1)
+      throw UsageError(data.aux_source + " holds the base's embeddings (HF hidden_states index 0) among its aux "
+                       "layers " + ids_text(stated) + "; an EAGLE-3 draft as vLLM and SGLang serve it reads decoder "
+                       "layers' outputs (indices from 1): dump without the embeddings");
+    if (!o.aux_layer_ids.empty() && o.aux_layer_ids != stated)
+      throw UsageError("--aux-layer-ids " + ids_text(o.aux_layer_ids) + " differs from the layers the data holds, " +
+                       stated_text + " (HF hidden_states indices): drop it, the run takes the data's");
+  }
   DraftDecision d;
   if (origin.kind == DraftOrigin::Kind::kResume) {
     d.config = *origin.config;
@@ -173,10 +192,25 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     check_draft_architecture(o, d.config, origin.dir);
     d.source = "resume " + origin.dir;
     d.aux_layer_ids_source = "the resumed checkpoint's draft";
+    if (!stated.empty() && d.config.aux_layer_ids != stated)
+      throw UsageError("the checkpoint " + origin.dir + " trains a draft of aux layers " +
+                       ids_text(d.config.aux_layer_ids) + " but the data holds " + stated_text +
+                       ": resume on the data it was trained on");
   } else if (origin.kind == DraftOrigin::Kind::kInit) {
     DraftConfig c = *origin.config;
     d.aux_layer_ids_source = "the --init-draft's config";
-    if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
+    if (!stated.empty() && stated != c.aux_layer_ids) {
+      // The data decides which layers the trained draft reads; the export must name them.
+      if (!c.aux_layer_ids.empty())
+        d.said.push_back("--init-draft " + origin.dir + " was trained on aux layers " + ids_text(c.aux_layer_ids) +
+                         "; the data holds " + stated_text + ", so the draft trains on those and its config "
+                         "names them");
+      c.aux_layer_ids = stated;
+      d.config_changed = true;
+      d.aux_layer_ids_source = "the data: " + data.aux_source;
+    } else if (!stated.empty()) {
+      d.aux_layer_ids_source = "the --init-draft's config, as " + data.aux_source + " states them";
+    } else if (!o.aux_layer_ids.empty() && o.aux_layer_ids != c.aux_layer_ids) {
       c.aux_layer_ids = o.aux_layer_ids;
       d.config_changed = true;
       d.aux_layer_ids_source = "--aux-layer-ids";
@@ -215,7 +249,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
   } else {
     DraftOptions dopts;
     dopts.num_aux_layers = aux_layers;
-    dopts.aux_layer_ids = o.aux_layer_ids;
+    dopts.aux_layer_ids = stated.empty() ? o.aux_layer_ids : stated;
     dopts.modelopt_norm = o.modelopt_norm;
     fresh_architecture(o, dopts);
     const bool dflash = dopts.architecture == "dflash";
@@ -251,7 +285,9 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
     d.count_d2t = !dflash && !data_d2t.defined() && o.d2t.empty() && d.config.draft_vocab_size < bc.vocab_size;
     d.source = "fresh from the base";
     d.aux_layer_ids_source = "--aux-layer-ids";
-    if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {
+    if (!stated.empty()) {
+      d.aux_layer_ids_source = "the data: " + data.aux_source;
+    } else if (o.aux_layer_ids.empty() && !d.config.aux_layer_ids.empty()) {
       d.aux_layer_ids_source = "EAGLE-3's default for a " + std::to_string(bc.num_hidden_layers) +
                                "-layer base (2, N/2, N-3); no --aux-layer-ids given";
       d.said.push_back("aux layer ids " + ids_text(d.config.aux_layer_ids) + ": EAGLE-3's default for a " +

@@ -70,13 +70,25 @@ struct DraftDecision {
   // the fresh draft takes. Undefined otherwise.
   at::Tensor d2t;
 };
-// data_d2t: defined when the records store the target's distribution over a draft vocabulary
-// of their own (NeMo's selected_token_ids, d2t[i] = selected[i] - i; `data_source` names it):
-// a fresh draft takes it (--d2t and --draft-vocab-size, when given, must agree; DFlash is
-// refused), an --init-draft's must equal it. A resumed draft's is compared when the run opens.
+// What the data states beside its records, which the draft must agree with.
+struct DataFacts {
+  // Records of stored target distributions: the d2t of the draft vocabulary they are over
+  // (NeMo's selected_token_ids, d2t[i] = selected[i] - i), `d2t_source` naming it. A fresh
+  // draft takes it (--d2t and --draft-vocab-size, when given, must agree; DFlash is refused),
+  // an --init-draft's must equal it. A resumed draft's is compared when the run opens.
+  // Undefined otherwise.
+  at::Tensor d2t;
+  std::string d2t_source;
+  // The base layers the aux hidden states were taken from, HF hidden_states indices, as the
+  // record files state them (FileFacts::aux_layer_ids: NeMo's and DeepSpec's manifests, an
+  // .eks converted from them), `aux_source` naming the files. A fresh draft takes them; an
+  // --init-draft's config takes them (said); --aux-layer-ids and a resumed draft must equal
+  // them. Empty: not stated (the options, the draft or EAGLE-3's default decide).
+  std::vector<std::int64_t> aux_layer_ids;
+  std::string aux_source;
+};
 DraftDecision decide_draft(const TrainOptions& options, const BaseConfig& base, const RecordShape& shape,
-                           const DraftOrigin& origin, const at::Tensor& data_d2t = at::Tensor(),
-                           const std::string& data_source = "");
+                           const DraftOrigin& origin, const DataFacts& data = {});
 // The origin of an --init-draft folder: loads it into `init` (which the origin's config and
 // d2t then point into, so it must outlive the origin). FormatError/IoError from load_draft.
 DraftOrigin init_draft_origin(const std::string& dir, std::optional<DraftModel>& init);

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "formats/error.h"
+#include "formats/registry.h"
 #include "lib/clock.h"
 #include "lib/loader.h"
 #include "trainer/io/export.h"
@@ -617,6 +618,41 @@ void read_stored_targets(const SelectedData& data, std::optional<RunPlan::Stored
   }
 }
 
+// The aux layer ids the files of the splits state (FileFacts::aux_layer_ids), which must
+// agree; only formats whose files may state facts are opened. Empty when none states any.
+void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, std::size_t& stating) {
+  std::vector<bool> seen(data.dataset.files.size(), false);
+  for (const SampleRef& s : data.samples) {
+    if (s.file >= seen.size() || seen[s.file]) continue;
+    seen[s.file] = true;
+    const std::string& path = data.dataset.files[s.file];
+    const Format f = s.file < data.dataset.file_formats.size() ? data.dataset.file_formats[s.file]
+                                                                 : detect_file_format(path);
+    const FormatRow* row = format_row(f);
+    if (!row || !row->states_facts) continue;
+    const std::vector<std::int64_t> ids = open_reader(path)->facts().aux_layer_ids;
+    if (ids.empty()) continue;
+    const std::string named = "the " + std::string(row->noun) + " " + path;
+    if (facts.aux_layer_ids.empty()) {
+      facts.aux_layer_ids = ids;
+      facts.aux_source = named;
+    } else if (ids != facts.aux_layer_ids) {
+      throw UsageError(named + " states aux layers " + ids_text(ids) + " but " + facts.aux_source + " states " +
+                       ids_text(facts.aux_layer_ids) + ": the records of one run must come from the same base "
+                       "layers; index them apart");
+    }
+    ++stating;
+  }
+}
+
+// DataFacts::aux_layer_ids from the splits of a plan, with a note of where they come from.
+void plan_stated_aux_ids(RunPlan& p, DataFacts& facts) {
+  std::size_t stating = 0;
+  read_stated_aux_ids(*p.train_data, facts, stating);
+  if (p.eval_data) read_stated_aux_ids(*p.eval_data, facts, stating);
+  if (stating > 1) facts.aux_source += " (and " + std::to_string(stating - 1) + " more files stating the same)";
+}
+
 // RunPlan::stored_targets from the splits, checked against the base and the options; the
 // decisions a person reads about the targets. Only when the records store distributions.
 void plan_stored_targets(RunPlan& p) {
@@ -734,9 +770,13 @@ RunPlan resolve(const TrainOptions& o, int world_size) {
                ? std::string("one decoder layer per target layer of the dump (DFlash's default; --draft-layers N to choose)")
                : std::string("1 decoder layer (the default; --draft-layers N for more)"));
   }
-  p.draft = p.stored_targets ? decide_draft(o, p.base, p.shape, origin, p.stored_targets->d2t(),
-                                            "selected_token_ids of " + p.stored_targets->source)
-                             : decide_draft(o, p.base, p.shape, origin);
+  DataFacts facts;
+  if (p.stored_targets) {
+    facts.d2t = p.stored_targets->d2t();
+    facts.d2t_source = "selected_token_ids of " + p.stored_targets->source;
+  }
+  plan_stated_aux_ids(p, facts);
+  p.draft = decide_draft(o, p.base, p.shape, origin, facts);
   for (const auto& line : p.draft.said) p.notes.push_back(line);
   p.draft_kind = origin.kind;
   p.draft_dir = origin.dir;
@@ -853,6 +893,15 @@ RunPlan resolve(const EvaluateOptions& options, int world_size) {
   p.draft.config = dc;
   p.draft.source = draft_dir + " (" + source.layout + ")";
   p.draft.aux_layer_ids_source = "the draft's config";
+  {
+    DataFacts facts;
+    plan_stated_aux_ids(p, facts);
+    if (!facts.aux_layer_ids.empty() && !dc.aux_layer_ids.empty() && facts.aux_layer_ids != dc.aux_layer_ids)
+      throw UsageError("the draft in " + draft_dir + " reads aux layers " + ids_text(dc.aux_layer_ids) +
+                       " but the data holds " + ids_text(facts.aux_layer_ids) + ", as " + facts.aux_source +
+                       " states them: its scores would measure it on other layers' states");
+    if (!facts.aux_layer_ids.empty()) p.draft.aux_layer_ids_source += ", as " + facts.aux_source + " states them";
+  }
   p.loaded_draft = draft;
   p.loaded_layout = source.layout;
   p.decisions.push_back({"draft", p.draft.source, "--draft " + o.draft});
