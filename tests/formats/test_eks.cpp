@@ -1027,6 +1027,7 @@ TEST_CASE("eks: a damaged facts block fails the open naming the shard, the byte 
     w.finish();
   }
   const auto good = test::read_bytes(d / "good.eks");
+  REQUIRE(load_le16(&good[10]) == kEksFlagFacts);
   const std::uint64_t f = facts_at(good);
   // facts_size, aux_layer_count, 3 ids, vocabulary, V, topk, H, Vd, 6 selected ids.
   const std::uint64_t count = f + 4, vocab = f + 8 + 24, vsize = vocab + 1, topk = vocab + 9, hid = vocab + 17,
@@ -1102,6 +1103,7 @@ TEST_CASE("eks: a target_probs role the shard's facts do not describe fails that
     w.finish();
   }
   const auto good = test::read_bytes(d / "good.eks");
+  REQUIRE(load_le16(&good[10]) == kEksFlagFacts);
   const std::uint64_t f = facts_at(good), vocab = f + 8 + 24;
   const std::uint64_t block = load_le32(&good[f]);
   const std::string p = d / "bad.eks";
