@@ -575,6 +575,13 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
                     std::string::npos,
                 r.err);
   CHECK_FALSE(std::filesystem::exists(dir / "n.pt"));
+  // pack gives its shards no facts: a record of stored distributions is refused, naming convert.
+  r = test::eaglekit("pack " + test::quote(fx + "/topk") + " --out " + test::quote(dir / "packed"));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("conversation '0' stores the target's distribution over a draft vocabulary (target_probs), "
+                           "but no target vocabulary was set") != std::string::npos,
+                r.err);
+  CHECK_MESSAGE(r.err.find("convert passes the source's facts") != std::string::npos, r.err);
 
   // A base of the cache's shape (H 8, V 32): synth's tiny base folder.
   r = test::eaglekit("synth --out " + test::quote(dir / "synth") + " --conversations 2 --hidden 8 --vocab 32 "
