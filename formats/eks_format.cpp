@@ -23,9 +23,17 @@ namespace {
 constexpr char kMagic[8] = {'E', 'K', 'S', 'H', 'A', 'R', 'D', '1'};
 constexpr char kTrailerMagic[8] = {'E', 'K', 'S', 'I', 'N', 'D', 'E', 'X'};
 constexpr std::uint16_t kVersion = 1;
-// Header flag: every index entry holds a hidden_norm byte after its codec byte. Set only
+// Header flag 1: every index entry holds a hidden_norm byte after its codec byte. Set only
 // when some record states its norm form, so other shards stay readable by older builds.
-constexpr std::uint16_t kFlagHiddenNorm = 1;
+constexpr std::uint16_t kFlagHiddenNorm = kEksFlagHiddenNorm;
+// Header flag 2: the index starts with the facts block. Set only when the writer was given
+// file facts; a build that predates it refuses the shard (unknown flag) rather than read
+// records of stored distributions as records of hidden states.
+constexpr std::uint16_t kFlagFacts = kEksFlagFacts;
+constexpr std::uint16_t kKnownFlags = kFlagHiddenNorm | kFlagFacts;
+// Bounds of the facts block's numbers: ids are stored as u32.
+constexpr std::int64_t kMaxTargetVocab = std::int64_t{1} << 32;
+constexpr std::int64_t kMaxHiddenSize = std::int64_t{1} << 31;
 constexpr std::uint64_t kBlockEntryBytes = 20;
 // id_len + data_offset + data_size + tokens + codec + tensor_count.
 constexpr std::uint64_t kMinRecordEntryBytes = 2 + 8 + 8 + 8 + 1 + 1;
@@ -119,6 +127,7 @@ std::string_view eks_role_name(EksRole r) {
     case EksRole::kHiddenStates: return "hidden_states";
     case EksRole::kAuxHiddenStates: return "aux_hidden_states";
     case EksRole::kLossMask: return "loss_mask";
+    case EksRole::kTargetProbs: return "target_probs";
   }
   return "?";
 }
@@ -263,10 +272,16 @@ EksEncodedRecord encode_eks_record(const Record& r, const EksEncodeOptions& opts
   rec.entry.tokens = r.tokens();
   rec.entry.codec = opts.codec;
   rec.entry.hidden_states_prenorm = r.hidden_states_prenorm;
+  // In role order; a record of stored target distributions has target_probs (always
+  // lossless: encode_tensor quantizes hidden and aux only) instead of hidden_states.
   encode_tensor(EksRole::kInputIds, r.input_ids, opts, rec);
-  encode_tensor(EksRole::kHiddenStates, r.hidden_states, opts, rec);
+  if (!r.target_probs) encode_tensor(EksRole::kHiddenStates, r.hidden_states, opts, rec);
   encode_tensor(EksRole::kAuxHiddenStates, r.aux_hidden_states, opts, rec);
   if (r.loss_mask) encode_tensor(EksRole::kLossMask, *r.loss_mask, opts, rec);
+  if (r.target_probs) {
+    encode_tensor(EksRole::kTargetProbs, *r.target_probs, opts, rec);
+    rec.target_hidden_size = r.target_hidden_size;
+  }
   return rec;
 }
 
@@ -278,8 +293,74 @@ struct EksWriter::Impl {
   EksEncodeOptions opts;
   std::unique_ptr<AtomicFile> file;
   std::vector<EksRecordEntry> entries;
+  FileFacts facts;
+  std::int64_t target_hidden = 0;  // of the records with target_probs added so far
   bool finished = false;
+
+  void check(const EksEncodedRecord& rec) const;
 };
+
+namespace {
+
+std::string ids_text(const std::vector<std::int64_t>& ids) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+std::vector<std::string> EksWriter::set_facts(const FileFacts& facts) {
+  const std::string& p = impl_->path;
+  if (impl_->finished || !impl_->entries.empty()) throw Error(p + ": set_facts() after add() or finish()");
+  if (facts.aux_layer_ids.size() > std::numeric_limits<std::uint32_t>::max())
+    throw UsageError(p + ": " + std::to_string(facts.aux_layer_ids.size()) + " aux layer ids; .eks holds at most 2^32 - 1");
+  for (const std::int64_t id : facts.aux_layer_ids)
+    if (id < 0)
+      throw UsageError(p + ": aux layer ids " + ids_text(facts.aux_layer_ids) +
+                       " hold a negative id; they are HF hidden_states indices (>= 0)");
+  if (const auto& v = facts.target_vocabulary) {
+    const auto vd = static_cast<std::int64_t>(v->selected.size());
+    if (v->target_vocab_size < 1 || v->target_vocab_size > kMaxTargetVocab)
+      throw UsageError(p + ": target_vocab_size " + std::to_string(v->target_vocab_size) + " is not in 1 .. 2^32");
+    if (vd < 1 || vd >= kMaxTargetVocab)
+      throw UsageError(p + ": a target vocabulary of " + std::to_string(vd) + " draft tokens (1 .. 2^32 - 1)");
+    if (v->topk < 0 || v->topk >= vd)
+      throw UsageError(p + ": topk " + std::to_string(v->topk) + " is not in 0 .. " + std::to_string(vd - 1) +
+                       " (0: the full distribution)");
+    for (std::size_t i = 0; i < v->selected.size(); ++i)
+      if (v->selected[i] < 0 || v->selected[i] >= v->target_vocab_size)
+        throw UsageError(p + ": draft id " + std::to_string(i) + " selects target id " + std::to_string(v->selected[i]) +
+                         ", outside the target vocabulary of " + std::to_string(v->target_vocab_size));
+  }
+  impl_->facts = facts;
+  return {};
+}
+
+void EksWriter::Impl::check(const EksEncodedRecord& rec) const {
+  const EksRecordEntry& e = rec.entry;
+  const auto* probs = e.tensor(EksRole::kTargetProbs);
+  const std::string who = path + ": conversation '" + e.conversation_id + "'";
+  if (!probs) {
+    if (facts.target_vocabulary)
+      throw UsageError(who + " holds hidden states, but the shard's facts state a target vocabulary: its records "
+                       "store the target's distribution instead, every one of them (write the two kinds to two shards)");
+    return;
+  }
+  if (!facts.target_vocabulary)
+    throw UsageError(who + " stores the target's distribution over a draft vocabulary (target_probs), but no target "
+                     "vocabulary was set (EksWriter::set_facts, before the first record): without it the "
+                     "distribution's columns name no token. convert passes the source's facts");
+  const auto vd = static_cast<std::int64_t>(facts.target_vocabulary->selected.size());
+  if (probs->shape.size() != 2 || probs->shape[1] != vd)
+    throw UsageError(who + ": target_probs is " + std::to_string(probs->shape.size() == 2 ? probs->shape[1] : 0) +
+                     " wide, but the shard's target vocabulary has " + std::to_string(vd) + " draft tokens");
+  if (rec.target_hidden_size <= 0 || rec.target_hidden_size > kMaxHiddenSize)
+    throw UsageError(who + ": target_hidden_size " + std::to_string(rec.target_hidden_size) + " is not in 1 .. 2^31");
+  if (target_hidden != 0 && rec.target_hidden_size != target_hidden)
+    throw UsageError(who + ": hidden size " + std::to_string(rec.target_hidden_size) + " differs from " +
+                     std::to_string(target_hidden) + ", that of the shard's earlier records (one H a shard)");
+}
 
 EksWriter::EksWriter(std::string path, EksEncodeOptions opts) : impl_(std::make_unique<Impl>()) {
   check_eks_options(opts);
@@ -305,6 +386,8 @@ void EksWriter::add_encoded(EksEncodedRecord rec) {
   if (impl_->finished) throw Error(impl_->path + ": add() after finish()");
   if (impl_->entries.size() >= std::numeric_limits<std::uint32_t>::max())
     throw Error(impl_->path + ": too many records for one shard");
+  impl_->check(rec);
+  if (rec.entry.tensor(EksRole::kTargetProbs)) impl_->target_hidden = rec.target_hidden_size;
   rec.entry.data_offset = impl_->file->tell();
   rec.entry.data_size = rec.data.size();
   impl_->file->write(rec.data.data(), rec.data.size());
@@ -316,7 +399,25 @@ void EksWriter::finish() {
   const bool norm_bytes =
       std::any_of(impl_->entries.begin(), impl_->entries.end(),
                   [](const EksRecordEntry& e) { return e.hidden_states_prenorm.has_value(); });
+  const FileFacts& facts = impl_->facts;
   ByteWriter w;
+  if (!facts.empty()) {
+    ByteWriter f;
+    f.u32(static_cast<std::uint32_t>(facts.aux_layer_ids.size()));
+    for (const std::int64_t id : facts.aux_layer_ids) f.i64(id);
+    f.u8(facts.target_vocabulary ? 1 : 0);
+    if (const auto& v = facts.target_vocabulary) {
+      f.i64(v->target_vocab_size);
+      f.i64(v->topk);
+      f.i64(impl_->target_hidden);
+      f.u32(static_cast<std::uint32_t>(v->selected.size()));
+      for (const std::int64_t id : v->selected) f.u32(static_cast<std::uint32_t>(id));
+    }
+    if (f.size() > std::numeric_limits<std::uint32_t>::max())
+      throw Error(impl_->path + ": the facts block exceeds 4 GiB");
+    w.u32(static_cast<std::uint32_t>(f.size()));
+    w.bytes(f);
+  }
   w.u32(static_cast<std::uint32_t>(impl_->entries.size()));
   for (const auto& e : impl_->entries) {
     w.u16(static_cast<std::uint16_t>(e.conversation_id.size()));
@@ -350,9 +451,10 @@ void EksWriter::finish() {
   t.u64(codec::xxh3_64(w.data(), w.size()));
   t.bytes(kTrailerMagic, 8);
   impl_->file->write(t.data(), t.size());
-  if (norm_bytes) {
+  const std::uint16_t flags = (norm_bytes ? kFlagHiddenNorm : 0) | (facts.empty() ? 0 : kFlagFacts);
+  if (flags != 0) {
     ByteWriter f;
-    f.u16(kFlagHiddenNorm);
+    f.u16(flags);
     impl_->file->pwrite(f.data(), f.size(), 10);
   }
   impl_->file->commit();
@@ -373,8 +475,11 @@ struct EksReader::Impl {
   std::vector<EksRecordEntry> records;
   std::vector<std::optional<Problem>> problems;
   std::unordered_map<std::string, std::size_t> by_id;  // first record of each id
+  FileFacts facts;                 // the facts block (header flag 2)
+  std::int64_t target_hidden = 0;  // its target_hidden_size
 
   void parse();
+  void parse_facts(ByteCursor& c);
   std::optional<Problem> validate(std::size_t i, const EksRecordEntry& e) const;
   HostTensor decode(std::size_t i, const EksRecordEntry& e, const EksTensorEntry& t,
                     std::uint64_t rows, bool verify) const;
@@ -415,7 +520,7 @@ void EksReader::Impl::parse() {
                            ".eks version " + std::to_string(version) +
                                " (this build reads version 1)");
   const std::uint16_t flags = load_le16(h + 10);
-  if ((flags & ~kFlagHiddenNorm) != 0)
+  if ((flags & ~kKnownFlags) != 0)
     throw UnsupportedError(name, 10, "flags", "unknown header flags " + std::to_string(flags));
   const bool norm_bytes = (flags & kFlagHiddenNorm) != 0;
 
@@ -441,9 +546,10 @@ void EksReader::Impl::parse() {
                             " in the trailer: index or trailer damaged");
 
   ByteCursor c(s, index_offset, trailer_at, "index");
+  if (flags & kFlagFacts) parse_facts(c);
   const std::uint32_t count = c.u32("index record_count");
   if (count > c.left() / kMinRecordEntryBytes)
-    throw FormatError(name, index_offset, "index record_count",
+    throw FormatError(name, c.pos() - 4, "index record_count",
                       std::to_string(count) + " records cannot fit in " +
                           std::to_string(index_size) + " index bytes");
   records.reserve(count);
@@ -481,7 +587,7 @@ void EksReader::Impl::parse() {
       const std::uint8_t dt = c.u8(tf + " dtype");
       const std::uint8_t tr = c.u8(tf + " transform");
       const std::uint8_t ndim = c.u8(tf + " ndim");
-      if (role > 3) note(tf + " role", "unknown role " + std::to_string(role));
+      if (role > 4) note(tf + " role", "unknown role " + std::to_string(role));
       else te.role = static_cast<EksRole>(role);
       if (auto d = dtype_from_code(dt)) te.dtype = *d;
       else note(tf + " dtype", "unknown dtype code " + std::to_string(dt));
@@ -515,6 +621,74 @@ void EksReader::Impl::parse() {
     by_id.emplace(records[i].conversation_id, i);
 }
 
+// The facts block at the start of the index (header flag 2): every count is checked against
+// the block's bytes before anything is allocated, and every value against its range; damage
+// fails the open, naming the field and its byte.
+void EksReader::Impl::parse_facts(ByteCursor& c) {
+  const std::string& name = src->name();
+  const std::uint32_t size = c.u32("facts block facts_size");
+  if (size > c.left())
+    throw FormatError(name, c.pos() - 4, "facts block facts_size",
+                      std::to_string(size) + " bytes, but the index has " + std::to_string(c.left()) +
+                          " left (index corrupt)");
+  ByteCursor f(*src, c.pos(), c.pos() + size, "facts block");
+  c.skip(size, "facts block");
+  const std::uint32_t layers = f.u32("facts block aux_layer_count");
+  if (layers > f.left() / 8)
+    throw FormatError(name, f.pos() - 4, "facts block aux_layer_count",
+                      std::to_string(layers) + " ids cannot fit in the " + std::to_string(f.left()) +
+                          " bytes left of the facts block");
+  facts.aux_layer_ids.reserve(layers);
+  for (std::uint32_t k = 0; k < layers; ++k) {
+    const std::string field = "facts block aux_layer_ids[" + std::to_string(k) + "]";
+    const std::int64_t id = f.i64(field);
+    if (id < 0)
+      throw FormatError(name, f.pos() - 8, field, "is " + std::to_string(id) + "; HF hidden_states indices are >= 0");
+    facts.aux_layer_ids.push_back(id);
+  }
+  const std::uint8_t has_vocab = f.u8("facts block vocabulary");
+  if (has_vocab > 1)
+    throw FormatError(name, f.pos() - 1, "facts block vocabulary",
+                      "is " + std::to_string(has_vocab) + " (0 none, 1 a target vocabulary follows)");
+  if (has_vocab == 1) {
+    TargetVocabulary v;
+    v.target_vocab_size = f.i64("facts block target_vocab_size");
+    if (v.target_vocab_size < 1 || v.target_vocab_size > kMaxTargetVocab)
+      throw FormatError(name, f.pos() - 8, "facts block target_vocab_size",
+                        "is " + std::to_string(v.target_vocab_size) + " (1 .. 2^32)");
+    v.topk = f.i64("facts block topk");
+    const std::uint64_t topk_at = f.pos() - 8;
+    target_hidden = f.i64("facts block target_hidden_size");
+    if (target_hidden < 0 || target_hidden > kMaxHiddenSize)
+      throw FormatError(name, f.pos() - 8, "facts block target_hidden_size",
+                        "is " + std::to_string(target_hidden) + " (0 .. 2^31)");
+    const std::uint32_t vd = f.u32("facts block draft_vocab_size");
+    if (vd == 0) throw FormatError(name, f.pos() - 4, "facts block draft_vocab_size", "is 0");
+    if (vd > f.left() / 4)
+      throw FormatError(name, f.pos() - 4, "facts block draft_vocab_size",
+                        std::to_string(vd) + " ids cannot fit in the " + std::to_string(f.left()) +
+                            " bytes left of the facts block");
+    if (v.topk < 0 || v.topk >= static_cast<std::int64_t>(vd))
+      throw FormatError(name, topk_at, "facts block topk",
+                        "is " + std::to_string(v.topk) + "; 0 (the full distribution) or below draft_vocab_size " +
+                            std::to_string(vd));
+    v.selected.reserve(vd);
+    for (std::uint32_t k = 0; k < vd; ++k) {
+      const std::int64_t id = f.u32("facts block selected");
+      if (id >= v.target_vocab_size)
+        throw FormatError(name, f.pos() - 4, "facts block selected[" + std::to_string(k) + "]",
+                          "target id " + std::to_string(id) + " is not below target_vocab_size " +
+                              std::to_string(v.target_vocab_size));
+      v.selected.push_back(id);
+    }
+    facts.target_vocabulary = std::move(v);
+  }
+  if (f.left() != 0)
+    throw FormatError(name, f.pos(), "facts block",
+                      std::to_string(f.left()) + " bytes left after its last field (facts_size says " +
+                          std::to_string(size) + "; facts block corrupt)");
+}
+
 std::optional<Problem> EksReader::Impl::validate(std::size_t i, const EksRecordEntry& e) const {
   const std::string rf = record_field(i, e.conversation_id);
   if (e.data_offset < kEksHeaderSize || e.data_offset > index_offset ||
@@ -532,6 +706,8 @@ std::optional<Problem> EksReader::Impl::validate(std::size_t i, const EksRecordE
       return Problem{e.data_offset, tf, "tensors out of order or repeated"};
     last_role = static_cast<int>(t.role);
     const bool per_row_1d = t.role == EksRole::kInputIds || t.role == EksRole::kLossMask;
+    if (t.role == EksRole::kTargetProbs && t.transform == EksTransform::kFp8RowScaled)
+      return Problem{e.data_offset, tf, "fp8 transform: target_probs is stored lossless"};
     if (t.shape.size() != (per_row_1d ? 1u : 2u))
       return Problem{e.data_offset, tf, "has " + std::to_string(t.shape.size()) + " dimensions"};
     for (auto d : t.shape)
@@ -573,8 +749,33 @@ std::optional<Problem> EksReader::Impl::validate(std::size_t i, const EksRecordE
   const auto* ids = e.tensor(EksRole::kInputIds);
   const auto* hid = e.tensor(EksRole::kHiddenStates);
   const auto* aux = e.tensor(EksRole::kAuxHiddenStates);
-  if (!ids || !hid || !aux)
+  const auto* probs = e.tensor(EksRole::kTargetProbs);
+  const auto& vocab = facts.target_vocabulary;
+  if (!ids || !aux || (!hid && !probs))
     return Problem{e.data_offset, rf, "input_ids, hidden_states or aux_hidden_states missing"};
+  if (hid && probs)
+    return Problem{e.data_offset, rf, "holds both hidden_states and target_probs (a record holds one)"};
+  if (hid && vocab)
+    return Problem{e.data_offset, rf,
+                   "holds hidden_states, but the facts block states a target vocabulary: every record of the shard "
+                   "stores target_probs"};
+  if (probs) {
+    const std::string tf = tensor_field(i, e.conversation_id, *probs);
+    if (!vocab)
+      return Problem{e.data_offset, tf, "stored, but the shard states no target vocabulary (no facts block)"};
+    if (probs->shape[1] != static_cast<std::int64_t>(vocab->selected.size()))
+      return Problem{e.data_offset, tf,
+                     std::to_string(probs->shape[1]) + " wide, but the target vocabulary has " +
+                         std::to_string(vocab->selected.size()) + " draft tokens"};
+    if (probs->dtype != aux->dtype)
+      return Problem{e.data_offset, tf,
+                     "dtype " + std::string(dtype_name(probs->dtype)) + " differs from aux_hidden_states' " +
+                         std::string(dtype_name(aux->dtype))};
+    if (target_hidden <= 0 || aux->shape[1] % target_hidden != 0)
+      return Problem{e.data_offset, tf,
+                     "aux width " + std::to_string(aux->shape[1]) + " is not a positive multiple of the facts "
+                     "block's target_hidden_size " + std::to_string(target_hidden)};
+  }
   return std::nullopt;
 }
 
@@ -646,8 +847,10 @@ Record EksReader::Impl::read(std::size_t i, std::int64_t max_rows, bool verify) 
       case EksRole::kHiddenStates: r.hidden_states = std::move(h); break;
       case EksRole::kAuxHiddenStates: r.aux_hidden_states = std::move(h); break;
       case EksRole::kLossMask: r.loss_mask = std::move(h); break;
+      case EksRole::kTargetProbs: r.target_probs = std::move(h); break;
     }
   }
+  if (r.target_probs) r.target_hidden_size = target_hidden;
   r.check(src->name() + " " + record_field(i, e.conversation_id));
   return r;
 }
@@ -671,6 +874,12 @@ RecordInfo EksReader::info(std::size_t i) const {
   }
   if (const auto* t = e.tensor(EksRole::kAuxHiddenStates))
     info.aux_width = t->shape.size() == 2 ? t->shape[1] : 0;
+  if (const auto* t = e.tensor(EksRole::kTargetProbs)) {
+    // A record of stored target distributions: H from the facts block, aux's dtype.
+    info.hidden_size = impl_->target_hidden;
+    info.target_probs_width = t->shape.size() == 2 ? t->shape[1] : 0;
+    if (const auto* a = e.tensor(EksRole::kAuxHiddenStates)) info.hidden_dtype = a->dtype;
+  }
   info.has_loss_mask = e.tensor(EksRole::kLossMask) != nullptr;
   info.hidden_states_prenorm = e.hidden_states_prenorm;
   info.codec = std::string(eks_codec_name(e.codec));
@@ -684,6 +893,9 @@ Record EksReader::read_prefix(std::size_t i, std::int64_t max_rows) const {
 }
 
 void EksReader::verify_record(std::size_t i) const { impl_->read(i, -1, true); }
+
+FileFacts EksReader::facts() const { return impl_->facts; }
+std::int64_t EksReader::target_hidden_size() const { return impl_->target_hidden; }
 
 std::optional<std::size_t> EksReader::find(std::string_view conversation_id) const {
   const auto it = impl_->by_id.find(std::string(conversation_id));

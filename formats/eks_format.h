@@ -3,7 +3,10 @@
 // its own zstd frame with an xxh3-64 checksum of its decoded bytes, so one record, or the
 // first N tokens of one, decodes without touching the rest of the shard. A footer index
 // found through a fixed-size trailer describes every record; opening a shard reads only
-// the trailer and the index. Layout also in docs/formats.md.
+// the trailer and the index. A shard may also state file facts (formats/format.h FileFacts:
+// the aux layer ids, and the draft vocabulary of records that store the target's
+// distribution instead of a last hidden state, as NeMo AutoModel's EAGLE-3 cache does).
+// Layout also in docs/formats.md.
 //
 // Byte layout (all integers little-endian):
 //
@@ -11,10 +14,12 @@
 //   ------------  ----  --------------------------------------------------------------
 //   0             8     magic "EKSHARD1"
 //   8             2     u16 version (1)
-//   10            2     u16 flags: bit 0 (1) = index entries hold hidden_norm; a reader
-//                       refuses other bits. Set only when some record states its norm
-//                       form, so shards without that are byte for byte what older
-//                       builds wrote and read.
+//   10            2     u16 flags: bit 0 (1) = index entries hold hidden_norm; bit 1 (2) =
+//                       the index starts with a facts block. A reader refuses other bits,
+//                       so a build that predates a bit refuses a shard that sets it instead
+//                       of misreading it. Each bit is set only when needed (some record
+//                       states its norm form; the writer was given file facts), so shards
+//                       without that are byte for byte what older builds wrote and read.
 //   12            4     u32 reserved (0)
 //   16            ...   data: the zstd frames of every block, record after record, no
 //                       padding. A frame records its content size in its header.
@@ -25,6 +30,19 @@
 //   size - 8      8     trailer magic "EKSINDEX"
 //
 // Index:
+//   facts block, only when header flag 2 is set (offsets from the block's start; A aux
+//   layer ids, Vd draft tokens):
+//     0        u32 facts_size    bytes of the block after this field: 5 + 8A, or with a
+//                                target vocabulary 33 + 8A + 4Vd
+//     4        u32 aux_layer_count  A (0: not stated)
+//     8        i64 aux_layer_ids[A]  HF hidden_states indices (>= 0) of the layers that
+//                                aux_hidden_states holds side by side (FileFacts)
+//     8+8A     u8  vocabulary    0 none, 1 a target vocabulary follows:
+//     9+8A     i64 target_vocab_size  V (1 .. 2^32)
+//     17+8A    i64 topk          the producer kept the top k per position (0: all; < Vd)
+//     25+8A    i64 target_hidden_size  H of the records carrying target_probs (0: none yet)
+//     33+8A    u32 draft_vocab_size  Vd (>= 1)
+//     37+8A    u32 selected[Vd]  draft id i is target id selected[i] (< V)
 //   u32 record_count
 //   record_count times:
 //     u16 id_len, then id_len bytes: conversation id (UTF-8, no terminator)
@@ -36,8 +54,11 @@
 //                        2 pre-norm (Record::hidden_states_prenorm)
 //     u8  tensor_count   3 or 4
 //     tensor_count times, in role order:
-//       u8  role         0 input_ids, 1 hidden_states, 2 aux_hidden_states, 3 loss_mask
-//                        (0..2 required, 3 optional; each at most once)
+//       u8  role         0 input_ids, 1 hidden_states, 2 aux_hidden_states, 3 loss_mask,
+//                        4 target_probs (0 and 2 required, then 1 or 4: a record of hidden
+//                        states or one of stored target distributions, [T, Vd] in aux's
+//                        dtype, only in a shard whose facts state a target vocabulary, and
+//                        then in every record of it; 3 optional; each at most once)
 //       u8  dtype        0 bool, 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float16,
 //                        7 bfloat16, 8 float32, 9 float64 (dtype of the decoded tensor)
 //       u8  transform    0 none, 1 byte planes, 2 fp8 e4m3 with per-row fp32 scales
@@ -57,13 +78,15 @@
 //   transform 1: E planes of R*C bytes, most significant byte first: for bf16 the first
 //                plane is sign + 7 exponent bits (compressible), the second the mantissa.
 //   transform 2: R f32 scales, then R*C e4m3fn codes (formats/codec.h); value = code *
-//                scale[row], rounded to `dtype`. Only hidden/aux of codec fp8 use it.
+//                scale[row], rounded to `dtype`. Only hidden/aux of codec fp8 use it;
+//                target_probs is always lossless (transform 1), whatever the codec.
 //
 // Readers check every count and offset against the file before allocating; a block's
 // decoded size is also checked against the frame header and against what zstd can expand
 // stored_size bytes to. Damage inside one record (a bad offset, a frame that does not
 // decode, a checksum mismatch) makes only that record fail, with an error naming the shard,
-// the record number and its conversation id; the other records stay readable.
+// the record number and its conversation id; the other records stay readable. Damage to the
+// facts block fails the open, naming the shard, the byte offset and the field.
 //
 // Thread safety: EksReader is immutable after open; read()/read_prefix()/verify_record()
 // may run concurrently. encode_eks_record() is thread-safe. EksWriter is single-threaded.
@@ -91,7 +114,8 @@ enum class EksRole : std::uint8_t {
   kInputIds = 0,
   kHiddenStates = 1,
   kAuxHiddenStates = 2,
-  kLossMask = 3
+  kLossMask = 3,
+  kTargetProbs = 4
 };
 enum class EksTransform : std::uint8_t { kNone = 0, kBytePlanes = 1, kFp8RowScaled = 2 };
 
@@ -101,6 +125,9 @@ std::optional<EksCodec> parse_eks_codec(std::string_view name);
 std::string_view eks_role_name(EksRole r);    // "input_ids", ...
 
 constexpr std::uint64_t kEksHeaderSize = 16;
+// Header flags (bytes [10, 12)).
+constexpr std::uint16_t kEksFlagHiddenNorm = 1;
+constexpr std::uint16_t kEksFlagFacts = 2;
 constexpr std::uint64_t kEksTrailerSize = 32;
 constexpr std::size_t kEksDefaultBlockBytes = 256 * 1024;
 
@@ -152,11 +179,12 @@ struct EksEncodedRecord {
   EksRecordEntry entry;
   std::vector<std::uint8_t> data;  // the frames, block offsets relative to its start
   std::uint64_t raw_bytes = 0;     // decoded size of all tensors
+  std::int64_t target_hidden_size = 0;  // Record::target_hidden_size (with target_probs)
 };
 
-// Checks and compresses one record (blocks in parallel with TBB). Throws FormatError for a
-// record that fails Record::check, UsageError for options that cannot apply (fp8 of
-// float64, a bad level).
+// Checks and compresses one record (blocks in parallel with TBB): input_ids, hidden_states or
+// target_probs, aux_hidden_states, loss_mask. Throws FormatError for a record that fails
+// Record::check, UsageError for options that cannot apply (fp8 of float64, a bad level).
 EksEncodedRecord encode_eks_record(const Record& r, const EksEncodeOptions& opts);
 
 // Validates encode options; throws UsageError naming the bad value.
@@ -170,6 +198,14 @@ class EksWriter final : public RecordWriter {
   EksWriter(const EksWriter&) = delete;
   EksWriter& operator=(const EksWriter&) = delete;
 
+  // Keeps both facts (written as the facts block by finish()); returns none. Call before the
+  // first add (Error after it). UsageError for facts no shard can hold (a negative layer id,
+  // a selected id outside the target vocabulary, more than 2^32 of anything).
+  std::vector<std::string> set_facts(const FileFacts& facts) override;
+  // add/add_encoded throw UsageError, adding nothing, for a record with target_probs when no
+  // target vocabulary was set, one whose target_probs width is not the vocabulary's size or
+  // whose target_hidden_size differs from an earlier one's, and a record of hidden states
+  // when a target vocabulary was set (a shard holds one kind).
   void add(const Record& r) override;
   // Appends a record encoded elsewhere (e.g. on another thread).
   void add_encoded(EksEncodedRecord rec);
@@ -210,6 +246,10 @@ class EksReader final : public RecordReader {
   // ChecksumError naming shard, record number and conversation id.
   Record read_prefix(std::size_t i, std::int64_t max_rows) const override;
   std::optional<std::size_t> find(std::string_view conversation_id) const override;
+  // The facts block (empty without header flag 2).
+  FileFacts facts() const override;
+  // H of the records that carry target_probs, as the facts block states it (0 without one).
+  std::int64_t target_hidden_size() const;
 
   // The index entry of record i, as stored.
   const EksRecordEntry& entry(std::size_t i) const;

@@ -52,31 +52,96 @@ struct Unit {
   std::string path;
   std::shared_ptr<const RecordReader> reader;  // null: open `path` when processed
   std::optional<std::size_t> record;           // null: all records
+  std::shared_ptr<const FileFacts> facts;      // the reader's, when it is open already
 };
 
-std::vector<Record> read_unit(const Unit& u, const LossMasks* masks) {
+struct UnitRecords {
+  std::vector<Record> records;
+  std::shared_ptr<const FileFacts> facts;  // what the unit's file states
+};
+
+UnitRecords read_unit(const Unit& u, const LossMasks* masks) {
   std::shared_ptr<const RecordReader> reader = u.reader;
   if (!reader) reader = open_reader(u.path);
-  std::vector<Record> out;
+  UnitRecords out;
+  out.facts = u.facts ? u.facts : std::make_shared<const FileFacts>(reader->facts());
   if (u.record) {
-    out.push_back(reader->read(*u.record));
+    out.records.push_back(reader->read(*u.record));
   } else {
-    for (std::size_t i = 0; i < reader->size(); ++i) out.push_back(reader->read(i));
+    for (std::size_t i = 0; i < reader->size(); ++i) out.records.push_back(reader->read(i));
   }
   // The form the source's layout implies is stated in the output, whose layout implies none.
-  for (Record& r : out) {
-    // No writer has a field for a stored target distribution (NeMo's cache), and every
-    // output format's readers and the trainer take a record without hidden states for
-    // one with them: refused rather than written without its target.
-    if (r.target_probs)
-      throw UnsupportedError(u.path, std::nullopt, "conversation " + r.conversation_id + " target_probs",
-                             "the record stores the target's distribution over the draft vocabulary instead of a "
-                             "last hidden state (NeMo AutoModel's EAGLE-3 cache), and no output format carries "
-                             "that; train on the cache where it is (eaglekit train reads it directly)");
+  for (Record& r : out.records) {
     r.hidden_states_prenorm = r.known_prenorm();
     if (masks) masks->apply(r, u.path);
   }
   return out;
+}
+
+std::string ids_text(const std::vector<std::int64_t>& ids, const char* separator = ", ") {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? separator : "") + std::to_string(ids[i]);
+  return s;
+}
+
+std::string vocabulary_text(const std::optional<TargetVocabulary>& v) {
+  if (!v) return "no target vocabulary";
+  return "a target vocabulary of " + std::to_string(v->selected.size()) + " draft tokens of " +
+         std::to_string(v->target_vocab_size) +
+         (v->topk ? " (top " + std::to_string(v->topk) + " kept)" : std::string(" (full distribution)"));
+}
+
+// How two files' facts differ, for a person; "" when they agree.
+std::string facts_difference(const FileFacts& a, const FileFacts& b) {
+  if (a.aux_layer_ids != b.aux_layer_ids) {
+    const auto text = [](const std::vector<std::int64_t>& ids) {
+      return ids.empty() ? std::string("none stated") : "[" + ids_text(ids) + "]";
+    };
+    return "aux layer ids " + text(a.aux_layer_ids) + " against " + text(b.aux_layer_ids);
+  }
+  const auto& va = a.target_vocabulary;
+  const auto& vb = b.target_vocabulary;
+  if (!va && !vb) return "";
+  if (!va || !vb || va->selected.size() != vb->selected.size() || va->target_vocab_size != vb->target_vocab_size ||
+      va->topk != vb->topk)
+    return vocabulary_text(va) + " against " + vocabulary_text(vb);
+  for (std::size_t i = 0; i < va->selected.size(); ++i)
+    if (va->selected[i] != vb->selected[i])
+      return "target vocabularies whose draft id " + std::to_string(i) + " is target id " +
+             std::to_string(va->selected[i]) + " against " + std::to_string(vb->selected[i]);
+  return "";
+}
+
+// The aux layer ids sources stated that the output cannot keep, each list once.
+struct DroppedFacts {
+  std::mutex mu;
+  std::vector<std::pair<std::vector<std::int64_t>, std::string>> aux;  // ids, the first source stating them
+};
+
+// Gives a writer its source's facts: a target vocabulary it cannot keep is refused, aux
+// layer ids it cannot keep are noted. Returns the facts it keeps.
+FileFacts give_facts(RecordWriter& w, const FileFacts& facts, const std::string& source, const std::string& format_ext,
+                     DroppedFacts& dropped) {
+  if (facts.empty()) return {};
+  const std::vector<std::string> lost = w.set_facts(facts);
+  const auto has = [&](const char* fact) { return std::find(lost.begin(), lost.end(), fact) != lost.end(); };
+  if (has(kFactTargetVocabulary))
+    throw UnsupportedError(source, std::nullopt, "target vocabulary",
+                           "its records store the target's distribution over a draft vocabulary of " +
+                               std::to_string(facts.target_vocabulary->selected.size()) +
+                               " tokens instead of a last hidden state (NeMo AutoModel's EAGLE-3 cache), and the " +
+                               format_ext + " format has no field for the distribution or its vocabulary; convert "
+                               "to .eks (DST ending in .eks, or --format eks), which keeps both and trains as the "
+                               "cache does");
+  FileFacts kept = facts;
+  if (has(kFactAuxLayerIds)) {
+    kept.aux_layer_ids.clear();
+    std::lock_guard<std::mutex> lock(dropped.mu);
+    const bool known = std::any_of(dropped.aux.begin(), dropped.aux.end(),
+                                   [&](const auto& d) { return d.first == facts.aux_layer_ids; });
+    if (!known) dropped.aux.emplace_back(facts.aux_layer_ids, source);
+  }
+  return kept;
 }
 
 std::int64_t file_size_or_zero(const std::string& p) {
@@ -101,7 +166,7 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
     for (auto& f : find_record_files(src)) {
       if (fs::exists(dst, ec) && fs::equivalent(f, dst, ec))
         throw UsageError("DST " + dst + " is one of the source files; write elsewhere");
-      units.push_back({f, nullptr, std::nullopt});
+      units.push_back({f, nullptr, std::nullopt, nullptr});
     }
     if (units.empty()) throw Error(src + ": no record files found below this folder");
   } else {
@@ -112,15 +177,21 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
       if (!i)
         throw Error(rs.path + ": no record with conversation id '" + *rs.conversation_id + "' (" +
                     std::to_string(reader->size()) + " records in the file)");
-      units.push_back({rs.path, reader, *i});
+      units.push_back({rs.path, reader, *i, nullptr});
       src_single_record = true;
     } else {
-      for (std::size_t i = 0; i < reader->size(); ++i) units.push_back({rs.path, reader, i});
+      for (std::size_t i = 0; i < reader->size(); ++i) units.push_back({rs.path, reader, i, nullptr});
       src_single_record = reader->size() == 1;
       if (units.empty()) throw Error(rs.path + ": holds no records");
     }
     if (fs::exists(dst, ec) && fs::equivalent(rs.path, dst, ec))
       throw UsageError("DST " + dst + " is the source file; write elsewhere");
+  }
+
+  // A file's facts, read once for all of its records' units.
+  if (!units.empty() && units.front().reader) {
+    const auto facts = std::make_shared<const FileFacts>(units.front().reader->facts());
+    for (Unit& u : units) u.facts = facts;
   }
 
   ConvertResult res;
@@ -143,12 +214,21 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
 
   // A killed earlier run of this conversion leaves writers' temp files beside the outputs
   // (ignored by every reader); they are removed once their process is gone.
-  if (res.folder_output) {
-    fs::create_directories(dst, ec);
-    if (ec) throw IoError::from_errno(dst, "cannot create folder", ec.value());
-    remove_stale_temp_files(dst, [&](const std::string& name) {
-      return name.size() > ext.size() && name.compare(name.size() - ext.size(), ext.size(), ext) == 0;
+  // A folder output is created when its first file is written, so that a conversion refused
+  // before (a source's facts the format cannot keep) leaves no empty folder behind.
+  std::once_flag folder_made;
+  const auto make_folder = [&] {
+    std::call_once(folder_made, [&] {
+      std::error_code e;
+      fs::create_directories(dst, e);
+      if (e) throw IoError::from_errno(dst, "cannot create folder", e.value());
     });
+  };
+  if (res.folder_output) {
+    if (fs::is_directory(dst, ec))
+      remove_stale_temp_files(dst, [&](const std::string& name) {
+        return name.size() > ext.size() && name.compare(name.size() - ext.size(), ext.size(), ext) == 0;
+      });
   } else {
     const auto parent = fs::path(dst).parent_path();
     if (!parent.empty()) {
@@ -168,6 +248,8 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   Progress progress("convert", static_cast<std::int64_t>(units.size()), options.progress ? -1 : 0);
   tbb::task_arena arena(options.jobs > 0 ? options.jobs : tbb::task_arena::automatic);
   std::atomic<std::int64_t> records{0}, files{0}, bytes{0};
+  const std::string format_ext(row->extensions.front());
+  DroppedFacts dropped;
 
   if (res.folder_output) {
     std::mutex mu;
@@ -176,7 +258,8 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
       tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
                         [&](const tbb::blocked_range<std::size_t>& range) {
         for (std::size_t u = range.begin(); u != range.end(); ++u) {
-          for (const Record& r : read_unit(units[u], masks.get())) {
+          const UnitRecords got = read_unit(units[u], masks.get());
+          for (const Record& r : got.records) {
             const std::string name = file_stem(r.conversation_id) + ext;
             {
               std::lock_guard<std::mutex> lock(mu);
@@ -186,7 +269,11 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
                             "files by id, so ids must be unique");
             }
             const std::string out = (fs::path(dst) / name).string();
+            // The one-record writers (pt, safetensors) touch no file before finish(): the
+            // folder is made once the facts are known to fit.
             auto w = create_writer(out, wo);
+            give_facts(*w, *got.facts, units[u].path, format_ext, dropped);
+            make_folder();
             w->add(r);
             w->finish();
             ++records;
@@ -199,11 +286,12 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
     });
   } else {
     auto w = create_writer(dst, wo);
+    std::shared_ptr<const FileFacts> shard_facts;
     // Read a batch in parallel (decoding may be the costly part), then add in order.
     const std::size_t batch = static_cast<std::size_t>(4 * std::max(1, arena.max_concurrency()));
     for (std::size_t b = 0; b < units.size(); b += batch) {
       const std::size_t e = std::min(units.size(), b + batch);
-      std::vector<std::vector<Record>> got(e - b);
+      std::vector<UnitRecords> got(e - b);
       arena.execute([&] {
         tbb::parallel_for(tbb::blocked_range<std::size_t>(b, e, 1),
                           [&](const tbb::blocked_range<std::size_t>& range) {
@@ -211,7 +299,19 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
         });
       });
       for (std::size_t u = b; u < e; ++u) {
-        for (const Record& r : got[u - b]) {
+        // One shard states one set of facts: its first source's, which every other must state too.
+        const std::shared_ptr<const FileFacts>& facts = got[u - b].facts;
+        if (u == 0) {
+          shard_facts = facts;
+          res.facts = give_facts(*w, *facts, units[u].path, format_ext, dropped);
+        } else if (facts != shard_facts) {
+          const std::string diff = facts_difference(*shard_facts, *facts);
+          if (!diff.empty())
+            throw UsageError(units[0].path + " and " + units[u].path + " would go into one shard (" + dst +
+                             ") but state different file facts: " + diff +
+                             "; a shard states one set for all its records, so convert them to two shards");
+        }
+        for (const Record& r : got[u - b].records) {
           w->add(r);
           ++records;
         }
@@ -227,6 +327,11 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   if (masks) res.loss_masks_joined = res.records;
   res.files_written = files.load();
   res.bytes_written = bytes.load();
+  for (const auto& [ids, source] : dropped.aux) {
+    res.dropped_aux_layer_ids.push_back(ids);
+    res.notes.push_back("the " + format_ext + " format has no field for the aux layer ids [" + ids_text(ids) + "] " +
+                        source + " states; pass --aux-layer-ids " + ids_text(ids, ",") + " when training");
+  }
   res.seconds = seconds_since(start);
   return res;
 }

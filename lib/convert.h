@@ -18,14 +18,23 @@
 // With options.loss_masks, each record's loss mask comes from speculators' prepared dataset
 // (lib/loss_masks.h), matched by the record file's row number and checked against its tokens.
 //
-// Errors: UsageError (DST is SRC, a shard format asked for a folder output...), Error
-// (two records with the same conversation id for a folder output, an empty SRC), IoError /
-// FormatError from reading and writing.
+// File facts (formats/format.h FileFacts: the aux layer ids, the target vocabulary of stored
+// distributions) go from each source reader to its output writer (RecordWriter::set_facts).
+// Sources that go into one shard must state the same facts. A target vocabulary the output
+// format cannot keep (.pt, safetensors, HDF5: NeMo's cache to anything but .eks) is refused:
+// its records would read back without the distribution or the tokens it is over. Aux layer
+// ids it cannot keep are dropped and said (ConvertResult::notes).
+//
+// Errors: UsageError (DST is SRC, a shard format asked for a folder output, sources of one
+// shard stating different facts...), UnsupportedError (a target vocabulary the output format
+// drops), Error (two records with the same conversation id for a folder output, an empty
+// SRC), IoError / FormatError from reading and writing.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "formats/format.h"
 
@@ -52,6 +61,13 @@ struct ConvertResult {
   std::int64_t loss_masks_joined = 0;  // records that took a mask from options.loss_masks
   std::string output;  // DST
   double seconds = 0;
+  // The facts the output keeps: a shard's, as its sources state them (empty: none stated, or
+  // a format that keeps none).
+  FileFacts facts;
+  // Aux layer ids sources state that the output format has no field for, each list once.
+  std::vector<std::vector<std::int64_t>> dropped_aux_layer_ids;
+  // What the output does not keep and what to do about it, one sentence each, for a person.
+  std::vector<std::string> notes;
 };
 
 ConvertResult convert_records(const std::string& src, const std::string& dst,

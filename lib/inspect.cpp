@@ -157,6 +157,7 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
   res.format = reader->format();
   res.record_count = reader->size();
   res.loss_masks = options.loss_masks;
+  res.facts = reader->facts();
   // Opened (and checked whole) before a record is read, as convert does.
   std::optional<LossMasks> masks;
   if (!options.loss_masks.empty()) masks.emplace(LossMasks::open(options.loss_masks));
@@ -203,6 +204,36 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
 
 namespace {
 
+std::string ids_text(const std::vector<std::int64_t>& ids) {
+  std::string s;
+  for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
+  return "[" + s + "]";
+}
+
+void add_facts_json(nlohmann::ordered_json& j, const FileFacts& f) {
+  if (f.empty()) return;
+  nlohmann::ordered_json facts;
+  facts["aux_layer_ids"] = f.aux_layer_ids;
+  facts["target_vocabulary"] = nullptr;
+  if (const auto& v = f.target_vocabulary)
+    facts["target_vocabulary"] = {{"draft_vocab_size", v->selected.size()},
+                                  {"target_vocab_size", v->target_vocab_size},
+                                  {"topk", v->topk}};
+  j["facts"] = std::move(facts);
+}
+
+std::string facts_text(const FileFacts& f) {
+  std::string out;
+  if (!f.aux_layer_ids.empty())
+    out += "aux layer ids:   " + ids_text(f.aux_layer_ids) + " (stated by the file; HF hidden_states indices)\n";
+  if (const auto& v = f.target_vocabulary)
+    out += "target vocab:    " + std::to_string(v->selected.size()) + " draft tokens of " +
+           std::to_string(v->target_vocab_size) +
+           (v->topk ? ", top " + std::to_string(v->topk) + " kept per position" : std::string(", full distribution")) +
+           " (records store target_probs over them)\n";
+  return out;
+}
+
 nlohmann::ordered_json prenorm_json(const std::optional<bool>& v) {
   return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
 }
@@ -242,6 +273,7 @@ std::string inspect_json(const InspectResult& r) {
     j["codec"] = s.info.codec;
     j["hidden_states_prenorm"] = prenorm_json(s.info.hidden_states_prenorm);
     if (s.loss_mask_row) j["loss_masks"] = {{"file", r.loss_masks}, {"row", *s.loss_mask_row}};
+    add_facts_json(j, r.facts);
     return j.dump(2) + "\n";
   }
   j["record_count"] = r.record_count;
@@ -262,6 +294,7 @@ std::string inspect_json(const InspectResult& r) {
     recs.push_back(std::move(e));
   }
   j["records"] = std::move(recs);
+  add_facts_json(j, r.facts);
   return j.dump(2) + "\n";
 }
 
@@ -269,6 +302,7 @@ std::string inspect_text(const InspectResult& r) {
   std::string out;
   out += "path:            " + r.path + "\n";
   out += "format:          " + std::string(format_name(r.format)) + "\n";
+  out += facts_text(r.facts);
   if (r.single()) {
     const RecordSummary& s = r.records[0];
     out += "conversation_id: " + s.info.conversation_id + "\n";

@@ -56,6 +56,7 @@ struct InspectResult {
   // One record: its tensors. Several (a shard without #id): one summary per record, info only.
   std::vector<RecordSummary> records;
   std::string loss_masks;  // InspectOptions::loss_masks
+  FileFacts facts;         // what the file states for all its records (RecordReader::facts)
   bool single() const { return records.size() == 1 && !records[0].tensors.empty(); }
 };
 
@@ -67,7 +68,9 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options = {
 // "min", "max", "mean", "std", "nan", "inf" with stats); for a listing
 // {"format", "path", "records": [{"conversation_id", "tokens", "hidden_size", "aux_width",
 // "dtype", "loss_mask", "codec", "byte_offset", "byte_size"}, ...]}. With a loss-mask file,
-// "loss_masks": {"file", "row"} for one record, and "loss_mask_row" per listed record.
+// "loss_masks": {"file", "row"} for one record, and "loss_mask_row" per listed record. A file
+// that states facts adds "facts": {"aux_layer_ids": [...], "target_vocabulary": null |
+// {"draft_vocab_size", "target_vocab_size", "topk"}} (absent when it states none).
 // Pretty-printed.
 std::string inspect_json(const InspectResult& r);
 // The same for a person, one line per tensor or record.

@@ -55,8 +55,11 @@ int run_convert(int argc, char** argv) {
           "), or a folder that receives one file per record (" +
           format_list(&FormatRow::name, one_record, ", ", ", ") +
           "). The format comes from --format, else DST's extension, else pt. Outputs are written "
-          "atomically. A NeMo AutoModel EAGLE-3 cache is refused: it stores the target's distribution, "
-          "which no output format carries.",
+          "atomically. What a source states for all its records (the aux layer ids of a DeepSpec or NeMo "
+          "cache, a NeMo cache's draft vocabulary) goes along: .eks keeps both, and the sources of one "
+          "shard must state the same; the other formats keep neither, so a NeMo AutoModel EAGLE-3 cache "
+          "(its records store the target's distribution over that vocabulary) converts to .eks only, and "
+          "dropped aux layer ids are said, to pass with train's --aux-layer-ids.",
       2);
   if (!cl) return 0;
   if (cl->positionals.size() < 2) throw UsageError("SRC and DST are required (see --help)");
@@ -80,6 +83,19 @@ int run_convert(int argc, char** argv) {
     j["bytes"] = r.bytes_written;
     j["seconds"] = r.seconds;
     if (!o.loss_masks.empty()) j["loss_masks_joined"] = r.loss_masks_joined;
+    nlohmann::json facts = nullptr;
+    if (!r.facts.empty()) {
+      facts = nlohmann::json::object();
+      facts["aux_layer_ids"] = r.facts.aux_layer_ids;
+      facts["target_vocabulary"] = nullptr;
+      if (const auto& v = r.facts.target_vocabulary)
+        facts["target_vocabulary"] = {{"draft_vocab_size", v->selected.size()},
+                                      {"target_vocab_size", v->target_vocab_size},
+                                      {"topk", v->topk}};
+    }
+    j["facts"] = facts;
+    j["dropped_aux_layer_ids"] = r.dropped_aux_layer_ids;
+    j["notes"] = r.notes;
     std::cout << j.dump(2) << "\n";
   } else {
     char line[512];
@@ -92,6 +108,15 @@ int run_convert(int argc, char** argv) {
     if (!o.loss_masks.empty())
       std::cout << "loss masks: " << r.loss_masks_joined << " records took their mask from "
                 << o.loss_masks << "\n";
+    if (!r.facts.aux_layer_ids.empty()) {
+      std::string ids;
+      for (const std::int64_t id : r.facts.aux_layer_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      std::cout << "facts: aux layer ids [" << ids << "] kept\n";
+    }
+    if (const auto& v = r.facts.target_vocabulary)
+      std::cout << "facts: target vocabulary of " << v->selected.size() << " draft tokens of " << v->target_vocab_size
+                << (v->topk ? ", top " + std::to_string(v->topk) : std::string()) << " kept\n";
+    for (const std::string& note : r.notes) std::cout << "note: " << note << "\n";
   }
   return 0;
 }

@@ -739,10 +739,412 @@ print(flags, " ".join(out))
     check_same(bad->read(1), post);
   }
   SUBCASE("an unknown header flag is refused") {
+    // Bit 2 (4) is unknown to this build, as bit 1 (2, the facts block) is to the builds
+    // before it: those refuse a shard with facts the same way.
     auto b = flags;
-    put_le(b, 10, 3, 2);
+    put_le(b, 10, 5, 2);
     test::write_bytes(d / "flag.eks", b);
     CHECK(error_of<UnsupportedError>([&] { EksReader::open(d / "flag.eks"); }) ==
-          d / "flag.eks" + ": flags at byte 10: unknown header flags 3");
+          d / "flag.eks" + ": flags at byte 10: unknown header flags 5");
+  }
+}
+
+// tests/data/eks/make_fixture.sh: shards the writer wrote before .eks could hold file facts
+// or stored target distributions (eaglekit at a5a8c6e, libzstd 1.5.4), and the records they
+// came from. Written again now, with the same options, they are the same bytes: a shard
+// without facts or target_probs is what it always was, and older builds read it. (zstd's own
+// frames could differ under another libzstd; the header, the index layout and the trailer
+// are zstd's choice only through frame sizes.)
+TEST_CASE("eks: shards without facts are byte for byte what the writer wrote before facts existed") {
+  const std::string fx = test::source_dir() + "/tests/data/eks/";
+  struct Golden {
+    const char* shard;
+    const char* records;
+    EksCodec codec;
+    std::uint16_t flags;
+  };
+  for (const Golden& g : {Golden{"zstd", "plain", EksCodec::kZstd, 0}, Golden{"fp8", "plain", EksCodec::kFp8, 0},
+                          Golden{"norm", "norm", EksCodec::kZstd, 1}}) {
+    CAPTURE(g.shard);
+    const std::string golden = fx + "golden/" + g.shard + ".eks";
+    const auto want = test::read_bytes(golden);
+    REQUIRE(want.size() > 48);
+    CHECK(load_le16(&want[10]) == g.flags);
+    CHECK(EksReader::open(golden)->facts().empty());
+    test::TempDir d("eks-golden");
+    EksEncodeOptions o;
+    o.codec = g.codec;
+    o.block_bytes = 256;
+    EksWriter w(d / "again.eks", o);
+    CHECK(w.set_facts(FileFacts{}).empty());
+    for (const std::string& f : find_record_files(fx + "records/" + g.records)) {
+      const auto reader = open_reader(f);
+      for (std::size_t i = 0; i < reader->size(); ++i) w.add(reader->read(i));
+    }
+    w.finish();
+    const auto got = test::read_bytes(d / "again.eks");
+    CHECK(got.size() == want.size());
+    CHECK_MESSAGE(got == want, "the writer no longer writes " << golden << " byte for byte");
+  }
+}
+
+namespace {
+
+// A record of stored target distributions (Record::target_probs, as NeMo's cache reader
+// returns one): ids, aux [T, k*H] and target_probs [T, Vd] in one dtype, a loss mask, no
+// hidden states. Each target_probs row is a distribution (non-negative, summing to 1).
+Record make_target_record(const std::string& id, std::int64_t t, std::int64_t h, int k, std::int64_t vd, DType dt,
+                          unsigned seed) {
+  std::mt19937 rng(seed);
+  Record r;
+  r.conversation_id = id;
+  r.input_ids = ids_tensor(DType::kInt64, t, rng);
+  r.aux_hidden_states = random_floats(dt, {t, k * h}, rng);
+  HostTensor p = HostTensor::zeros(DType::kFloat32, {t, vd});
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  auto* q = reinterpret_cast<float*>(p.mutable_data());
+  for (std::int64_t row = 0; row < t; ++row) {
+    float sum = 0;
+    for (std::int64_t c = 0; c < vd; ++c) sum += q[row * vd + c] = u(rng) < 0.7f ? 0.0f : u(rng);
+    for (std::int64_t c = 0; c < vd; ++c) q[row * vd + c] = sum > 0 ? q[row * vd + c] / sum : 1.0f / static_cast<float>(vd);
+  }
+  if (dt == DType::kFloat32) {
+    r.target_probs = p;
+  } else {
+    HostTensor c = HostTensor::zeros(dt, {t, vd});
+    for (std::int64_t i = 0; i < t * vd; ++i) {
+      const std::uint16_t b = dt == DType::kBFloat16 ? float_to_bf16(q[i]) : float_to_fp16(q[i]);
+      std::memcpy(c.mutable_data() + 2 * i, &b, 2);
+    }
+    r.target_probs = c;
+  }
+  r.target_hidden_size = h;
+  HostTensor m = HostTensor::zeros(DType::kInt64, {t});
+  for (std::int64_t i = 1; i < t; ++i) {
+    const std::int64_t v = i % 3 != 0;
+    std::memcpy(m.mutable_data() + 8 * i, &v, 8);
+  }
+  r.loss_mask = m;
+  return r;
+}
+
+FileFacts target_facts(std::int64_t vd, std::int64_t topk = 0) {
+  FileFacts f;
+  f.aux_layer_ids = {2, 17, 30};
+  TargetVocabulary v;
+  v.target_vocab_size = 1000;
+  v.topk = topk;
+  for (std::int64_t i = 0; i < vd; ++i) v.selected.push_back((i * 37 + 11) % 1000);  // not ascending
+  f.target_vocabulary = v;
+  return f;
+}
+
+void check_same_target(const Record& got, const Record& want) {
+  CHECK(got.conversation_id == want.conversation_id);
+  CHECK(got.tokens() == want.tokens());
+  CHECK(got.hidden_states.dim() == 0);
+  CHECK(got.hidden_size() == want.hidden_size());
+  CHECK(got.target_hidden_size == want.target_hidden_size);
+  CHECK(got.input_ids.equal(want.input_ids));
+  CHECK(got.aux_hidden_states.equal(want.aux_hidden_states));
+  REQUIRE(got.target_probs.has_value());
+  CHECK(got.target_probs->equal(*want.target_probs));
+  REQUIRE(got.loss_mask.has_value() == want.loss_mask.has_value());
+  if (want.loss_mask) CHECK(got.loss_mask->equal(*want.loss_mask));
+}
+
+// The byte offset of the facts block (header flag 2): the start of the index.
+std::uint64_t facts_at(const std::vector<std::uint8_t>& b) { return load_le64(&b[b.size() - 32]); }
+
+}  // namespace
+
+TEST_CASE("eks: a shard keeps its file facts and records of stored target distributions, target_probs lossless") {
+  test::TempDir d("eks-facts");
+  const std::vector<Record> recs = {make_target_record("t0", 37, 8, 3, 40, DType::kBFloat16, 81),
+                                    make_target_record("t1", 5, 8, 3, 40, DType::kBFloat16, 82),
+                                    make_target_record("empty", 0, 8, 3, 40, DType::kBFloat16, 83)};
+  const FileFacts facts = target_facts(40, 4);
+  for (const EksCodec codec : {EksCodec::kZstd, EksCodec::kFp8}) {
+    CAPTURE(eks_codec_name(codec));
+    const std::string path = d / (std::string(eks_codec_name(codec)) + ".eks");
+    {
+      EksWriter w(path, small_blocks(codec));
+      CHECK(w.set_facts(facts).empty());  // keeps both
+      for (const Record& r : recs) w.add(r);
+      w.finish();
+    }
+    const auto bytes = test::read_bytes(path);
+    CHECK(load_le16(&bytes[10]) == kEksFlagFacts);
+    const auto r = EksReader::open(path);
+    CHECK(r->facts().aux_layer_ids == facts.aux_layer_ids);
+    CHECK(r->facts().target_vocabulary == facts.target_vocabulary);
+    CHECK(r->target_hidden_size() == 8);
+    // Through the generic interface too: what the trainer's plan reads.
+    CHECK(open_reader(path)->facts().target_vocabulary == facts.target_vocabulary);
+    REQUIRE(r->size() == recs.size());
+    for (std::size_t i = 0; i < recs.size(); ++i) {
+      CAPTURE(i);
+      const Record got = r->read(i);
+      got.check("read back");
+      const EksTensorEntry* probs = r->entry(i).tensor(EksRole::kTargetProbs);
+      REQUIRE(probs != nullptr);
+      CHECK(r->entry(i).tensor(EksRole::kHiddenStates) == nullptr);
+      // target_probs is lossless whatever the codec: byte planes, never fp8.
+      CHECK(probs->transform == EksTransform::kBytePlanes);
+      CHECK(got.target_probs->equal(*recs[i].target_probs));
+      if (codec == EksCodec::kZstd) {
+        check_same_target(got, recs[i]);
+      } else {
+        CHECK(r->entry(i).tensor(EksRole::kAuxHiddenStates)->transform == EksTransform::kFp8RowScaled);
+        CHECK(got.input_ids.equal(recs[i].input_ids));
+        CHECK(got.loss_mask->equal(*recs[i].loss_mask));
+        CHECK(got.aux_hidden_states.shape == recs[i].aux_hidden_states.shape);
+        if (recs[i].tokens() > 0) CHECK_FALSE(got.aux_hidden_states.equal(recs[i].aux_hidden_states));  // lossy
+      }
+      const RecordInfo info = r->info(i);
+      CHECK(info.tokens == recs[i].tokens());
+      CHECK(info.hidden_size == 8);
+      CHECK(info.aux_width == 24);
+      CHECK(info.target_probs_width == 40);
+      CHECK(info.hidden_dtype == DType::kBFloat16);
+      CHECK(info.has_loss_mask);
+      CHECK(info.codec == eks_codec_name(codec));
+      const RecordInfo from_record = info_of(got);
+      CHECK(from_record.hidden_size == info.hidden_size);
+      CHECK(from_record.target_probs_width == info.target_probs_width);
+    }
+    // A prefix decodes the first rows of each tensor, target_probs among them.
+    const Record head = r->read_prefix(0, 33);
+    CHECK(head.tokens() == 33);
+    CHECK(head.target_hidden_size == 8);
+    CHECK(head.target_probs->equal(recs[0].target_probs->rows(33).contiguous()));
+    CHECK(r->entry(0).tensor(EksRole::kTargetProbs)->blocks.size() > 1);
+  }
+  // Facts without a target vocabulary (a DeepSpec cache's aux layer ids) and records of hidden
+  // states: flag 2, a block of 5 + 8A bytes, the records as before.
+  FileFacts ids_only;
+  ids_only.aux_layer_ids = {1, 2, 3};
+  const Record plain = make_record("h", 9, 8, 3, DType::kBFloat16, 84);
+  {
+    EksWriter w(d / "ids.eks", small_blocks());
+    CHECK(w.set_facts(ids_only).empty());
+    w.add(plain);
+    w.finish();
+  }
+  const auto ids_bytes = test::read_bytes(d / "ids.eks");
+  CHECK(load_le16(&ids_bytes[10]) == kEksFlagFacts);
+  CHECK(load_le32(&ids_bytes[facts_at(ids_bytes)]) == 5 + 8 * 3);
+  const auto ir = EksReader::open(d / "ids.eks");
+  CHECK(ir->facts().aux_layer_ids == ids_only.aux_layer_ids);
+  CHECK_FALSE(ir->facts().target_vocabulary.has_value());
+  check_same(ir->read(0), plain);
+
+  // An independent reading of the documented facts block (eks_format.h, docs/formats.md).
+  const auto py = test::python(R"PY(
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+(flags,) = struct.unpack_from("<H", b, 10)
+p, = struct.unpack_from("<Q", b, len(b) - 32)
+size, a = struct.unpack_from("<II", b, p)
+ids = struct.unpack_from("<%dq" % a, b, p + 8)
+q = p + 8 + 8 * a
+(voc,) = struct.unpack_from("<B", b, q)
+V, topk, H, vd = struct.unpack_from("<qqqI", b, q + 1)
+sel = struct.unpack_from("<%dI" % vd, b, q + 29)
+assert size == 33 + 8 * a + 4 * vd, size
+(n,) = struct.unpack_from("<I", b, p + 4 + size)
+roles = []
+r = p + 8 + size
+for _ in range(n):
+    (l,) = struct.unpack_from("<H", b, r); r += 2 + l
+    off, sz, tokens, codec, nt = struct.unpack_from("<QQqBB", b, r); r += 26
+    rs = []
+    for _ in range(nt):
+        role, dt, tr, nd = struct.unpack_from("<BBBB", b, r); r += 4
+        shape = struct.unpack_from("<%dq" % nd, b, r); r += 8 * nd
+        rpb, nb = struct.unpack_from("<II", b, r); r += 8 + 20 * nb
+        rs.append("%d:%d:%s" % (role, tr, "x".join(map(str, shape))))
+    roles.append(",".join(rs))
+assert r == len(b) - 32
+print(flags, list(ids), voc, V, topk, H, vd, sel[:3], roles[1])
+)PY", {d / "zstd.eks"});
+  REQUIRE_MESSAGE(py.exit_code == 0, py.err);
+  CHECK(py.out == "2 [2, 17, 30] 1 1000 4 8 40 (11, 48, 85) 0:1:5,2:1:5x24,3:1:5,4:1:5x40\n");
+}
+
+TEST_CASE("eks: the writer refuses records of stored distributions its facts do not describe") {
+  test::TempDir d("eks-facts");
+  const Record probs = make_target_record("p", 6, 8, 3, 40, DType::kFloat32, 91);
+  const Record hidden = make_record("h", 6, 8, 3, DType::kFloat32, 92);
+  const std::string p = d / "s.eks";
+  {
+    EksWriter w(p, small_blocks());
+    CHECK(error_of<UsageError>([&] { w.add(probs); }) ==
+          p + ": conversation 'p' stores the target's distribution over a draft vocabulary (target_probs), but no "
+              "target vocabulary was set (EksWriter::set_facts, before the first record): without it the "
+              "distribution's columns name no token. convert passes the source's facts");
+    FileFacts ids_only;
+    ids_only.aux_layer_ids = {1, 2, 3};
+    w.set_facts(ids_only);
+    CHECK(error_of<UsageError>([&] { w.add(probs); }).find("but no target vocabulary was set") != std::string::npos);
+    w.set_facts(target_facts(32));
+    CHECK(error_of<UsageError>([&] { w.add(probs); }) ==
+          p + ": conversation 'p': target_probs is 40 wide, but the shard's target vocabulary has 32 draft tokens");
+    w.set_facts(target_facts(40));
+    CHECK(error_of<UsageError>([&] { w.add(hidden); }).find(
+              "conversation 'h' holds hidden states, but the shard's facts state a target vocabulary") != std::string::npos);
+    w.add(probs);
+    Record wider = make_target_record("w", 6, 12, 2, 40, DType::kFloat32, 93);
+    CHECK(error_of<UsageError>([&] { w.add(wider); }) ==
+          p + ": conversation 'w': hidden size 12 differs from 8, that of the shard's earlier records (one H a shard)");
+    CHECK(error_of<Error>([&] { w.set_facts(target_facts(40)); }) == p + ": set_facts() after add() or finish()");
+    CHECK(w.size() == 1);
+    w.finish();
+  }
+  const auto r = EksReader::open(p);
+  REQUIRE(r->size() == 1);
+  check_same_target(r->read(0), probs);
+  // Facts no shard can hold.
+  EksWriter w(d / "t.eks", small_blocks());
+  FileFacts bad = target_facts(4);
+  bad.target_vocabulary->selected[2] = 1000;
+  CHECK(error_of<UsageError>([&] { w.set_facts(bad); }) ==
+        d / "t.eks" + ": draft id 2 selects target id 1000, outside the target vocabulary of 1000");
+  bad = target_facts(4, 4);
+  CHECK(error_of<UsageError>([&] { w.set_facts(bad); }).find("topk 4 is not in 0 .. 3") != std::string::npos);
+  bad = FileFacts{};
+  bad.aux_layer_ids = {1, -1};
+  CHECK(error_of<UsageError>([&] { w.set_facts(bad); }).find("hold a negative id") != std::string::npos);
+}
+
+TEST_CASE("eks: a damaged facts block fails the open naming the shard, the byte offset and the field") {
+  test::TempDir d("eks-facts");
+  {
+    EksWriter w(d / "good.eks", small_blocks());
+    w.set_facts(target_facts(6));
+    w.add(make_target_record("a", 4, 8, 3, 6, DType::kFloat32, 101));
+    w.add(make_target_record("b", 3, 8, 3, 6, DType::kFloat32, 102));
+    w.finish();
+  }
+  const auto good = test::read_bytes(d / "good.eks");
+  REQUIRE(load_le16(&good[10]) == kEksFlagFacts);
+  const std::uint64_t f = facts_at(good);
+  // facts_size, aux_layer_count, 3 ids, vocabulary, V, topk, H, Vd, 6 selected ids.
+  const std::uint64_t count = f + 4, vocab = f + 8 + 24, vsize = vocab + 1, topk = vocab + 9, hid = vocab + 17,
+                      vd = vocab + 25, selected = vocab + 29;
+  REQUIRE(load_le32(&good[f]) == 33 + 24 + 24);
+  const std::string p = d / "bad.eks";
+  struct Case {
+    const char* name;
+    std::function<void(std::vector<std::uint8_t>&)> damage;
+    std::string want;  // the message after "p: "
+  };
+  const Case cases[] = {
+      {"facts_size past the index", [&](auto& b) { put_le(b, f, 1u << 30, 4); },
+       "facts block facts_size at byte " + std::to_string(f) + ": 1073741824 bytes, but the index has " +
+           std::to_string(good.size() - 32 - f - 4) + " left (index corrupt)"},
+      {"truncated block", [&](auto& b) { put_le(b, f, 30, 4); },
+       "facts block target_vocab_size at byte " + std::to_string(vsize) +
+           ": needs 8 bytes but the facts block has 1 left (facts block corrupt)"},
+      {"aux_layer_count too large", [&](auto& b) { put_le(b, count, 0xffffffffu, 4); },
+       "facts block aux_layer_count at byte " + std::to_string(count) + ": 4294967295 ids cannot fit in the 77 "
+       "bytes left of the facts block"},
+      {"negative layer id", [&](auto& b) { put_le(b, count + 4 + 8, static_cast<std::uint64_t>(-5), 8); },
+       "facts block aux_layer_ids[1] at byte " + std::to_string(count + 12) + ": is -5; HF hidden_states indices are >= 0"},
+      {"vocabulary byte", [&](auto& b) { b[vocab] = 7; },
+       "facts block vocabulary at byte " + std::to_string(vocab) + ": is 7 (0 none, 1 a target vocabulary follows)"},
+      {"target vocabulary of 0", [&](auto& b) { put_le(b, vsize, 0, 8); },
+       "facts block target_vocab_size at byte " + std::to_string(vsize) + ": is 0 (1 .. 2^32)"},
+      {"topk of Vd", [&](auto& b) { put_le(b, topk, 6, 8); },
+       "facts block topk at byte " + std::to_string(topk) + ": is 6; 0 (the full distribution) or below "
+       "draft_vocab_size 6"},
+      {"negative hidden size", [&](auto& b) { put_le(b, hid, static_cast<std::uint64_t>(-1), 8); },
+       "facts block target_hidden_size at byte " + std::to_string(hid) + ": is -1 (0 .. 2^31)"},
+      {"draft_vocab_size too large", [&](auto& b) { put_le(b, vd, 1000000, 4); },
+       "facts block draft_vocab_size at byte " + std::to_string(vd) + ": 1000000 ids cannot fit in the 24 bytes "
+       "left of the facts block"},
+      {"draft_vocab_size of 0", [&](auto& b) { put_le(b, vd, 0, 4); },
+       "facts block draft_vocab_size at byte " + std::to_string(vd) + ": is 0"},
+      {"a selected id past the target vocabulary", [&](auto& b) { put_le(b, selected + 4 * 3, 1000, 4); },
+       "facts block selected[3] at byte " + std::to_string(selected + 12) +
+           ": target id 1000 is not below target_vocab_size 1000"},
+      {"bytes left in the block", [&](auto& b) { put_le(b, vd, 5, 4); },
+       "facts block at byte " + std::to_string(selected + 20) + ": 4 bytes left after its last field (facts_size says " +
+           std::to_string(load_le32(&good[f])) + "; facts block corrupt)"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    auto b = good;
+    c.damage(b);
+    reseal(b);
+    test::write_bytes(p, b);
+    CHECK(error_of<FormatError>([&] { EksReader::open(p); }) == p + ": " + c.want);
+  }
+  // Unsealed, any change to the block is the index checksum's.
+  auto b = good;
+  b[selected] ^= 1;
+  test::write_bytes(p, b);
+  CHECK(error_of<ChecksumError>([&] { EksReader::open(p); }).find("index or trailer damaged") != std::string::npos);
+  // Without its flag the block is read as the record count: refused, not misread.
+  b = good;
+  put_le(b, 10, 0, 2);
+  test::write_bytes(p, b);
+  CHECK(error_of<FormatError>([&] { EksReader::open(p); }).find(p + ": index record_count at byte " + std::to_string(f)) == 0);
+}
+
+TEST_CASE("eks: a target_probs role the shard's facts do not describe fails that record only") {
+  test::TempDir d("eks-facts");
+  const std::vector<Record> recs = {make_target_record("r0", 4, 8, 3, 6, DType::kFloat32, 111),
+                                    make_target_record("r1", 3, 8, 3, 6, DType::kFloat32, 112)};
+  {
+    EksWriter w(d / "good.eks", small_blocks());
+    w.set_facts(target_facts(6));
+    for (const Record& r : recs) w.add(r);
+    w.finish();
+  }
+  const auto good = test::read_bytes(d / "good.eks");
+  REQUIRE(load_le16(&good[10]) == kEksFlagFacts);
+  const std::uint64_t f = facts_at(good), vocab = f + 8 + 24;
+  const std::uint64_t block = load_le32(&good[f]);
+  const std::string p = d / "bad.eks";
+  auto check_record_1 = [&](const std::vector<std::uint8_t>& b, const std::string& want) {
+    test::write_bytes(p, b);
+    const auto r = EksReader::open(p);
+    const std::string got = error_of<FormatError>([&] { r->read(1); });
+    CHECK(got == p + ": record 1 ('r1') target_probs at byte " + std::to_string(r->entry(1).data_offset) + ": " + want);
+    check_same_target(r->read(0), recs[0]);
+  };
+  SUBCASE("the facts block states no target vocabulary") {
+    // The block without its vocabulary (5 + 8A bytes), the trailer's index_size to match.
+    auto b = good;
+    const std::uint64_t cut = block - (5 + 24);
+    b.erase(b.begin() + static_cast<std::ptrdiff_t>(vocab + 1), b.begin() + static_cast<std::ptrdiff_t>(vocab + 1 + cut));
+    b[vocab] = 0;
+    put_le(b, f, 5 + 24, 4);
+    put_le(b, b.size() - 24, load_le64(&b[b.size() - 24]) - cut, 8);
+    reseal(b);
+    test::write_bytes(p, b);
+    const auto r = EksReader::open(p);
+    REQUIRE_FALSE(r->facts().target_vocabulary.has_value());
+    CHECK(r->facts().aux_layer_ids == std::vector<std::int64_t>{2, 17, 30});
+    // Every record fails alone, naming itself; info still describes it.
+    CHECK(error_of<FormatError>([&] { r->read(0); }).find("stored, but the shard states no target vocabulary") !=
+          std::string::npos);
+    CHECK(error_of<FormatError>([&] { r->read(1); }) ==
+          p + ": record 1 ('r1') target_probs at byte " + std::to_string(r->entry(1).data_offset) +
+              ": stored, but the shard states no target vocabulary (no facts block)");
+    CHECK(r->info(1).conversation_id == "r1");
+  }
+  SUBCASE("target_probs narrower than the vocabulary") {
+    auto b = good;
+    // Record 1's last tensor is target_probs: i64 shape[1] sits 16 bytes before its block entries.
+    const auto r = EksReader::open(d / "good.eks");
+    const EksTensorEntry& t = *r->entry(1).tensor(EksRole::kTargetProbs);
+    const std::uint64_t blocks_end = good.size() - 32;  // record 1 is the last entry, target_probs its last tensor
+    const std::uint64_t shape1 = blocks_end - 20 * t.blocks.size() - 8 - 8;
+    REQUIRE(load_le64(&b[shape1]) == 6);
+    put_le(b, shape1, 5, 8);
+    reseal(b);
+    check_record_1(b, "5 wide, but the target vocabulary has 6 draft tokens");
   }
 }

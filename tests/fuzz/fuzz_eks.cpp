@@ -32,8 +32,11 @@ void fix_index_checksum(std::vector<std::uint8_t>& b) {
 std::uint64_t touch_record(const eaglekit::Record& r) {
   using eaglekit::fuzz::touch;
   std::uint64_t acc = r.conversation_id.size();
-  acc += touch(r.input_ids) + touch(r.hidden_states) + touch(r.aux_hidden_states);
+  acc += touch(r.input_ids) + touch(r.aux_hidden_states);
+  // A record of stored target distributions has no hidden states (an empty tensor, no data).
+  if (r.hidden_states.dim() > 0) acc += touch(r.hidden_states);
   if (r.loss_mask) acc += touch(*r.loss_mask);
+  if (r.target_probs) acc += touch(*r.target_probs) + static_cast<std::uint64_t>(r.target_hidden_size);
   return acc;
 }
 
@@ -47,6 +50,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     const auto reader = EksReader::open(ByteSource::from_bytes(std::move(bytes), "fuzz.eks"));
     acc += reader->file_size();
+    const FileFacts facts = reader->facts();
+    acc += facts.aux_layer_ids.size() + (facts.target_vocabulary ? facts.target_vocabulary->selected.size() : 0);
     for (std::size_t i = 0; i < reader->size() && i < 64; ++i) {
       const EksRecordEntry& e = reader->entry(i);
       acc += e.tensors.size();

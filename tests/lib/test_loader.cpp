@@ -803,6 +803,56 @@ TEST_CASE("loader: index --loss-masks gives batches the loss masks of convert --
   }
 }
 
+// NeMo AutoModel's EAGLE-3 caches (tests/data/nemo_cache/, NeMo 0.7.0's own producer code) and
+// their .eks conversions: the loader's batches are the same, tensor for tensor, the stored
+// target distributions (target_probs) among them.
+TEST_CASE("loader: an .eks converted from NeMo's cache gives the cache's batches, tensor for tensor") {
+  test::TempDir dir("loader-nemo");
+  for (const std::string name : {"lossless", "topk"}) {
+    CAPTURE(name);
+    const std::string cache = test::source_dir() + "/tests/data/nemo_cache/" + name;
+    ConvertOptions co;
+    co.jobs = 1;
+    const std::string eks = dir / (name + ".eks");
+    convert_records(cache + "/manifest.json", eks, co);
+    auto batches = [&](const std::string& root, const std::string& index, CollateMode mode) {
+      IndexOptions io;
+      io.jobs = 1;
+      io.progress = 0;
+      io.roots = {root};
+      io.out = index;
+      build_index(io);
+      DataSelection sel;
+      sel.index = index;
+      sel.split = "all";
+      const SelectedData data = select_data(sel);
+      Loader l(data.dataset, data.samples, options(2, mode == CollateMode::kPack ? 16 : 8, mode));
+      return drain(l);
+    };
+    for (const CollateMode mode : {CollateMode::kPad, CollateMode::kPack}) {
+      CAPTURE(collate_mode_name(mode));
+      const auto from_cache = batches(cache, dir / (name + "-cache.eki"), mode);
+      const auto from_eks = batches(eks, dir / (name + "-eks.eki"), mode);
+      REQUIRE(from_cache.size() == from_eks.size());
+      REQUIRE_FALSE(from_cache.empty());
+      for (std::size_t i = 0; i < from_cache.size(); ++i) {
+        CAPTURE(i);
+        CHECK(from_cache[i].conversation_ids == from_eks[i].conversation_ids);
+        REQUIRE(from_cache[i].target_probs.defined());
+        CHECK_FALSE(from_eks[i].hidden_states.defined());
+        const auto a = from_cache[i].named_tensors(), b = from_eks[i].named_tensors();
+        REQUIRE(a.size() == b.size());
+        for (std::size_t k = 0; k < a.size(); ++k) {
+          CAPTURE(a[k].first);
+          CHECK(a[k].first == b[k].first);
+          CHECK(a[k].second.dtype() == b[k].second.dtype());
+          CHECK(at::equal(a[k].second, b[k].second));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("loader: options and datasets it cannot use are refused") {
   auto d = make_data(4);
   const SelectedData sel = d->select("all");

@@ -363,11 +363,18 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
   // convert: the whole cache to one .eks shard; a sample to .pt. Every value as stored.
   r = test::eaglekit("convert " + test::quote(fx + "/cache/manifest.json") + " " + test::quote(dir / "ds.eks"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("facts: aux layer ids [2, 3, 4] kept") != std::string::npos);
   r = test::eaglekit("convert " + test::quote(fx + "/cache/manifest.json#1") + " " + test::quote(dir / "s1.pt"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // .pt has no field for the aux layer ids the cache states (target_layer_ids + 1): said, not kept.
+  CHECK_MESSAGE(r.out.find("note: the .pt format has no field for the aux layer ids [2, 3, 4] " + fx +
+                           "/cache/manifest.json states; pass --aux-layer-ids 2,3,4 when training") != std::string::npos,
+                r.out);
   const auto src = open_reader(fx + "/cache/manifest.json");
   const auto eks = open_reader(dir / "ds.eks");
   REQUIRE(eks->size() == 4);
+  CHECK(eks->facts().aux_layer_ids == std::vector<std::int64_t>{2, 3, 4});
+  CHECK(eks->facts().aux_layer_ids == src->facts().aux_layer_ids);
   for (std::size_t i = 0; i < 4; ++i) {
     CAPTURE(i);
     const Record want = src->read(i);
@@ -545,9 +552,9 @@ TEST_CASE("producers cli: index --loss-masks trains speculators' dump on its pre
 }
 
 // NeMo AutoModel's EAGLE-3 cache (tests/data/nemo_cache/, written by NeMo 0.7.0's own producer
-// code: make_fixture.py): indexed by its manifest.json (its shards are not records of their own)
-// and counted; reading a record, as validate --deep and train do, is refused naming what is
-// missing: the cache holds no last hidden state.
+// code: make_fixture.py): indexed by its manifest.json (its shards are not records of their own),
+// counted, validated (--deep checks the stored distributions) and trained on; converted to .eks
+// only, the one format that keeps its stored distributions and their draft vocabulary.
 TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and trains on its stored distributions") {
   test::TempDir dir("producers-nemo");
   const std::string fx = test::source_dir() + "/tests/data/nemo_cache";
@@ -578,10 +585,24 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
   // --deep checks what a cache without hidden states holds: every stored distribution.
   r = test::eaglekit("validate" + data + " --deep");
   CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
-  // convert has no output format for a stored distribution: refused, saying so.
+  // convert: to .eks, keeping the facts; to .pt, refused saying to convert to .eks.
   r = test::eaglekit("convert " + test::quote(fx + "/topk/manifest.json") + " " + test::quote(dir / "n.eks"));
+  CHECK_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("facts: aux layer ids [1, 2, 3] kept\nfacts: target vocabulary of 16 draft tokens of 32, top 4 kept") !=
+        std::string::npos);
+  r = test::eaglekit("convert " + test::quote(fx + "/topk/manifest.json") + " " + test::quote(dir / "n.pt"));
   CHECK(r.exit_code == 1);
-  CHECK_MESSAGE(r.err.find("no output format carries that") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("the .pt format has no field for the distribution or its vocabulary; convert to .eks") !=
+                    std::string::npos,
+                r.err);
+  CHECK_FALSE(std::filesystem::exists(dir / "n.pt"));
+  // pack gives its shards no facts: a record of stored distributions is refused, naming convert.
+  r = test::eaglekit("pack " + test::quote(fx + "/topk") + " --out " + test::quote(dir / "packed"));
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("conversation '0' stores the target's distribution over a draft vocabulary (target_probs), "
+                           "but no target vocabulary was set") != std::string::npos,
+                r.err);
+  CHECK_MESSAGE(r.err.find("convert passes the source's facts") != std::string::npos, r.err);
 
   // A base of the cache's shape (H 8, V 32): synth's tiny base folder.
   r = test::eaglekit("synth --out " + test::quote(dir / "synth") + " --conversations 2 --hidden 8 --vocab 32 "
@@ -655,4 +676,95 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
                      test::quote(dir / "damaged.eki") + " --deep");
   CHECK(r.exit_code == 1);
   CHECK_MESSAGE((r.out + r.err).find("target_probs at token 0 sums to") != std::string::npos, std::string(r.out + r.err));
+}
+
+// The .eks conversion of a NeMo cache is what the cache is to every command: index, validate
+// --deep, stats, inspect (which shows the facts) and train, whose losses and weights are the
+// cache's, bit for bit.
+TEST_CASE("producers cli: a NeMo cache converted to .eks indexes, validates, inspects and trains as the cache") {
+  test::TempDir dir("producers-nemo-eks");
+  const std::string fx = test::source_dir() + "/tests/data/nemo_cache";
+  auto r = test::eaglekit("synth --out " + test::quote(dir / "synth") + " --conversations 2 --hidden 8 --vocab 32 "
+                          "--min-tokens 4 --max-tokens 6 --dtype fp32 --seed 3 --base-out " + test::quote(dir / "base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  for (const std::string name : {"lossless", "topk"}) {
+    CAPTURE(name);
+    const std::string eks = dir / (name + ".eks");
+    r = test::eaglekit("convert " + test::quote(fx + "/" + name + "/manifest.json") + " " + test::quote(eks) + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    {
+      const auto j = nlohmann::json::parse(r.out);
+      CHECK(j["records"] == 5);
+      CHECK(j["facts"]["aux_layer_ids"] == nlohmann::json::array({1, 2, 3}));
+      CHECK(j["facts"]["target_vocabulary"]["draft_vocab_size"] == 16);
+      CHECK(j["facts"]["target_vocabulary"]["target_vocab_size"] == 32);
+      CHECK(j["facts"]["target_vocabulary"]["topk"] == (name == "topk" ? 4 : 0));
+      CHECK(j["notes"].empty());
+    }
+    const std::string cache_index = dir / (name + "-cache.eki"), eks_index = dir / (name + "-eks.eki");
+    for (const auto& [root, index] : {std::pair{fx + "/" + name, cache_index}, std::pair{eks, eks_index}}) {
+      r = test::eaglekit("index " + test::quote(root) + " --out " + test::quote(index) + " --json");
+      REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+      CHECK(nlohmann::json::parse(r.out)["bad_records"] == 0);
+    }
+    r = test::eaglekit("index --show " + test::quote(eks_index) + " --json");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    {
+      const auto j = nlohmann::json::parse(r.out);
+      REQUIRE(j["entries"].size() == 5);
+      const int tokens[] = {5, 8, 6, 7, 5};
+      for (int i = 0; i < 5; ++i) {
+        const auto& e = j["entries"][static_cast<std::size_t>(i)];
+        CHECK(e["format"] == "eks");
+        CHECK(e["conversation_id"] == std::to_string(i));
+        CHECK(e["tokens"] == tokens[i]);
+        CHECK(e["hidden_size"] == 8);
+        CHECK(e["aux_width"] == 24);
+        CHECK(e["has_loss_mask"] == true);
+      }
+    }
+    const std::string conv = " --data " + test::quote(fx + "/conversations.jsonl");
+    r = test::eaglekit("validate" + conv + " --index " + test::quote(eks_index) + " --deep");
+    CHECK_MESSAGE(r.exit_code == 0, std::string(r.out + r.err));
+    CHECK(r.out.find("deep: read 5 matched records in full") != std::string::npos);
+    r = test::eaglekit("stats --index " + test::quote(eks_index) + " --json");
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["total_tokens"] == 31);
+    r = test::eaglekit("inspect " + test::quote(eks + "#3"));
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.out.find("aux layer ids:   [1, 2, 3] (stated by the file; HF hidden_states indices)") != std::string::npos);
+    CHECK(r.out.find(name == "topk" ? "target vocab:    16 draft tokens of 32, top 4 kept per position"
+                                    : "target vocab:    16 draft tokens of 32, full distribution") != std::string::npos);
+    CHECK(r.out.find("target_probs       ") != std::string::npos);
+    r = test::eaglekit("inspect --json " + test::quote(fx + "/" + name + "/manifest.json"));
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["facts"]["target_vocabulary"]["draft_vocab_size"] == 16);
+
+    // A short run on each: the same losses at every TTT step and the same weights, bit for bit;
+    // the aux layers come from each one's facts, and the shard's name them as the cache's do.
+    const std::string train = "train" + conv + " --base " + test::quote(dir / "base") +
+                              " --max-length 8 --batch-size 2 --eval-every -1 --threads 1"
+                              " --max-steps 3 --seed 5 --json";
+    r = test::eaglekit(train + " --index " + test::quote(eks_index) + " --out " + test::quote(dir / "unused") +
+                       " --dry-run");
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(nlohmann::json::parse(r.out)["aux_layer_ids"] == std::vector<int>{1, 2, 3});
+    CHECK_MESSAGE(nlohmann::json::parse(r.out)["aux_layer_ids_source"].get<std::string>().find(
+                      "the data: the .eks shard " + eks) == 0,
+                  r.out);
+    r = test::eaglekit(train + " --index " + test::quote(cache_index) + " --out " + test::quote(dir / (name + "-run-cache")));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const auto from_cache = nlohmann::json::parse(r.out);
+    r = test::eaglekit(train + " --index " + test::quote(eks_index) + " --out " + test::quote(dir / (name + "-run-eks")));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK_MESSAGE(r.err.find("draft vocabulary: the 16 tokens of selected_token_ids in " + eks) != std::string::npos, r.err);
+    const auto from_eks = nlohmann::json::parse(r.out);
+    CHECK(from_eks["steps"] == 3);
+    CHECK(from_eks["train"]["loss_per_step"].size() == 3);
+    CHECK(from_eks["train"]["loss_per_step"] == from_cache["train"]["loss_per_step"]);
+    CHECK(from_eks["train"]["loss"] == from_cache["train"]["loss"]);
+    CHECK(from_eks["train"]["tokens"] == from_cache["train"]["tokens"]);
+    CHECK(test::read_bytes(dir / (name + "-run-eks/final/model.safetensors")) ==
+          test::read_bytes(dir / (name + "-run-cache/final/model.safetensors")));
+  }
 }
