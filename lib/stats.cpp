@@ -67,6 +67,9 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
   tokens.reserve(index.size());
   std::unordered_set<std::uint32_t> files;
   std::map<std::int64_t, std::size_t> aux_counts;
+  // Per file: the width of its records' stored distributions (0: they hold hidden states).
+  std::unordered_map<std::uint32_t, std::int64_t> probs_width;
+  std::map<std::int64_t, std::size_t> probs_counts;
   std::map<std::string, std::size_t>& dtypes = s.per_dtype;
   for (std::size_t i = 0; i < index.size(); ++i) {
     const IndexEntry e = index.entry(i);
@@ -78,6 +81,17 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
     s.total_tokens += e.tokens;
     if (files.insert(e.file).second) s.bytes_on_disk += index.file(e.file).size;
     const FormatRow* row = format_row(e.format);
+    auto [width, added] = probs_width.try_emplace(e.file, 0);
+    if (added && row && row->states_facts) {
+      // Only the file's facts (a manifest, an .eks index); one that no longer opens counts as
+      // hidden states, as the index describes it.
+      try {
+        const auto facts = open_reader(std::string(index.file(e.file).path))->facts();
+        if (facts.target_vocabulary) width->second = static_cast<std::int64_t>(facts.target_vocabulary->selected.size());
+      } catch (const std::exception&) {
+      }
+    }
+    ++probs_counts[width->second];
     if (row && row->records_beside) s.bytes_on_disk += e.byte_size;  // its shard's bytes, beside the file
     ++s.per_format[std::string(format_name(e.format))];
     ++dtypes[std::string(dtype_name(e.hidden_dtype))];
@@ -136,7 +150,9 @@ DatasetStats compute_stats(const DatasetIndex& index, const StatsOptions& opts) 
     s.dtype = most(dtypes);
     const auto dt = parse_dtype(s.dtype);
     const double elem = dt ? static_cast<double>(dtype_size(*dt)) : 0.0;
-    s.raw_bytes_per_token = 8.0 + static_cast<double>(s.hidden_size + s.aux_width) * elem;
+    s.target_probs_width = most(probs_counts);
+    const std::int64_t state = s.target_probs_width > 0 ? s.target_probs_width : s.hidden_size;
+    s.raw_bytes_per_token = 8.0 + static_cast<double>(state + s.aux_width) * elem;
   }
 
   if (opts.plan_conversations > 0 || opts.plan_tokens > 0) {
@@ -173,6 +189,7 @@ std::string stats_to_json(const DatasetStats& s) {
             {"bytes_per_token", s.bytes_per_token},
             {"raw_bytes_per_token", s.raw_bytes_per_token},
             {"hidden_size", s.hidden_size},
+            {"target_probs_width", s.target_probs_width},
             {"aux_width", s.aux_width},
             {"dtype", s.dtype},
             {"per_format", s.per_format},
@@ -217,7 +234,10 @@ std::string stats_to_text(const DatasetStats& s) {
   os << "disk: " << human_bytes(static_cast<double>(s.bytes_on_disk)) << ", "
      << fixed(s.bytes_per_token, 1) << " bytes per token";
   if (s.raw_bytes_per_token > 0)
-    os << " (raw " << fixed(s.raw_bytes_per_token, 1) << " at hidden " << s.hidden_size << " + aux "
+    os << " (raw " << fixed(s.raw_bytes_per_token, 1) << " at "
+       << (s.target_probs_width > 0 ? "target_probs " + std::to_string(s.target_probs_width)
+                                    : "hidden " + std::to_string(s.hidden_size))
+       << " + aux "
        << s.aux_width << " " << s.dtype << ": " << fixed(s.raw_bytes_per_token > 0 ? s.bytes_per_token / s.raw_bytes_per_token : 0, 2)
        << "x)";
   os << "\n";

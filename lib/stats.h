@@ -49,10 +49,14 @@ struct DatasetStats {
   std::map<std::string, std::size_t> per_codec;
   std::map<std::int64_t, std::size_t> per_hidden_size;
   // The most common width, and the raw (uncompressed) bytes one token takes at it:
-  // int64 id + (H + aux width) elements of the dtype.
+  // int64 id + (H, or target_probs_width, + aux width) elements of the dtype.
   std::int64_t hidden_size = 0;
   std::int64_t aux_width = 0;
   std::string dtype;
+  // The most common records store the target's distribution over this many draft tokens in
+  // the place of a last hidden state (NeMo's cache, an .eks converted from one: the file's
+  // FileFacts::target_vocabulary), so their raw bytes count it instead of H; 0 otherwise.
+  std::int64_t target_probs_width = 0;
   double raw_bytes_per_token = 0;
   // The planned dump, when asked for.
   bool has_plan = false;

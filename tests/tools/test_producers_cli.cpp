@@ -581,6 +581,9 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
   r = test::eaglekit("stats --index " + test::quote(index) + " --json");
   CHECK_MESSAGE(r.exit_code == 0, r.err);
   CHECK(nlohmann::json::parse(r.out)["total_tokens"] == 31);
+  // Raw bytes count the 16-wide stored distribution in H's place: an int64 id + (16 + 24) fp32.
+  CHECK(nlohmann::json::parse(r.out)["target_probs_width"] == 16);
+  CHECK(nlohmann::json::parse(r.out)["raw_bytes_per_token"] == doctest::Approx(8.0 + 40 * 4));
   const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " + test::quote(index);
   // --deep checks what a cache without hidden states holds: every stored distribution.
   r = test::eaglekit("validate" + data + " --deep");
@@ -730,6 +733,12 @@ TEST_CASE("producers cli: a NeMo cache converted to .eks indexes, validates, ins
     r = test::eaglekit("stats --index " + test::quote(eks_index) + " --json");
     CHECK_MESSAGE(r.exit_code == 0, r.err);
     CHECK(nlohmann::json::parse(r.out)["total_tokens"] == 31);
+    {
+      const auto j = nlohmann::json::parse(r.out);
+      CHECK(j["target_probs_width"] == 16);
+      const double elem = j["dtype"] == "float32" ? 4 : 2;
+      CHECK(j["raw_bytes_per_token"] == doctest::Approx(8.0 + 40 * elem));
+    }
     r = test::eaglekit("inspect " + test::quote(eks + "#3"));
     CHECK_MESSAGE(r.exit_code == 0, r.err);
     CHECK(r.out.find("aux layer ids:   [1, 2, 3] (stated by the file; HF hidden_states indices)") != std::string::npos);
