@@ -33,7 +33,7 @@ constexpr std::uint16_t kFlagFacts = kEksFlagFacts;
 constexpr std::uint16_t kKnownFlags = kFlagHiddenNorm | kFlagFacts;
 // Bounds of the facts block's numbers: ids are stored as u32.
 constexpr std::int64_t kMaxTargetVocab = std::int64_t{1} << 32;
-constexpr std::int64_t kMaxHiddenSize = std::int64_t{1} << 31;
+constexpr std::int64_t kMaxFactsHiddenSize = std::int64_t{1} << 31;
 constexpr std::uint64_t kBlockEntryBytes = 20;
 // id_len + data_offset + data_size + tokens + codec + tensor_count.
 constexpr std::uint64_t kMinRecordEntryBytes = 2 + 8 + 8 + 8 + 1 + 1;
@@ -302,7 +302,7 @@ struct EksWriter::Impl {
 
 namespace {
 
-std::string ids_text(const std::vector<std::int64_t>& ids) {
+std::string eks_ids_text(const std::vector<std::int64_t>& ids) {
   std::string s = "[";
   for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
   return s + "]";
@@ -317,7 +317,7 @@ std::vector<std::string> EksWriter::set_facts(const FileFacts& facts) {
     throw UsageError(p + ": " + std::to_string(facts.aux_layer_ids.size()) + " aux layer ids; .eks holds at most 2^32 - 1");
   for (const std::int64_t id : facts.aux_layer_ids)
     if (id < 0)
-      throw UsageError(p + ": aux layer ids " + ids_text(facts.aux_layer_ids) +
+      throw UsageError(p + ": aux layer ids " + eks_ids_text(facts.aux_layer_ids) +
                        " hold a negative id; they are HF hidden_states indices (>= 0)");
   if (const auto& v = facts.target_vocabulary) {
     const auto vd = static_cast<std::int64_t>(v->selected.size());
@@ -355,7 +355,7 @@ void EksWriter::Impl::check(const EksEncodedRecord& rec) const {
   if (probs->shape.size() != 2 || probs->shape[1] != vd)
     throw UsageError(who + ": target_probs is " + std::to_string(probs->shape.size() == 2 ? probs->shape[1] : 0) +
                      " wide, but the shard's target vocabulary has " + std::to_string(vd) + " draft tokens");
-  if (rec.target_hidden_size <= 0 || rec.target_hidden_size > kMaxHiddenSize)
+  if (rec.target_hidden_size <= 0 || rec.target_hidden_size > kMaxFactsHiddenSize)
     throw UsageError(who + ": target_hidden_size " + std::to_string(rec.target_hidden_size) + " is not in 1 .. 2^31");
   if (target_hidden != 0 && rec.target_hidden_size != target_hidden)
     throw UsageError(who + ": hidden size " + std::to_string(rec.target_hidden_size) + " differs from " +
@@ -659,7 +659,7 @@ void EksReader::Impl::parse_facts(ByteCursor& c) {
     v.topk = f.i64("facts block topk");
     const std::uint64_t topk_at = f.pos() - 8;
     target_hidden = f.i64("facts block target_hidden_size");
-    if (target_hidden < 0 || target_hidden > kMaxHiddenSize)
+    if (target_hidden < 0 || target_hidden > kMaxFactsHiddenSize)
       throw FormatError(name, f.pos() - 8, "facts block target_hidden_size",
                         "is " + std::to_string(target_hidden) + " (0 .. 2^31)");
     const std::uint32_t vd = f.u32("facts block draft_vocab_size");

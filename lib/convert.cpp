@@ -78,7 +78,7 @@ UnitRecords read_unit(const Unit& u, const LossMasks* masks) {
   return out;
 }
 
-std::string ids_text(const std::vector<std::int64_t>& ids, const char* separator = ", ") {
+std::string convert_ids_text(const std::vector<std::int64_t>& ids, const char* separator = ", ") {
   std::string s;
   for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? separator : "") + std::to_string(ids[i]);
   return s;
@@ -95,7 +95,7 @@ std::string vocabulary_text(const std::optional<TargetVocabulary>& v) {
 std::string facts_difference(const FileFacts& a, const FileFacts& b) {
   if (a.aux_layer_ids != b.aux_layer_ids) {
     const auto text = [](const std::vector<std::int64_t>& ids) {
-      return ids.empty() ? std::string("none stated") : "[" + ids_text(ids) + "]";
+      return ids.empty() ? std::string("none stated") : "[" + convert_ids_text(ids) + "]";
     };
     return "aux layer ids " + text(a.aux_layer_ids) + " against " + text(b.aux_layer_ids);
   }
@@ -329,8 +329,8 @@ ConvertResult convert_records(const std::string& src, const std::string& dst,
   res.bytes_written = bytes.load();
   for (const auto& [ids, source] : dropped.aux) {
     res.dropped_aux_layer_ids.push_back(ids);
-    res.notes.push_back("the " + format_ext + " format has no field for the aux layer ids [" + ids_text(ids) + "] " +
-                        source + " states; pass --aux-layer-ids " + ids_text(ids, ",") + " when training");
+    res.notes.push_back("the " + format_ext + " format has no field for the aux layer ids [" + convert_ids_text(ids) + "] " +
+                        source + " states; pass --aux-layer-ids " + convert_ids_text(ids, ",") + " when training");
   }
   res.seconds = seconds_since(start);
   return res;

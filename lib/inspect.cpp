@@ -204,7 +204,7 @@ InspectResult inspect(const std::string& spec, const InspectOptions& options) {
 
 namespace {
 
-std::string ids_text(const std::vector<std::int64_t>& ids) {
+std::string facts_ids_text(const std::vector<std::int64_t>& ids) {
   std::string s;
   for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
   return "[" + s + "]";
@@ -225,7 +225,7 @@ void add_facts_json(nlohmann::ordered_json& j, const FileFacts& f) {
 std::string facts_text(const FileFacts& f) {
   std::string out;
   if (!f.aux_layer_ids.empty())
-    out += "aux layer ids:   " + ids_text(f.aux_layer_ids) + " (stated by the file; HF hidden_states indices)\n";
+    out += "aux layer ids:   " + facts_ids_text(f.aux_layer_ids) + " (stated by the file; HF hidden_states indices)\n";
   if (const auto& v = f.target_vocabulary)
     out += "target vocab:    " + std::to_string(v->selected.size()) + " draft tokens of " +
            std::to_string(v->target_vocab_size) +
