@@ -64,6 +64,10 @@ struct FileFacts {
   std::vector<std::int64_t> aux_layer_ids;
   std::optional<TargetVocabulary> target_vocabulary;  // present iff records carry target_probs
   bool empty() const { return aux_layer_ids.empty() && !target_vocabulary; }
+  bool operator==(const FileFacts& o) const {
+    return aux_layer_ids == o.aux_layer_ids && target_vocabulary == o.target_vocabulary;
+  }
+  bool operator!=(const FileFacts& o) const { return !(*this == o); }
 };
 
 inline constexpr const char* kFactAuxLayerIds = "aux layer ids";

@@ -219,12 +219,15 @@ PackResult pack_records(const PackOptions& o) {
 
   tbb::task_arena arena(concurrency(o.jobs));
   std::vector<std::int64_t> counts(files.size(), 0);
+  std::vector<FileFacts> facts(files.size());  // what each file states for all its records
   std::vector<std::optional<BadRecord>> open_errors(files.size());
   std::vector<std::exception_ptr> open_exceptions(files.size());
   arena.execute([&] {
     tbb::parallel_for(std::size_t{0}, files.size(), [&](std::size_t i) {
       try {
-        counts[i] = static_cast<std::int64_t>(open_reader(files[i])->size());
+        const auto reader = open_reader(files[i]);
+        counts[i] = static_cast<std::int64_t>(reader->size());
+        facts[i] = reader->facts();
       } catch (const Error& e) {
         open_errors[i] = BadRecord{files[i], -1, "", e.what()};
         open_exceptions[i] = std::current_exception();
@@ -257,6 +260,7 @@ PackResult pack_records(const PackOptions& o) {
   std::unique_ptr<EksWriter> writer;
   std::vector<std::string> current_sources;
   std::uint64_t current_index_bytes = 0;
+  const FileFacts* current_facts = nullptr;  // the open shard's: one set of facts a shard
 
   auto finish_shard = [&] {
     writer->finish();
@@ -330,14 +334,21 @@ PackResult pack_records(const PackOptions& o) {
                   }
                   EksEncodedRecord& rec = *w->rec;
                   const std::uint64_t entry_bytes = index_entry_bytes(rec.entry);
+                  const FileFacts& item_facts = facts[w->item->file];
+                  // A shard states its sources' facts (aux layer ids, a target vocabulary),
+                  // so records of files stating other facts start a new shard.
                   if (writer && writer->size() > 0 &&
-                      writer->bytes_written() + rec.data.size() + current_index_bytes +
-                              entry_bytes + 4 + kEksTrailerSize >
-                          o.shard_bytes)
+                      (*current_facts != item_facts ||
+                       writer->bytes_written() + rec.data.size() + current_index_bytes + entry_bytes + 4 +
+                               kEksTrailerSize >
+                           o.shard_bytes))
                     finish_shard();
-                  if (!writer)
+                  if (!writer) {
                     writer = std::make_unique<EksWriter>(
                         (fs::path(o.out_dir) / shard_name(next_shard)).string(), o.encode);
+                    writer->set_facts(item_facts);
+                    current_facts = &item_facts;
+                  }
                   const std::uint64_t raw = rec.raw_bytes;
                   writer->add_encoded(std::move(rec));
                   current_sources.push_back(w->item->key);

@@ -3,7 +3,9 @@
 //
 // pack: every record below a folder, in a fixed order (source files sorted by path, then
 // record number), compressed in parallel (TBB) and appended in that order to shards
-// OUT/shard-000000.eks, shard-000001.eks, ... of about shard_bytes each. After each shard
+// OUT/shard-000000.eks, shard-000001.eks, ... of about shard_bytes each; a shard states the
+// file facts (formats/format.h FileFacts) of its sources, and records of a file stating
+// other facts start the next shard. After each shard
 // is renamed into place, OUT/pack-manifest.json (written atomically) lists the finished
 // shards and the source records ("relative/path#record") inside each. A rerun reads the
 // manifest and packs only the records not yet in a finished shard, numbering new shards

@@ -33,7 +33,9 @@ int run_pack(int argc, char** argv) {
   const std::optional<CommandLine> cl = parse_or_help(
       argc, argv, groups, std::string(argv[0]) + " SRC_DIR --out OUT_DIR [OPTIONS]",
       "Pack every record below SRC_DIR (any supported format) into .eks shards "
-      "OUT_DIR/shard-NNNNNN.eks, in source-path order. Rerun after an interruption to "
+      "OUT_DIR/shard-NNNNNN.eks, in source-path order; each shard keeps what its sources state "
+      "(a cache's aux layer ids and target vocabulary), so files stating other facts go to other shards. "
+      "Rerun after an interruption to "
       "continue where it stopped (OUT_DIR/pack-manifest.json lists the finished shards).", 1);
   if (!cl) return 0;
   if (cl->positionals.empty()) throw UsageError("SRC_DIR is required (see --help)");

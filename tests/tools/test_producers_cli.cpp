@@ -390,6 +390,22 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
       CHECK(got.loss_mask->get(t) == want.loss_mask->get(t));
     }
   }
+  // pack keeps the facts too: one set of facts a shard, so a folder of the cache and a .pt
+  // that states none packs into two shards, the cache's stating its aux layer ids.
+  fs::create_directories(dir / "mixed");
+  fs::copy(fx + "/cache", dir / "mixed/cache", fs::copy_options::recursive);
+  fs::copy_file(dir / "s1.pt", dir / "mixed/s1.pt");
+  r = test::eaglekit("pack " + test::quote(dir / "mixed") + " --out " + test::quote(dir / "packed") + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["shards_written"] == 2);
+  {
+    const auto cache_shard = open_reader(dir / "packed/shard-000000.eks");
+    CHECK(cache_shard->size() == 4);
+    CHECK(cache_shard->facts().aux_layer_ids == std::vector<std::int64_t>{2, 3, 4});
+    const auto pt_shard = open_reader(dir / "packed/shard-000001.eks");
+    CHECK(pt_shard->size() == 1);
+    CHECK(pt_shard->facts().empty());
+  }
   // The aux layers are the manifest's target_layer_ids 1,2,3, HF hidden_states 2,3,4: another
   // --aux-layer-ids is refused, and without it the draft takes the data's.
   const std::string train = "train" + data + " --base " + test::quote(dir / "base") + " --out " +
@@ -599,13 +615,24 @@ TEST_CASE("producers cli: a NeMo cache indexes, counts, validates --deep and tra
                     std::string::npos,
                 r.err);
   CHECK_FALSE(std::filesystem::exists(dir / "n.pt"));
-  // pack gives its shards no facts: a record of stored distributions is refused, naming convert.
-  r = test::eaglekit("pack " + test::quote(fx + "/topk") + " --out " + test::quote(dir / "packed"));
-  CHECK(r.exit_code == 2);
-  CHECK_MESSAGE(r.err.find("conversation '0' stores the target's distribution over a draft vocabulary (target_probs), "
-                           "but no target vocabulary was set") != std::string::npos,
-                r.err);
-  CHECK_MESSAGE(r.err.find("convert passes the source's facts") != std::string::npos, r.err);
+  // pack gives its shards the cache's facts, so its records of stored distributions pack too.
+  r = test::eaglekit("pack " + test::quote(fx + "/topk") + " --out " + test::quote(dir / "packed") + " --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(nlohmann::json::parse(r.out)["records"] == 5);
+  {
+    const auto cache = open_reader(fx + "/topk/manifest.json");
+    const auto packed = open_reader(dir / "packed/shard-000000.eks");
+    CHECK(packed->facts() == cache->facts());
+    REQUIRE(packed->facts().target_vocabulary.has_value());
+    REQUIRE(packed->size() == 5);
+    for (std::size_t i = 0; i < 5; ++i) {
+      const Record want = cache->read(i);
+      const Record got = packed->read(*packed->find(want.conversation_id));
+      REQUIRE(got.target_probs.has_value());
+      CHECK(got.target_probs->equal(*want.target_probs));
+      CHECK(got.aux_hidden_states.equal(want.aux_hidden_states));
+    }
+  }
 
   // A base of the cache's shape (H 8, V 32): synth's tiny base folder.
   r = test::eaglekit("synth --out " + test::quote(dir / "synth") + " --conversations 2 --hidden 8 --vocab 32 "
