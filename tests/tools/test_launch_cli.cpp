@@ -579,3 +579,65 @@ TEST_CASE("launch cli: DFlash under DP=2 equals one process on the global batch 
     CHECK(test::metric_rel_diff(run + "/metrics.jsonl", ref + "/metrics.jsonl", "grad_norm") < 1e-4);
   }
 }
+
+TEST_CASE("launch cli: a NeMo cache's stored distributions train and evaluate under CP=2 as in one process") {
+  // NeMo's cache holds p[t] itself, row t, instead of a last hidden state: each CP rank keeps
+  // its own rows of it (trainer/parallel/ring_attention.cpp shard_batch), and the losses,
+  // gradients, weights and evaluation must be one process's.
+  test::TempDir dir("launch-cli-nemo");
+  const std::string d = dir.path();
+  const std::string fx = test::source_dir() + "/tests/data/nemo_cache";
+  auto r = test::eaglekit("synth --out " + test::quote(d + "/unused") + " --conversations 2 --hidden 8 --vocab 32 "
+                          "--min-tokens 4 --max-tokens 6 --dtype fp32 --seed 3 --base-out " + test::quote(d + "/base"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("index " + test::quote(fx + "/lossless") + " --out " + test::quote(d + "/nemo.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const std::string data = " --data " + test::quote(fx + "/conversations.jsonl") + " --index " +
+                           test::quote(d + "/nemo.eki") + " --base " + test::quote(d + "/base") +
+                           " --max-length 8 --jobs 1 --threads 1 --timeout 60";
+  const std::string train = "train" + data +
+                            " --batch-size 2 --max-steps 3 --eval-fraction 0 --eval-every -1 --schedule constant"
+                            " --lr 0.005 --log-every 1 --save-every 1 --json --out ";
+  const std::string single = d + "/single", cp = d + "/cp2";
+  const auto codes = run_concurrently(
+      {test::quote(exe()) + " " + train + test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err"),
+       launch(2, d + "/logs-cp2", train + test::quote(cp) + " --cp 2")});
+  REQUIRE_MESSAGE(codes[0] == 0, read_text(single + ".err"));
+  REQUIRE_MESSAGE(codes[1] == 0, logs_of(d + "/logs-cp2", 2));
+  // The targets were the cache's: the plan said so.
+  CHECK_MESSAGE(read_text(single + ".err").find("draft vocabulary: the 16 tokens of selected_token_ids") !=
+                    std::string::npos,
+                read_text(single + ".err"));
+  const std::vector<double> want = losses(single), got = losses(cp);
+  REQUIRE(want.size() == 3);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t s = 0; s < want.size(); ++s) CHECK(rel_diff(got[s], want[s]) < 1e-5);
+  CHECK(test::metric_rel_diff(cp + "/metrics.jsonl", single + "/metrics.jsonl", "grad_norm") < 1e-4);
+  const auto w = test::agreement(cp + "/final/model.safetensors", single + "/final/model.safetensors",
+                                 test::AdamWBound::from_run(single, 3, 1e-4));
+  CHECK_MESSAGE(w.holds(), w.text());
+  // The check can fail: one step of training moves the weights past the bound.
+  CHECK_FALSE(test::agreement(single + "/checkpoint-2/model.safetensors", single + "/final/model.safetensors",
+                              test::AdamWBound::from_run(single, 3, 1e-4))
+                  .holds());
+
+  // evaluate --cp 2 on the cache gives one process's figures.
+  const std::string evaluate = "evaluate" + data + " --draft " + test::quote(single + "/final") +
+                               " --split all --batch-size 2 --json";
+  const auto ev = run_concurrently(
+      {test::quote(exe()) + " " + evaluate + " > " + test::quote(d + "/ev1.out") + " 2> " + test::quote(d + "/ev1.err"),
+       launch(2, d + "/logs-ev-cp2", evaluate + " --cp 2")});
+  REQUIRE_MESSAGE(ev[0] == 0, read_text(d + "/ev1.err"));
+  REQUIRE_MESSAGE(ev[1] == 0, logs_of(d + "/logs-ev-cp2", 2));
+  const auto one = printed_json(read_text(d + "/ev1.out"));
+  const auto two = printed_json(read_text(d + "/logs-ev-cp2/rank_0.log"));
+  CHECK(one["samples"] == 5);
+  CHECK(two["samples"] == one["samples"]);
+  CHECK(two["tokens"] == one["tokens"]);
+  CHECK(rel(two["loss"], one["loss"]) < 1e-5);
+  for (const char* k : {"loss_per_step", "acc"}) {
+    CAPTURE(k);
+    REQUIRE(two[k].size() == one[k].size());
+    for (std::size_t s = 0; s < one[k].size(); ++s) CHECK(rel(two[k][s], one[k][s]) < 1e-5);
+  }
+}
