@@ -436,6 +436,48 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
   CHECK(r.err.find("0 pre-norm, 0 post-norm, 4 not stated, of which 0 pre-norm and 4 post-norm by their layout") !=
         std::string::npos);
   CHECK(r.err.find("no loss mask found") == std::string::npos);
+  CHECK(r.err.find("state no aux layers") == std::string::npos);
+
+  // A cache of the embeddings (DeepSpec's target layer -1, HF index 0) is refused by name:
+  // the engines' drafts read decoder layers' outputs.
+  fs::copy(fx + "/cache", dir / "embeddings", fs::copy_options::recursive);
+  {
+    std::ifstream in(dir / "embeddings/manifest.json");
+    auto m = nlohmann::json::parse(in);
+    m["target_layer_ids"] = std::vector<int>{-1, 1, 2};
+    std::ofstream(dir / "embeddings/manifest.json") << m.dump(2);
+  }
+  r = test::eaglekit("index " + test::quote(dir / "embeddings") + " --out " + test::quote(dir / "emb.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train --data " + test::quote(fx + "/conversations.jsonl") + " --index " +
+                     test::quote(dir / "emb.eki") + " --base " + test::quote(dir / "base") + " --out " +
+                     test::quote(dir / "embrun") + " --max-steps 1 --batch-size 2 --max-length 16 --eval-fraction 0 "
+                     "--eval-every -1 --dry-run");
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("holds the base's embeddings (HF hidden_states index 0) among its aux layers 0,2,3") !=
+                    std::string::npos,
+                r.err);
+
+  // The cache beside records that state no layers (synth's .pt): the run takes the cache's
+  // layers for them too, and says so once.
+  fs::create_directories(dir / "mix");
+  fs::copy(fx + "/cache", dir / "mix/cache", fs::copy_options::recursive);
+  fs::copy(dir / "unused/records", dir / "mix/pt", fs::copy_options::recursive);
+  {
+    std::ofstream both(dir / "mix.jsonl");
+    for (const std::string& f : {fx + "/conversations.jsonl", std::string(dir / "unused/conversations.jsonl")})
+      both << std::ifstream(f).rdbuf();
+  }
+  r = test::eaglekit("index " + test::quote(dir / "mix") + " --out " + test::quote(dir / "mix.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train --data " + test::quote(dir / "mix.jsonl") + " --index " + test::quote(dir / "mix.eki") +
+                     " --base " + test::quote(dir / "base") + " --out " + test::quote(dir / "mixrun") +
+                     " --max-steps 1 --batch-size 2 --max-length 16 --eval-fraction 0 --eval-every -1 --dry-run");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(r.out.find("note: 2 record files (" + dir / "mix/pt/") != std::string::npos, r.out);
+  CHECK_MESSAGE(r.out.find(") state no aux layers; the run takes theirs to be 2,3,4, as the DeepSpec manifest.json " +
+                           dir / "mix/cache/manifest.json") != std::string::npos,
+                r.out);
 }
 
 // speculators keeps the loss mask in its prepared dataset folder, not in hs_{i}

@@ -177,7 +177,7 @@ DraftDecision decide_draft(const TrainOptions& o, const BaseConfig& bc, const Re
                        ids_text(stated) + ") but its records hold " + std::to_string(aux_layers) +
                        " side by side (aux width " + std::to_string(shape.aux_width) + ", hidden " +
                        std::to_string(shape.hidden) + ")");
-    if (stated.front() < 1)
+    if (std::any_of(stated.begin(), stated.end(), [](std::int64_t id) { return id < 1; }))
       throw UsageError(data.aux_source + " holds the base's embeddings (HF hidden_states index 0) among its aux "
                        "layers " + ids_text(stated) + "; an EAGLE-3 draft as vLLM and SGLang serve it reads decoder "
                        "layers' outputs (indices from 1): dump without the embeddings");

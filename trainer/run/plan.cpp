@@ -620,7 +620,14 @@ void read_stored_targets(const SelectedData& data, std::optional<RunPlan::Stored
 
 // The aux layer ids the files of the splits state (FileFacts::aux_layer_ids), which must
 // agree; only formats whose files may state facts are opened. Empty when none states any.
-void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, std::size_t& stating) {
+// Files stating none are counted in `silent` (the first named in `silent_example`).
+struct StatedAuxCount {
+  std::size_t stating = 0;
+  std::size_t silent = 0;
+  std::string silent_example;
+};
+
+void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, StatedAuxCount& count) {
   std::vector<bool> seen(data.dataset.files.size(), false);
   for (const SampleRef& s : data.samples) {
     if (s.file >= seen.size() || seen[s.file]) continue;
@@ -629,9 +636,12 @@ void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, std::size_t
     const Format f = s.file < data.dataset.file_formats.size() ? data.dataset.file_formats[s.file]
                                                                  : detect_file_format(path);
     const FormatRow* row = format_row(f);
-    if (!row || !row->states_facts) continue;
-    const std::vector<std::int64_t> ids = open_reader(path)->facts().aux_layer_ids;
-    if (ids.empty()) continue;
+    const std::vector<std::int64_t> ids =
+        row && row->states_facts ? open_reader(path)->facts().aux_layer_ids : std::vector<std::int64_t>{};
+    if (ids.empty()) {
+      if (count.silent++ == 0) count.silent_example = path;
+      continue;
+    }
     const std::string named = "the " + std::string(row->noun) + " " + path;
     if (facts.aux_layer_ids.empty()) {
       facts.aux_layer_ids = ids;
@@ -641,16 +651,23 @@ void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, std::size_t
                        ids_text(facts.aux_layer_ids) + ": the records of one run must come from the same base "
                        "layers; index them apart");
     }
-    ++stating;
+    ++count.stating;
   }
 }
 
-// DataFacts::aux_layer_ids from the splits of a plan, with a note of where they come from.
+// DataFacts::aux_layer_ids from the splits of a plan, with a note of where they come from,
+// and one when other files of the run state no layers (their records are taken as the same).
 void plan_stated_aux_ids(RunPlan& p, DataFacts& facts) {
-  std::size_t stating = 0;
-  read_stated_aux_ids(*p.train_data, facts, stating);
-  if (p.eval_data) read_stated_aux_ids(*p.eval_data, facts, stating);
-  if (stating > 1) facts.aux_source += " (and " + std::to_string(stating - 1) + " more files stating the same)";
+  StatedAuxCount count;
+  read_stated_aux_ids(*p.train_data, facts, count);
+  if (p.eval_data) read_stated_aux_ids(*p.eval_data, facts, count);
+  if (count.stating > 1)
+    facts.aux_source += " (and " + std::to_string(count.stating - 1) + " more files stating the same)";
+  if (!facts.aux_layer_ids.empty() && count.silent > 0)
+    p.notes.push_back(std::to_string(count.silent) + " record file" + (count.silent == 1 ? "" : "s") + " (" +
+                      count.silent_example + (count.silent == 1 ? "" : ", ...") +
+                      ") state no aux layers; the run takes theirs to be " + ids_text(facts.aux_layer_ids) + ", as " +
+                      facts.aux_source + " states: if they were dumped from other layers, train them apart");
 }
 
 // RunPlan::stored_targets from the splits, checked against the base and the options; the
