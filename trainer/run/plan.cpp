@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <optional>
 #include <sstream>
+#include <unordered_set>
 
 #include "formats/error.h"
 #include "formats/registry.h"
@@ -620,19 +621,20 @@ void read_stored_targets(const SelectedData& data, std::optional<RunPlan::Stored
 
 // The aux layer ids the files of the splits state (FileFacts::aux_layer_ids), which must
 // agree; only formats whose files may state facts are opened. Empty when none states any.
-// Files stating none are counted in `silent` (the first named in `silent_example`).
+// Each file is counted once over both splits (`seen`, by path): those stating none in
+// `silent`, the first of them named in `silent_example`.
 struct StatedAuxCount {
+  std::unordered_set<std::string> seen;
   std::size_t stating = 0;
   std::size_t silent = 0;
   std::string silent_example;
 };
 
 void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, StatedAuxCount& count) {
-  std::vector<bool> seen(data.dataset.files.size(), false);
   for (const SampleRef& s : data.samples) {
-    if (s.file >= seen.size() || seen[s.file]) continue;
-    seen[s.file] = true;
+    if (s.file >= data.dataset.files.size()) continue;
     const std::string& path = data.dataset.files[s.file];
+    if (!count.seen.insert(path).second) continue;
     const Format f = s.file < data.dataset.file_formats.size() ? data.dataset.file_formats[s.file]
                                                                  : detect_file_format(path);
     const FormatRow* row = format_row(f);
@@ -665,8 +667,8 @@ void plan_stated_aux_ids(RunPlan& p, DataFacts& facts) {
     facts.aux_source += " (and " + std::to_string(count.stating - 1) + " more files stating the same)";
   if (!facts.aux_layer_ids.empty() && count.silent > 0)
     p.notes.push_back(std::to_string(count.silent) + " record file" + (count.silent == 1 ? "" : "s") + " (" +
-                      count.silent_example + (count.silent == 1 ? "" : ", ...") +
-                      ") state no aux layers; the run takes theirs to be " + ids_text(facts.aux_layer_ids) + ", as " +
+                      count.silent_example + (count.silent == 1 ? ") states" : ", ...) state") +
+                      " no aux layers; the run takes theirs to be " + ids_text(facts.aux_layer_ids) + ", as " +
                       facts.aux_source + " states: if they were dumped from other layers, train them apart");
 }
 
