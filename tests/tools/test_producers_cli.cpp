@@ -370,6 +370,20 @@ TEST_CASE("producers cli: a DeepSpec target cache indexes, validates, converts a
   CHECK_MESSAGE(r.out.find("note: the .pt format has no field for the aux layer ids [2, 3, 4] " + fx +
                            "/cache/manifest.json states; pass --aux-layer-ids 2,3,4 when training") != std::string::npos,
                 r.out);
+  // One shard whose samples fall in both splits is one file stating the layers, not two.
+  r = test::eaglekit("index " + test::quote(dir / "ds.eks") + " --out " + test::quote(dir / "eks.eki"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  r = test::eaglekit("train --data " + test::quote(fx + "/conversations.jsonl") + " --index " +
+                     test::quote(dir / "eks.eki") + " --base " + test::quote(dir / "base") + " --out " +
+                     test::quote(dir / "eksrun") + " --max-steps 2 --batch-size 2 --max-length 16 --eval-fraction 0.5"
+                     " --dry-run --json");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["train_samples"] > 0);
+    REQUIRE(j["eval_samples"] > 0);
+    CHECK(j["aux_layer_ids_source"] == "the data: the .eks shard " + dir / "ds.eks");
+  }
   const auto src = open_reader(fx + "/cache/manifest.json");
   const auto eks = open_reader(dir / "ds.eks");
   REQUIRE(eks->size() == 4);

@@ -631,8 +631,12 @@ struct StatedAuxCount {
 };
 
 void read_stated_aux_ids(const SelectedData& data, DataFacts& facts, StatedAuxCount& count) {
+  // A split's samples repeat its files' indices: skip those by index, and look a path up in
+  // `count.seen` (the other split's files) once per file.
+  std::vector<bool> in_split(data.dataset.files.size(), false);
   for (const SampleRef& s : data.samples) {
-    if (s.file >= data.dataset.files.size()) continue;
+    if (s.file >= in_split.size() || in_split[s.file]) continue;
+    in_split[s.file] = true;
     const std::string& path = data.dataset.files[s.file];
     if (!count.seen.insert(path).second) continue;
     const Format f = s.file < data.dataset.file_formats.size() ? data.dataset.file_formats[s.file]
