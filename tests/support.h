@@ -65,6 +65,7 @@ std::string quote(const std::string& s);  // shell single-quote
 // pid a SIGKILLed writer left in its temp file names. Throws when fork or waitpid fails.
 std::string dead_pid();
 std::vector<std::uint8_t> read_bytes(const std::string& path);
+std::string read_text(const std::string& path);  // the file's bytes; "" when it cannot be read
 void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes);
 void write_text(const std::string& path, const std::string& text);
 

@@ -17,10 +17,6 @@ namespace fs = std::filesystem;
 using namespace eaglekit;
 
 namespace {
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 std::vector<std::string> names_in(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
@@ -34,7 +30,7 @@ TEST_CASE("atomic_file: replace_folder_atomic renames a new folder and exchanges
   fs::create_directories(d / ".new.tmp-1");
   test::write_text(d / ".new.tmp-1/a.txt", "first");
   replace_folder_atomic(d / ".new.tmp-1", d / "final");
-  CHECK(slurp(d / "final/a.txt") == "first");
+  CHECK(test::read_text(d / "final/a.txt") == "first");
   CHECK(names_in(d.path()) == std::vector<std::string>{"final"});
 
   // A full folder of that name (which rename(2) refuses) is replaced as a whole: files only
@@ -43,7 +39,7 @@ TEST_CASE("atomic_file: replace_folder_atomic renames a new folder and exchanges
   test::write_text(d / ".new.tmp-2/b.txt", "second");
   replace_folder_atomic(d / ".new.tmp-2", d / "final");
   CHECK(names_in(d / "final") == std::vector<std::string>{"b.txt"});
-  CHECK(slurp(d / "final/b.txt") == "second");
+  CHECK(test::read_text(d / "final/b.txt") == "second");
   CHECK(names_in(d.path()) == std::vector<std::string>{"final"});
 
   CHECK_THROWS_AS(replace_folder_atomic(d / "missing", d / "other"), IoError);

@@ -31,11 +31,6 @@ bool same_bytes(const HostTensor& got, const HostTensor& want, std::int64_t rows
          std::memcmp(got.data, w.data, w.nbytes()) == 0;
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 void spit(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -98,7 +93,7 @@ TEST_CASE("deepspec: the cache DeepSpec's writer made reads as DeepSpec's CacheD
   CHECK(record_file_format(fixture("cache/shard-00000.bin")) == std::nullopt);
   CHECK(record_file_format(fixture("conversations.jsonl")) == std::nullopt);  // '{' but no manifest
   // The first bytes alone never name it: the row's content test needs the file.
-  const std::string head = slurp(manifest).substr(0, 16);
+  const std::string head = test::read_text(manifest).substr(0, 16);
   CHECK(detect_format(reinterpret_cast<const std::uint8_t*>(head.data()), head.size()) == Format::kUnknown);
 }
 
@@ -123,14 +118,14 @@ TEST_CASE("deepspec: damaged caches are refused naming the file, the byte offset
   };
   const auto edit_manifest = [](const std::function<void(nlohmann::json&)>& f) {
     return [f](const std::string& cache) {
-      nlohmann::json m = nlohmann::json::parse(slurp(cache + "/manifest.json"));
+      nlohmann::json m = nlohmann::json::parse(test::read_text(cache + "/manifest.json"));
       f(m);
       spit(cache + "/manifest.json", m.dump(2));
     };
   };
   const auto edit_file = [](const char* file, const std::function<void(std::string&)>& f) {
     return [file, f](const std::string& cache) {
-      std::string b = slurp(cache + "/" + file);
+      std::string b = test::read_text(cache + "/" + file);
       f(b);
       spit(cache + "/" + file, b);
     };

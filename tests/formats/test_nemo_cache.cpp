@@ -28,11 +28,6 @@ bool same_bytes(const HostTensor& got, const HostTensor& want) {
          std::memcmp(got.data, want.data, want.nbytes()) == 0;
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 void spit(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -157,14 +152,14 @@ TEST_CASE("nemo: damaged caches are refused naming the file, the byte offset and
   };
   const auto edit_manifest = [](const std::function<void(nlohmann::json&)>& f) {
     return [f](const std::string& cache) {
-      nlohmann::json m = nlohmann::json::parse(slurp(cache + "/manifest.json"));
+      nlohmann::json m = nlohmann::json::parse(test::read_text(cache + "/manifest.json"));
       f(m);
       spit(cache + "/manifest.json", m.dump(2));
     };
   };
   const auto edit_file = [](const char* file, const std::function<void(std::string&)>& f) {
     return [file, f](const std::string& cache) {
-      std::string b = slurp(cache + "/" + file);
+      std::string b = test::read_text(cache + "/" + file);
       f(b);
       spit(cache + "/" + file, b);
     };
@@ -281,7 +276,7 @@ TEST_CASE("nemo: a top k naming one draft id twice is refused when the record is
   fs::copy(fixture("topk"), cache);
   const std::string shard = cache + "/shard-000000.safetensors";
   const std::uint64_t at = tensor_start(shard, "target_probs_indices");
-  std::string b = slurp(shard);
+  std::string b = test::read_text(shard);
   // Sample 0, position 1: its second index becomes its first.
   const std::uint64_t first = at + 4 * 4, second = first + 4;
   std::memcpy(&b[second], &b[first], 4);

@@ -37,14 +37,9 @@ std::string exe() {
   return bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
 std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::vector<nlohmann::json> out;
-  std::istringstream in(read_text(path));
+  std::istringstream in(test::read_text(path));
   std::string line;
   while (std::getline(in, line))
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
@@ -83,7 +78,7 @@ struct Fixture {
            test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err");
   }
   void check_reference(int exit_code) const {
-    REQUIRE_MESSAGE(exit_code == 0, read_text(single + ".err"));
+    REQUIRE_MESSAGE(exit_code == 0, test::read_text(single + ".err"));
     REQUIRE(fs::exists(single + "/checkpoint-2/model.safetensors"));
   }
   // How far another mesh's weights may be from the reference's after `steps` steps: the
@@ -139,8 +134,8 @@ std::string launch(int nproc, const std::string& logs, const std::string& args) 
 }
 
 std::string logs_of(const std::string& logs, int nproc) {
-  std::string all = read_text(logs + "/launch.err");
-  for (int r = 0; r < nproc; ++r) all += "\n--- rank " + std::to_string(r) + ":\n" + read_text(logs + "/rank_" + std::to_string(r) + ".log");
+  std::string all = test::read_text(logs + "/launch.err");
+  for (int r = 0; r < nproc; ++r) all += "\n--- rank " + std::to_string(r) + ":\n" + test::read_text(logs + "/rank_" + std::to_string(r) + ".log");
   return all;
 }
 
@@ -196,7 +191,7 @@ TEST_CASE("launch cli: train with CP=2, DP=2 and DP=2 x CP=2 equals one process 
                                            "train" + f.common() + " --batch-size 4 --cp 2 --max-steps 4 --resume --json --out " +
                                                test::quote(d + "/cp2"))})[0] == 0,
                   logs_of(d + "/logs-cp2-resume", 2));
-  CHECK(read_text(d + "/logs-cp2-resume/rank_0.log").find("resuming from " + d + "/cp2/checkpoint-2") != std::string::npos);
+  CHECK(test::read_text(d + "/logs-cp2-resume/rank_0.log").find("resuming from " + d + "/cp2/checkpoint-2") != std::string::npos);
   // Another world size or cp cannot resume it (the sampler's deal and the shards differ):
   // refused before anything is written, naming both.
   {
@@ -226,12 +221,12 @@ TEST_CASE("launch cli: train with CP=2, DP=2 and DP=2 x CP=2 equals one process 
     // Only rank 0 prints: its log has the result, the others' have nothing at all.
     const std::string logs = d + "/logs-" + j.name;
     const std::string resumed = j.name == std::string("cp2") ? "-resume" : "";
-    const auto result = printed_json(read_text(logs + resumed + "/rank_0.log"));
+    const auto result = printed_json(test::read_text(logs + resumed + "/rank_0.log"));
     CHECK(result["steps"] == 4);
     CHECK(result["final_dir"] == out + "/final");
     for (int r = 1; r < j.nproc; ++r)
-      CHECK_MESSAGE(read_text(logs + resumed + "/rank_" + std::to_string(r) + ".log").empty(), r);
-    CHECK(read_text(logs + resumed + "/launch.err").empty());
+      CHECK_MESSAGE(test::read_text(logs + resumed + "/rank_" + std::to_string(r) + ".log").empty(), r);
+    CHECK(test::read_text(logs + resumed + "/launch.err").empty());
   }
   // The DP=2 run's final weights are not the 4-row-per-rank ones: the check can fail.
   CHECK(max_rel_diff(d + "/dp2/checkpoint-4/model.safetensors", d + "/cp2/checkpoint-2/model.safetensors") > 1e-3);
@@ -248,11 +243,11 @@ TEST_CASE("launch cli: evaluate --cp 2 gives the single-process figures") {
       {test::quote(exe()) + " evaluate" + f.evaluate_args() + " > " + test::quote(d + "/ev1.out") + " 2> " +
            test::quote(d + "/ev1.err"),
        launch(2, d + "/logs-ev-cp2", "evaluate" + f.evaluate_args() + " --cp 2")});
-  REQUIRE_MESSAGE(codes[0] == 0, read_text(d + "/ev1.err"));
+  REQUIRE_MESSAGE(codes[0] == 0, test::read_text(d + "/ev1.err"));
   REQUIRE_MESSAGE(codes[1] == 0, logs_of(d + "/logs-ev-cp2", 2));
-  const auto one = printed_json(read_text(d + "/ev1.out"));
-  const auto two = printed_json(read_text(d + "/logs-ev-cp2/rank_0.log"));
-  CHECK(read_text(d + "/logs-ev-cp2/rank_1.log").empty());
+  const auto one = printed_json(test::read_text(d + "/ev1.out"));
+  const auto two = printed_json(test::read_text(d + "/logs-ev-cp2/rank_0.log"));
+  CHECK(test::read_text(d + "/logs-ev-cp2/rank_1.log").empty());
   CHECK(two["samples"] == one["samples"]);
   CHECK(two["tokens"] == one["tokens"]);
   CHECK(one["tokens"].get<double>() > 100);
@@ -291,7 +286,7 @@ TEST_CASE("launch cli: torchrun variables set by hand work without launch; only 
                      std::to_string(r) + ".out 2> ../hand" + std::to_string(r) + ".err");
     }
     codes = run_concurrently(cmds);
-    logs = read_text(d + "/hand0.err") + "\n--- rank 1:\n" + read_text(d + "/hand1.err");
+    logs = test::read_text(d + "/hand0.err") + "\n--- rank 1:\n" + test::read_text(d + "/hand1.err");
     if (codes[0] == 0 || logs.find("ddress already in use") == std::string::npos) break;
     MESSAGE("MASTER_PORT " << master_port << " was taken before rank 0 bound it; retrying on another port");
   }
@@ -301,10 +296,10 @@ TEST_CASE("launch cli: torchrun variables set by hand work without launch; only 
   CHECK(fs::exists(d + "/hand0/out/final/model.safetensors"));
   CHECK(read_jsonl(d + "/hand0/out/metrics.jsonl").size() == 2);
   CHECK(fs::exists(d + "/hand0/out/checkpoint-2/optimizer.safetensors"));
-  CHECK(printed_json(read_text(d + "/hand0.out"))["steps"] == 2);
+  CHECK(printed_json(test::read_text(d + "/hand0.out"))["steps"] == 2);
   CHECK(fs::is_empty(d + "/hand1"));  // no metrics, checkpoints or export from rank 1
-  CHECK(read_text(d + "/hand1.out").empty());
-  CHECK(read_text(d + "/hand1.err").empty());
+  CHECK(test::read_text(d + "/hand1.out").empty());
+  CHECK(test::read_text(d + "/hand1.err").empty());
 }
 
 TEST_CASE("launch cli: a killed rank fails the job with a clear error within the timeout, never a hang") {
@@ -334,13 +329,13 @@ TEST_CASE("launch cli: a killed rank fails the job with a clear error within the
   REQUIRE(at != std::string::npos);
   const long elapsed_ms = std::atol(r.out.c_str() + at + 11);
   CHECK_MESSAGE(elapsed_ms < 30000, all);
-  CHECK_MESSAGE(read_text(logs + "/launch.err").find("rank 1 was killed by signal 9") != std::string::npos, all);
-  const auto result = nlohmann::json::parse(read_text(logs + "/launch.out"));
+  CHECK_MESSAGE(test::read_text(logs + "/launch.err").find("rank 1 was killed by signal 9") != std::string::npos, all);
+  const auto result = nlohmann::json::parse(test::read_text(logs + "/launch.out"));
   CHECK(result["exit_code"] == 137);
   CHECK(result["first_failed"] == 1);
   CHECK(result["ranks"][0]["exit_code"] == 1);
   CHECK(result["ranks"][0]["stopped"] == false);  // it failed by itself, before any SIGTERM
-  const std::string rank0 = read_text(logs + "/rank_0.log");
+  const std::string rank0 = test::read_text(logs + "/rank_0.log");
   CHECK_MESSAGE(rank0.find("error: distributed: ") != std::string::npos, rank0);
   CHECK_MESSAGE(rank0.find("(rank 0 of 2") != std::string::npos, rank0);
   CHECK(!fs::exists(out + "/final"));
@@ -366,9 +361,9 @@ TEST_CASE("launch cli: SIGTERM and SIGINT to launch reach every rank") {
   const std::string all = t.out + t.err + "\n" + logs_of(logs, 2);
   CHECK_MESSAGE(t.out.find("rc=3") != std::string::npos, all);
   // An interrupted rank is no failure: launch does not stop the others for it.
-  CHECK_MESSAGE(read_text(logs + "/launch.err").find("stopping the other ranks") == std::string::npos, all);
-  CHECK_MESSAGE(read_text(logs + "/launch.err").find("forwarding SIGTERM to the ranks") != std::string::npos, all);
-  const auto result = printed_json(read_text(logs + "/rank_0.log"));
+  CHECK_MESSAGE(test::read_text(logs + "/launch.err").find("stopping the other ranks") == std::string::npos, all);
+  CHECK_MESSAGE(test::read_text(logs + "/launch.err").find("forwarding SIGTERM to the ranks") != std::string::npos, all);
+  const auto result = printed_json(test::read_text(logs + "/rank_0.log"));
   CHECK(result["interrupted"] == true);
   const std::int64_t step = result["steps"];
   CHECK(step >= 1);
@@ -384,12 +379,12 @@ TEST_CASE("launch cli: SIGTERM and SIGINT to launch reach every rank") {
       "while { [ ! -e ready_0 ] || [ ! -e ready_1 ]; } && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
       "kill -INT $lp; wait $lp; echo rc=$?";
   const auto s = test::run("bash -c " + test::quote(int_script));
-  const std::string int_log = s.out + s.err + read_text(d + "/int.err");
+  const std::string int_log = s.out + s.err + test::read_text(d + "/int.err");
   CHECK_MESSAGE(s.out.find("rc=7") != std::string::npos, int_log);
-  const auto ints = nlohmann::json::parse(read_text(d + "/int.out"));
+  const auto ints = nlohmann::json::parse(test::read_text(d + "/int.out"));
   CHECK(ints["ranks"][0]["exit_code"] == 7);
   CHECK(ints["ranks"][1]["exit_code"] == 7);
-  CHECK(read_text(d + "/int.err").find("forwarding SIGINT to the ranks") != std::string::npos);
+  CHECK(test::read_text(d + "/int.err").find("forwarding SIGINT to the ranks") != std::string::npos);
 }
 
 TEST_CASE("launch cli: --help and usage errors exit 2") {
@@ -422,7 +417,7 @@ TEST_CASE("launch cli: --help and usage errors exit 2") {
   const auto codes = run_concurrently(cmds);
   for (std::size_t i = 0; i < bad.size(); ++i) {
     CAPTURE(bad[i].args);
-    const std::string err = read_text(d + "/bad" + std::to_string(i) + ".err");
+    const std::string err = test::read_text(d + "/bad" + std::to_string(i) + ".err");
     CHECK(codes[i] == 2);
     CHECK_MESSAGE(err.find(bad[i].message) != std::string::npos, err);
   }
@@ -467,15 +462,15 @@ TEST_CASE("launch cli: DP edge cases and CP=2 in pack mode equal one process; an
   const auto codes = run_concurrently(cmds);
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     const std::string ref = d + "/" + pairs[i].name + "-single";
-    REQUIRE_MESSAGE(codes[2 * i] == 0, read_text(ref + ".err"));
+    REQUIRE_MESSAGE(codes[2 * i] == 0, test::read_text(ref + ".err"));
     REQUIRE_MESSAGE(codes[2 * i + 1] == 0, logs_of(d + "/logs-" + pairs[i].name, 2));
   }
 
   for (const auto& p : pairs) {
     CAPTURE(p.name);
     const std::string ref = d + "/" + p.name + "-single", run = d + "/" + p.name;
-    const auto one = printed_json(read_text(ref + ".out"));
-    const auto two = printed_json(read_text(d + "/logs-" + p.name + "/rank_0.log"));
+    const auto one = printed_json(test::read_text(ref + ".out"));
+    const auto two = printed_json(test::read_text(d + "/logs-" + p.name + "/rank_0.log"));
     CHECK(one["steps"] == p.steps);
     CHECK(two["steps"] == p.steps);
     REQUIRE(fs::exists(ref + "/checkpoint-" + std::to_string(p.steps)));
@@ -505,7 +500,7 @@ TEST_CASE("launch cli: DP edge cases and CP=2 in pack mode equal one process; an
   const std::string logs = d + "/logs-cp-resume";
   CHECK(run_concurrently({launch(2, logs, "train" + base + " --mode pack --max-length 40 --batch-size 2 --max-steps 5"
                                            " --resume --out " + test::quote(d + "/cp-pack"))})[0] == 2);
-  const std::string rank0 = read_text(logs + "/rank_0.log");
+  const std::string rank0 = test::read_text(logs + "/rank_0.log");
   CHECK_MESSAGE(rank0.find("--resume: " + d + "/cp-pack/checkpoint-3 was saved by 2 ranks with cp 2; resume with the "
                            "same world size and cp (now 2 ranks, cp 1)") != std::string::npos, rank0);
   CHECK_FALSE(fs::exists(d + "/cp-pack/checkpoint-4"));
@@ -543,7 +538,7 @@ TEST_CASE("launch cli: DFlash under DP=2 equals one process on the global batch 
   const auto codes = run_concurrently(cmds);
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     const std::string ref = d + "/" + pairs[i].name + "-single";
-    REQUIRE_MESSAGE(codes[2 * i] == 0, read_text(ref + ".err"));
+    REQUIRE_MESSAGE(codes[2 * i] == 0, test::read_text(ref + ".err"));
     REQUIRE_MESSAGE(codes[2 * i + 1] == 0, logs_of(d + "/logs-" + pairs[i].name, 2));
   }
 
@@ -602,12 +597,12 @@ TEST_CASE("launch cli: a NeMo cache's stored distributions train and evaluate un
   const auto codes = run_concurrently(
       {test::quote(exe()) + " " + train + test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err"),
        launch(2, d + "/logs-cp2", train + test::quote(cp) + " --cp 2")});
-  REQUIRE_MESSAGE(codes[0] == 0, read_text(single + ".err"));
+  REQUIRE_MESSAGE(codes[0] == 0, test::read_text(single + ".err"));
   REQUIRE_MESSAGE(codes[1] == 0, logs_of(d + "/logs-cp2", 2));
   // The targets were the cache's: the plan said so.
-  CHECK_MESSAGE(read_text(single + ".err").find("draft vocabulary: the 16 tokens of selected_token_ids") !=
+  CHECK_MESSAGE(test::read_text(single + ".err").find("draft vocabulary: the 16 tokens of selected_token_ids") !=
                     std::string::npos,
-                read_text(single + ".err"));
+                test::read_text(single + ".err"));
   const std::vector<double> want = losses(single), got = losses(cp);
   REQUIRE(want.size() == 3);
   REQUIRE(got.size() == want.size());
@@ -627,10 +622,10 @@ TEST_CASE("launch cli: a NeMo cache's stored distributions train and evaluate un
   const auto ev = run_concurrently(
       {test::quote(exe()) + " " + evaluate + " > " + test::quote(d + "/ev1.out") + " 2> " + test::quote(d + "/ev1.err"),
        launch(2, d + "/logs-ev-cp2", evaluate + " --cp 2")});
-  REQUIRE_MESSAGE(ev[0] == 0, read_text(d + "/ev1.err"));
+  REQUIRE_MESSAGE(ev[0] == 0, test::read_text(d + "/ev1.err"));
   REQUIRE_MESSAGE(ev[1] == 0, logs_of(d + "/logs-ev-cp2", 2));
-  const auto one = printed_json(read_text(d + "/ev1.out"));
-  const auto two = printed_json(read_text(d + "/logs-ev-cp2/rank_0.log"));
+  const auto one = printed_json(test::read_text(d + "/ev1.out"));
+  const auto two = printed_json(test::read_text(d + "/logs-ev-cp2/rank_0.log"));
   CHECK(one["samples"] == 5);
   CHECK(two["samples"] == one["samples"]);
   CHECK(two["tokens"] == one["tokens"]);

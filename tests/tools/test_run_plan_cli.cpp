@@ -22,11 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
 // The last non-empty line: a command's error message.
 std::string last_line(const std::string& text) {
   std::size_t end = text.find_last_not_of('\n');
@@ -72,7 +67,7 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
     for (const char* f : {"config.json", "model.safetensors"})
       fs::copy_file(d + "/first/final/" + f, d + "/" + name + "/" + f);
   }
-  auto cfg = nlohmann::json::parse(read_text(d + "/init-noaux/config.json"));
+  auto cfg = nlohmann::json::parse(test::read_text(d + "/init-noaux/config.json"));
   cfg.erase("eagle_aux_hidden_state_layer_ids");
   if (cfg.contains("eagle_config")) cfg["eagle_config"].erase("eagle_aux_hidden_state_layer_ids");
   test::write_text(d + "/init-noaux/config.json", cfg.dump(2));
@@ -147,7 +142,7 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
     const auto plan = nlohmann::json::parse(plan_run.out);
     const auto trained = nlohmann::json::parse(train_run.out);
     // The draft: the config.json of final/ is the one planned, whole.
-    const auto final_config = nlohmann::json::parse(read_text(d + "/case-" + std::to_string(n - 1) + "/final/config.json"));
+    const auto final_config = nlohmann::json::parse(test::read_text(d + "/case-" + std::to_string(n - 1) + "/final/config.json"));
     CHECK_MESSAGE(final_config == plan["draft_config"], "final: " << final_config.dump() << "\nplan:  "
                                                                    << plan["draft_config"].dump());
     // What the plan notes (defaults, the norm form, the aux ids' default), the run says.
@@ -164,7 +159,7 @@ TEST_CASE("run plan cli: --dry-run and a one-step train decide alike over the ed
     CHECK_MESSAGE(train_run.err.find(draft_line) != std::string::npos, "expected: " << draft_line << "\n" << train_run.err);
     CHECK(trained["steps"].get<std::int64_t>() <= plan["total_steps"].get<std::int64_t>());
     // An adapting run logs the count each metrics line ran at; a fixed one does not.
-    const std::string metrics = read_text(d + "/case-" + std::to_string(n - 1) + "/metrics.jsonl");
+    const std::string metrics = test::read_text(d + "/case-" + std::to_string(n - 1) + "/metrics.jsonl");
     const auto first = nlohmann::json::parse(metrics.substr(0, metrics.find('\n')));
     CHECK(first.contains("threads") == plan["adapt_threads"].get<bool>());
     if (first.contains("threads")) CHECK(first["threads"].get<int>() == plan["threads"].get<int>());

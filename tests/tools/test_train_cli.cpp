@@ -53,11 +53,6 @@ std::unique_ptr<Job> make_job() {
 }
 
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
 std::size_t count_lines(const std::string& path) {
   std::ifstream f(path);
   std::size_t n = 0;
@@ -259,7 +254,7 @@ TEST_CASE("train cli: --keep-checkpoints keeps the newest N, resume still works;
     }
   }
   REQUIRE(best_step > 0);
-  const auto best = nlohmann::json::parse(read_text(d + "/kept/best/best.json"));
+  const auto best = nlohmann::json::parse(test::read_text(d + "/kept/best/best.json"));
   CHECK(best["metric"] == "est_ar");
   CHECK(best["step"] == best_step);
   CHECK(best["est_ar"].get<double>() == doctest::Approx(best_ar).epsilon(1e-12));
@@ -283,7 +278,7 @@ TEST_CASE("train cli: --keep-checkpoints keeps the newest N, resume still works;
   CHECK(fs::exists(d + "/kept/checkpoint-7"));
   CHECK(fs::exists(d + "/kept/best/best.json"));  // never pruned
   // The resumed run went on from the saved best: best/ moved only for a higher est_ar.
-  const auto again = nlohmann::json::parse(read_text(d + "/kept/best/best.json"));
+  const auto again = nlohmann::json::parse(test::read_text(d + "/kept/best/best.json"));
   CHECK(again["est_ar"].get<double>() >= best_ar);
 
   // Bad values are usage errors naming the flag; --keep-best without evaluation names the
@@ -444,7 +439,7 @@ TEST_CASE("train cli: SIGTERM or Ctrl-C (SIGINT) mid-run saves a checkpoint and 
                                "kill -0 $pid 2>/dev/null; do sleep 0.01; i=$((i+1)); done; " +
                                send + "wait $pid; echo rc=$?";
     r = test::run("bash -c " + test::quote(script));
-    const std::string printed = read_text(out + ".out") + read_text(out + ".err");
+    const std::string printed = test::read_text(out + ".out") + test::read_text(out + ".err");
     // Exit 3 (interrupted), not 0: `train ... && export` must not export a half-trained draft.
     REQUIRE_MESSAGE(r.out.find("rc=3") != std::string::npos, (r.out + r.err + printed));
     CHECK_MESSAGE(printed.find("interrupted at step") != std::string::npos, printed);
@@ -690,7 +685,7 @@ TEST_CASE("train cli: --init-draft naming no aux ids: --dry-run and train decide
   // A published config often names no aux layers: take them out of ours.
   fs::create_directories(d + "/init");
   for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(d + "/first/final/" + f, d + "/init/" + f);
-  auto cfg = nlohmann::json::parse(read_text(d + "/init/config.json"));
+  auto cfg = nlohmann::json::parse(test::read_text(d + "/init/config.json"));
   cfg.erase("eagle_aux_hidden_state_layer_ids");
   if (cfg.contains("eagle_config")) cfg["eagle_config"].erase("eagle_aux_hidden_state_layer_ids");
   test::write_text(d + "/init/config.json", cfg.dump(2));
@@ -704,7 +699,7 @@ TEST_CASE("train cli: --init-draft naming no aux ids: --dry-run and train decide
   r = test::eaglekit("train" + init + " --out " + test::quote(d + "/second") + " --max-steps 1 --json");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.err.find("--init-draft names no aux layer ids: 2,16,29") != std::string::npos);
-  const auto trained = nlohmann::json::parse(read_text(d + "/second/final/config.json"));
+  const auto trained = nlohmann::json::parse(test::read_text(d + "/second/final/config.json"));
   CHECK(trained["eagle_aux_hidden_state_layer_ids"] == plan["aux_layer_ids"]);
   // And what train refuses, the plan refuses with the same words: another --draft-vocab-size.
   const std::string third = " --out " + test::quote(d + "/third") + " --draft-vocab-size 7";
@@ -725,9 +720,9 @@ TEST_CASE("train cli: an export says how its draft was trained, also as a copy; 
   r = test::eaglekit("export " + test::quote(d + "/run") + " --out " + test::quote(d + "/served"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   // final/ and the export carry the run's options, the same bytes as the checkpoint's.
-  const std::string options = read_text(d + "/run/checkpoint-2/train_options.json");
-  CHECK(read_text(d + "/served/train_options.json") == options);
-  CHECK(read_text(d + "/run/final/train_options.json") == options);
+  const std::string options = test::read_text(d + "/run/checkpoint-2/train_options.json");
+  CHECK(test::read_text(d + "/served/train_options.json") == options);
+  CHECK(test::read_text(d + "/run/final/train_options.json") == options);
   // A copy of the export, away from its run: evaluate still takes its 2 TTT steps (before:
   // "--ttt-steps 3: the default").
   fs::create_directories(d + "/elsewhere");
@@ -754,7 +749,7 @@ TEST_CASE("train cli: an export says how its draft was trained, also as a copy; 
   }
   CHECK_MESSAGE(tokens, rep.dump());
   CHECK_MESSAGE(verifier, rep.dump());
-  CHECK(read_text(d + "/spec/train_options.json") == options);
+  CHECK(test::read_text(d + "/spec/train_options.json") == options);
 }
 
 TEST_CASE("train cli: help comes from the option tables and tells the truth") {

@@ -31,8 +31,6 @@ std::vector<std::set<std::int64_t>> mask_rows(const at::Tensor& m) {
   return rows;
 }
 
-double max_rel(const at::Tensor& a, const at::Tensor& b) { return test::tensor_rel_diff(a, b); }
-
 std::vector<at::Tensor> grads_of(DraftModel& d) {
   std::vector<at::Tensor> g;
   for (const auto& [name, p] : d.named_parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
@@ -123,12 +121,12 @@ TEST_CASE("ttt: fast attention equals dense attention under the docs/ttt.md mask
         TttMaskCache cache;
         const at::Tensor fast = ttt_attention_local({q, ks, vs, key_valid, s, 0.35, doc}, &cache, rows);
         CHECK(fast.sizes() == q.sizes());
-        CHECK(max_rel(fast, dense) < 1e-5);
+        CHECK(test::tensor_rel_diff(fast, dense) < 1e-5);
         CHECK(cache.size() == 1);
         const auto g_fast = torch::autograd::grad({(fast * w).sum()}, inputs);
         for (std::size_t i = 0; i < inputs.size(); ++i) {
           CHECK(at::isfinite(g_fast[i]).all().item<bool>());
-          CHECK(max_rel(g_fast[i], g_dense[i]) < 1e-5);
+          CHECK(test::tensor_rel_diff(g_fast[i], g_dense[i]) < 1e-5);
         }
       }
     }
@@ -157,14 +155,14 @@ TEST_CASE("ttt: partial attention merged by log-sum-exp equals attention over al
   const AttentionPartial a = attend(q, k.narrow(2, 0, 5), v.narrow(2, 0, 5), allowed.narrow(1, 0, 5), 0.3);
   const AttentionPartial c = attend(q, k.narrow(2, 5, 5), v.narrow(2, 5, 5), allowed.narrow(1, 5, 5), 0.3);
   const AttentionPartial merged = merge_partials(a, c);
-  CHECK(max_rel(merged.out, full.out) < 1e-6);
+  CHECK(test::tensor_rel_diff(merged.out, full.out) < 1e-6);
   CHECK(std::isinf(full.lse[0][0][3].item<double>()));
   CHECK(at::equal(full.out.select(2, 3), at::zeros({1, 4, 8})));
   CHECK(at::allclose(merged.lse.masked_fill(at::isinf(merged.lse), 0), full.lse.masked_fill(at::isinf(full.lse), 0)));
   const auto g = torch::autograd::grad({merged.out.sum() + merged.lse.masked_fill(at::isinf(merged.lse), 0).sum()}, {q, k, v});
   for (const auto& t : g) CHECK(at::isfinite(t).all().item<bool>());
   const auto g_full = torch::autograd::grad({full.out.sum() + full.lse.masked_fill(at::isinf(full.lse), 0).sum()}, {q, k, v});
-  for (std::size_t i = 0; i < 3; ++i) CHECK(max_rel(g[i], g_full[i]) < 1e-5);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(test::tensor_rel_diff(g[i], g_full[i]) < 1e-5);
 }
 
 TEST_CASE("ttt: statistics pool by summing and give the metrics of docs/ttt.md") {
@@ -317,11 +315,11 @@ TEST_CASE("ttt: packed rows give the same sums and gradients as the documents in
   CHECK(ra.stats.correct == rb.stats.correct);
   CHECK(ra.stats.cond_correct == rb.stats.cond_correct);
   CHECK(ra.stats.cond_total == rb.stats.cond_total);
-  CHECK(max_rel(rb.ce_sum, ra.ce_sum) < 1e-5);
+  CHECK(test::tensor_rel_diff(rb.ce_sum, ra.ce_sum) < 1e-5);
   ra.ce_sum.sum().backward();
   rb.ce_sum.sum().backward();
   const auto ga = grads_of(a.draft()), gb = grads_of(b.draft());
-  for (std::size_t i = 0; i < ga.size(); ++i) CHECK(max_rel(gb[i], ga[i]) < 1e-4);
+  for (std::size_t i = 0; i < ga.size(); ++i) CHECK(test::tensor_rel_diff(gb[i], ga[i]) < 1e-4);
 }
 
 TEST_CASE("ttt: pooled evaluation statistics do not depend on the batch size") {

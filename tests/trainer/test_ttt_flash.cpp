@@ -209,11 +209,6 @@ class LocalAttentionContext final : public SequenceContext {
   TttMaskCache masks_;
 };
 
-std::string attention_node(SingleRankContext& context, std::int64_t l) {
-  const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
-  return context.attention({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}).grad_fn()->name();
-}
-
 // Each parameter's gradient of `a` within 1e-5 (relative) of `b`'s, where `b` has one; returns
 // how many were compared.
 std::int64_t check_same_grads(TttUnroll& a, TttUnroll& b) {

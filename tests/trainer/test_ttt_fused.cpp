@@ -29,11 +29,6 @@ using namespace eaglekit::test_attention;
 
 namespace {
 
-std::string attention_node(SingleRankContext& context, std::int64_t l) {
-  const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
-  return context.attention({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}).grad_fn()->name();
-}
-
 }  // namespace
 
 TEST_CASE("ttt fused: a build without the kernels says so and why; one with them says nothing") {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tests/tensor_compare.h"
@@ -143,5 +144,12 @@ Footprint footprint(std::int64_t l, F&& attention) {
   return f;
 }
 
+
+// The name of the autograd node that SingleRankContext's attention ends in at length l (which
+// path it took: dense, tiled or fused).
+inline std::string attention_node(trainer::SingleRankContext& context, std::int64_t l) {
+  const Inputs in = make_inputs({1, 4, 2, l, 8}, 1, false, false);
+  return context.attention({in.q, in.ks, in.vs, in.key_valid, 1, 0.3}).grad_fn()->name();
+}
 
 }  // namespace eaglekit::test_attention
