@@ -4,7 +4,7 @@ stored as bf16 and as FP8, a draft trained on each with the end-to-end check's r
 evaluated on the same held-out dumps and served by vLLM on the same prompts.
 
 Usage: .venvs/e2e/bin/python bench/bench_fp8_acceptance.py [--work e2e-out] [--out DIR]
-           [--sides bf16,fp8,eks-fp8] [--seeds 7] [--epochs 6] [--eaglekit PATH] [--json]
+           [--sides bf16,fp8,eks-fp8] [--seeds 7] [--epochs 2] [--eaglekit PATH] [--json]
 
 --work is a finished scripts/e2e folder (its base, data/train.jsonl, data/dumps/*.pt,
 data/heldout.jsonl, heldout.idx, d2t.pt, data/prompts.json); it is only read. Into --out
@@ -28,7 +28,7 @@ tests/data/speculators_fp8/make_fixture.py). Each set is indexed; then for each 
 
   train     tests/e2e/e2e.py's train_cmd: the e2e's EAGLE-3 recipe (--hidden-states-norm post,
             batch 16, length 160, lr 2e-3, 20 warm-up steps, TTT 3, eval fraction 0.02, its d2t.pt)
-            with --seed and --epochs (default 6, the e2e's); hs_{i} records find their
+            with --seed and --epochs (default 2, the e2e's); hs_{i} records find their
             conversation by row, as the e2e's by id, so every side trains the same samples
   evaluate  e2e.py's evaluate_cmd: `eaglekit evaluate --split all` on the e2e's held-out dumps
             (float32, the same for every side): loss, per-step accuracy, est_ar, est_ar_cond
