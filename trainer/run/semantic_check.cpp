@@ -92,6 +92,25 @@ double log_binomial_cdf(std::int64_t k, std::int64_t n, double p) {
   return best + std::log(sum);
 }
 
+// The two-sided exact sign test's p for a against b (X ~ Binomial(a + b, 1/2)).
+double sign_test_p(std::int64_t a, std::int64_t b) {
+  if (a + b == 0) return 1.0;
+  return std::min(1.0, 2.0 * std::exp(log_binomial_cdf(std::min(a, b), a + b, 0.5)));
+}
+
+// norm_sequential_test's result in words, for validate's report and train's plan.
+std::string norm_test_words(const NormTest& t) {
+  std::ostringstream os;
+  os.precision(3);
+  const double pos = static_cast<double>(std::max<std::int64_t>(t.positions, 1));
+  os << "argmax(lm_head(h[t])) is the next token on " << 100.0 * t.agree_post / pos << "% of " << t.positions
+     << " positions of " << t.records << " records as post-norm and " << 100.0 * t.agree_pre / pos
+     << "% as pre-norm; " << t.post_only << " only as post-norm, " << t.pre_only << " only as pre-norm (sign test p "
+     << t.p << " at look " << t.look << " of " << t.looks << ", which decides at p <= " << t.threshold
+     << "; at most " << kNormAlpha << " over all looks)";
+  return os.str();
+}
+
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -208,14 +227,15 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   rep.records = static_cast<std::int64_t>(samples.size());
   const double n = static_cast<double>(std::max<std::int64_t>(rep.positions, 1));
   const double r_post = rep.agree_post / n, r_pre = rep.agree_pre / n;
-  // McNemar on the positions where exactly one form is right: a form is named only when the
-  // other one wins too rarely to be chance (z > 4).
-  const double discordant = static_cast<double>(rep.post_only + rep.pre_only);
-  const double z = discordant > 0 ? static_cast<double>(rep.post_only - rep.pre_only) / std::sqrt(discordant) : 0.0;
-  if (!has_norm) rep.norm_form = "unclear";
-  else if (z > 4) rep.norm_form = "post";
-  else if (z < -4) rep.norm_form = "pre";
-  else rep.norm_form = "unclear";
+  // The form: the sequential test train and evaluate use (norm_sequential_test), over every
+  // record in its read order, so that on the same records both reach the same decision.
+  {
+    std::vector<SemanticRecord> in_order;
+    for (std::size_t i : norm_read_order(per.size())) in_order.push_back(per[i]);
+    const NormTest t = norm_sequential_test(in_order, per.size(), base.config.vocab_size, has_norm);
+    rep.norm_form = t.form;
+    rep.norm_test = norm_test_words(t);
+  }
   // Each record is read in its stated form, else in the one the options name, else in the
   // detected form (post when unclear); against the pooled rate of the records read in that form.
   const bool detected_pre = rep.norm_form == "pre";
@@ -286,58 +306,121 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
     r.reason = os.str();
     rep.suspects.push_back(r);
   }
+  rep.per_record = std::move(per);
   rep.p10 = percentile(rates, 0.1);
   rep.median = percentile(rates, 0.5);
   rep.p90 = percentile(rates, 0.9);
   return rep;
 }
 
+std::vector<std::size_t> norm_looks(std::size_t n) {
+  std::vector<std::size_t> looks;
+  for (std::size_t m = 8; n > 0; m *= 2) {
+    looks.push_back(std::min(m, n));
+    if (m >= n) break;
+  }
+  return looks;
+}
+
+std::vector<std::size_t> norm_read_order(std::size_t n) {
+  // Look by look, records i * n / m for i < m (nested: look m's include look m/2's), new ones
+  // in increasing order; the last look takes the rest.
+  std::vector<std::size_t> order;
+  std::vector<char> taken(n, 0);
+  for (std::size_t m : norm_looks(n)) {
+    const std::size_t size = m < n ? m : n;
+    for (std::size_t i = 0; i < size; ++i) {
+      const std::size_t j = m < n ? i * n / m : i;
+      if (!taken[j]) {
+        taken[j] = 1;
+        order.push_back(j);
+      }
+    }
+  }
+  return order;
+}
+
+NormTest norm_sequential_test(const std::vector<SemanticRecord>& read, std::size_t total, std::int64_t vocab_size,
+                              bool has_final_norm) {
+  NormTest t;
+  const std::vector<std::size_t> looks = norm_looks(total);
+  t.looks = static_cast<int>(looks.size());
+  if (!has_final_norm) return t;
+  const double chance = vocab_size > 0 ? 1.0 / static_cast<double>(vocab_size) : 0.0;
+  std::size_t next = 0;
+  for (std::size_t k = 0; k < looks.size() && looks[k] <= read.size(); ++k) {
+    for (; next < looks[k]; ++next) {
+      const SemanticRecord& r = read[next];
+      t.positions += r.positions;
+      t.agree_post += r.agree_post;
+      t.agree_pre += r.agree_pre;
+      t.post_only += r.post_only;
+      t.pre_only += r.pre_only;
+    }
+    t.records = static_cast<std::int64_t>(looks[k]);
+    t.look = static_cast<int>(k + 1);
+    t.p = sign_test_p(t.post_only, t.pre_only);
+    t.threshold = kNormAlpha / std::ldexp(1.0, t.look);
+    const double best = static_cast<double>(std::max(t.agree_post, t.agree_pre)) /
+                        static_cast<double>(std::max<std::int64_t>(t.positions, 1));
+    if (t.positions > 0 && best < std::max(5.0 * chance, 0.02)) {
+      t.near_chance = true;
+      t.form = "unclear";
+      return t;
+    }
+    if (t.p <= t.threshold) {
+      t.form = t.post_only > t.pre_only ? "post" : "pre";
+      return t;
+    }
+  }
+  return t;
+}
+
 NormMeasurement measure_norm_form(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
                                   std::int64_t max_records, std::int64_t positions) {
   NormMeasurement m;
-  const std::int64_t n = std::min<std::int64_t>(static_cast<std::int64_t>(samples.size()), max_records);
-  // Records i * size / n, in the order the rounds take them.
-  std::vector<SampleRef> spread;
-  for (std::int64_t i = 0; i < n; ++i)
-    spread.push_back(samples[static_cast<std::size_t>(i * static_cast<std::int64_t>(samples.size()) / n)]);
+  const bool has_norm = base.final_norm.defined();
+  const std::vector<std::size_t> order = norm_read_order(samples.size());
+  const std::vector<std::size_t> looks = norm_looks(samples.size());
   SemanticOptions o;
   o.positions = positions;
   o.jobs = 0;
-  o.unstated_form = 0;  // not used for the pooled counts
-  std::int64_t agree_post = 0, agree_pre = 0;
-  double z = 0;
-  bool has_norm = base.final_norm.defined();
-  for (std::int64_t done = 0, round = 8; done < n && has_norm; round = std::max<std::int64_t>(round, done)) {
-    const std::int64_t take = std::min(round, n - done);
-    const std::vector<SampleRef> part(spread.begin() + done, spread.begin() + done + take);
+  o.unstated_form = 0;  // not used for the counts
+  std::vector<SemanticRecord> read;
+  NormTest t;
+  t.looks = static_cast<int>(looks.size());
+  bool capped = false;
+  for (std::size_t k = 0; k < looks.size() && has_norm; ++k) {
+    if (static_cast<std::int64_t>(looks[k]) > max_records) {
+      capped = true;
+      break;
+    }
+    std::vector<SampleRef> part;
+    for (std::size_t i = read.size(); i < looks[k]; ++i) part.push_back(samples[order[i]]);
+    // One record at a time through semantic_check keeps its per-record counts.
     const SemanticReport r = semantic_check(dataset, part, base, o);
-    done += take;
-    m.records = done;
-    m.positions += r.positions;
-    m.post_only += r.post_only;
-    m.pre_only += r.pre_only;
-    agree_post += r.agree_post;
-    agree_pre += r.agree_pre;
-    const double discordant = static_cast<double>(m.post_only + m.pre_only);
-    z = discordant > 0 ? static_cast<double>(m.post_only - m.pre_only) / std::sqrt(discordant) : 0.0;
-    if (std::abs(z) > 4) break;
+    read.insert(read.end(), r.per_record.begin(), r.per_record.end());
+    t = norm_sequential_test(read, samples.size(), base.config.vocab_size, has_norm);
+    if (t.form != "unclear" || t.near_chance) break;
   }
-  const double chance = 1.0 / static_cast<double>(base.config.vocab_size);
-  const double pos = static_cast<double>(std::max<std::int64_t>(m.positions, 1));
-  const double best = std::max(agree_post, agree_pre) / pos;
-  const bool near_chance = m.positions > 0 && best < std::max(5.0 * chance, 0.02);
+  m.form = t.form;
+  m.records = t.records;
+  m.positions = t.positions;
+  m.post_only = t.post_only;
+  m.pre_only = t.pre_only;
   std::ostringstream os;
   os.precision(3);
   if (!has_norm) {
-    m.form = "unclear";
     os << "the base holds no final norm (model.norm.weight), so pre-norm states cannot be told from post-norm ones";
   } else {
-    m.form = near_chance ? "unclear" : z > 4 ? "post" : z < -4 ? "pre" : "unclear";
-    os << "argmax(lm_head(h[t])) is the next token on " << 100.0 * agree_post / pos << "% of " << m.positions
-       << " positions of " << m.records << " records as post-norm and " << 100.0 * agree_pre / pos
-       << "% as pre-norm; " << m.post_only << " only as post-norm, " << m.pre_only << " only as pre-norm (McNemar z "
-       << z << ", beyond 4 decides)";
-    if (near_chance) os << "; both near chance (" << 100.0 * chance << "%): not a dump of this base?";
+    os << norm_test_words(t);
+    if (t.near_chance)
+      os << "; both near chance (" << 100.0 / static_cast<double>(base.config.vocab_size)
+         << "%): not a dump of this base?";
+    else if (t.form == "unclear")
+      os << (capped ? "; stopped at the measurement's cap of " + std::to_string(max_records) + " records of " +
+                          std::to_string(samples.size())
+                    : "; every record read");
   }
   m.said = os.str();
   return m;
@@ -351,6 +434,7 @@ std::string SemanticReport::to_json() const {
   j["agreement_post"] = agree_post / n;
   j["agreement_pre"] = has_final_norm ? nlohmann::ordered_json(agree_pre / n) : nlohmann::ordered_json(nullptr);
   j["norm_form"] = norm_form;
+  j["norm_test"] = norm_test;
   j["stated_pre"] = stated_pre;
   j["stated_post"] = stated_post;
   j["chance"] = chance;
@@ -385,7 +469,8 @@ std::string SemanticReport::to_text() const {
     os << "  norm form: pre (hidden states before the final norm; train and evaluate measure this themselves "
           "for records that state no form; --hidden-states-norm pre says it outright)\n";
   else
-    os << "  norm form: unclear" << (has_final_norm ? " (both forms agree about as often)" : " (the base holds no model.norm.weight)") << "\n";
+    os << "  norm form: unclear" << (has_final_norm ? " (the test below did not decide)" : " (the base holds no model.norm.weight)") << "\n";
+  if (!norm_test.empty()) os << "  the form's test: " << norm_test << "\n";
   if (stated_pre + stated_post > 0)
     os << "  stated by the records (hidden_states_prenorm): " << stated_pre << " pre-norm, " << stated_post
        << " post-norm; those are measured in their stated form\n";

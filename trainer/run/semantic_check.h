@@ -74,11 +74,13 @@ struct SemanticReport {
   std::int64_t agree_post = 0, agree_pre = 0;  // pooled
   std::int64_t post_only = 0, pre_only = 0;    // positions only that form gets right
   bool has_final_norm = false;                 // the base holds model.norm.weight (pre is measured)
-  std::string norm_form;                       // "post", "pre", or "unclear"
+  std::string norm_form;                       // "post", "pre", or "unclear" (norm_sequential_test)
+  std::string norm_test;                       // that test in words
   std::int64_t stated_pre = 0, stated_post = 0;  // records that state their form
   double chance = 0;                           // 1 / vocab_size
   double p10 = 0, median = 0, p90 = 0;         // per-record agreement in the detected form
   std::vector<SemanticRecord> suspects;
+  std::vector<SemanticRecord> per_record;      // every record's counts, in the order given
   std::vector<std::string> problems;           // dataset-level, in words
   std::string to_json() const;
   std::string to_text() const;
@@ -86,6 +88,32 @@ struct SemanticReport {
 
 SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
                               const SemanticOptions& options);
+
+// The norm form's sequential test, one rule for `validate --base` (over every record it reads)
+// and for train's and evaluate's measurement (which reads records until the rule decides).
+// Records are read in norm_read_order: looks after 8, 16, 32, ... records, each look's records
+// spread evenly over the list with the earlier looks' among them, the last look at all of them.
+// At look k (1, 2, ...) the exact two-sided sign test on the positions where exactly one form
+// predicts the next token decides when its p <= kNormAlpha / 2^k, so that over all looks the
+// chance of naming a form when neither predicts better is at most kNormAlpha (a Bonferroni
+// split; a form that predicts better is named at the first look whose counts show it). A look
+// whose pooled agreement is near chance for both forms ends the test: "unclear" (the dump is
+// not of this base). A base without a final norm: "unclear" (nothing tells the forms apart).
+inline constexpr double kNormAlpha = 1e-4;
+std::vector<std::size_t> norm_read_order(std::size_t n);  // a permutation of [0, n)
+std::vector<std::size_t> norm_looks(std::size_t n);       // how many records have been read at each look
+
+struct NormTest {
+  std::string form = "unclear";  // "post", "pre" or "unclear"
+  bool near_chance = false;
+  int look = 0, looks = 0;       // the look that decided (or the last one read), of how many
+  double p = 1;                  // the sign test's p at that look
+  double threshold = 0;          // kNormAlpha / 2^look
+  std::int64_t records = 0, positions = 0, agree_post = 0, agree_pre = 0, post_only = 0, pre_only = 0;
+};
+// `read`: per-record counts in norm_read_order of a list of `total` records, as far as read.
+NormTest norm_sequential_test(const std::vector<SemanticRecord>& read, std::size_t total, std::int64_t vocab_size,
+                              bool has_final_norm);
 
 // What measure_norm_form found: "post", "pre" or "unclear", and the counts in words.
 struct NormMeasurement {
@@ -95,13 +123,12 @@ struct NormMeasurement {
 };
 
 // How `train` and `evaluate` tell the norm form of records that state none and whose layout
-// implies none (run_setup.h plan_hidden_states_norm): semantic_check's pooled McNemar test
-// over a sample of `samples`, spread evenly over them, in rounds of 8, 8, 16, 32 ... records
-// (`positions` each) until |z| > 4 or `max_records` are used. "unclear" when the base has no
-// final norm, when both forms agree about as often, or when neither predicts the next token
-// better than near chance (the dump is not of this base). The head runs on the CPU (a plan
-// opens no device). Cost: records x positions x 2 x V x H multiply-adds.
+// implies none (run_setup.h plan_hidden_states_norm): norm_sequential_test over `samples`,
+// reading them look by look until it decides, all of them are read, or `max_records` are
+// (for a cost bound: a clear dump decides at the first look of 8). The head runs on the CPU
+// (a plan opens no device). Cost: records x positions x 2 x V x H multiply-adds.
+inline constexpr std::int64_t kNormMaxRecords = 4096;
 NormMeasurement measure_norm_form(const Dataset& dataset, const std::vector<SampleRef>& samples, const BaseModel& base,
-                                  std::int64_t max_records = 64, std::int64_t positions = 32);
+                                  std::int64_t max_records = kNormMaxRecords, std::int64_t positions = 32);
 
 }  // namespace eaglekit::trainer
