@@ -340,10 +340,12 @@ DumpPlan plan_dump(const DumpPlanOptions& o, const DatasetIndex* sample) {
   if (o.aux_layers < 1) throw UsageError("stats --plan-dump: --aux-layers must be >= 1");
   if (!(o.text_bytes_per_token >= 0)) throw UsageError("stats --plan-dump: --text-bytes-per-token must be > 0");
   if (!(o.disk_bytes >= 0)) throw UsageError("stats --plan-dump: --disk must be >= 0");
-  if (o.text_bytes_per_token == 0 && sample == nullptr)
+  if (o.text_bytes_per_token == 0 && sample == nullptr && o.counted_tokens <= 0)
     throw UsageError(
-        "stats --plan-dump: the tokens need a ratio of text to tokens: pass --index SAMPLE (an index of "
-        "some of these conversations already dumped, to measure it) or --text-bytes-per-token X");
+        "stats --plan-dump: the tokens need the base's tokenizer or a ratio of text to tokens: give a --base "
+        "folder that holds its tokenizer.json (counted with transformers, tools/python/eaglekit_dump.py "
+        "--count-tokens), or pass --index SAMPLE (an index of some of these conversations already dumped, to "
+        "measure it) or --text-bytes-per-token X");
   DumpPlan p;
   const BaseShape base = read_base_shape(o.base);
   p.base_config = base.path;
@@ -358,6 +360,9 @@ DumpPlan plan_dump(const DumpPlanOptions& o, const DatasetIndex* sample) {
   if (o.text_bytes_per_token > 0) {
     p.text_bytes_per_token = o.text_bytes_per_token;
     p.tokens_basis = "given (--text-bytes-per-token)";
+  } else if (sample == nullptr) {
+    p.text_bytes_per_token = static_cast<double>(p.text_bytes) / static_cast<double>(o.counted_tokens);
+    p.tokens_basis = o.counted_basis;
   }
   if (sample != nullptr) {
     StatsOptions so;
@@ -388,7 +393,8 @@ DumpPlan plan_dump(const DumpPlanOptions& o, const DatasetIndex* sample) {
                        std::to_string(tokens) + " tokens, matched by " + d.matched_by + ")";
     }
   }
-  p.tokens = static_cast<double>(p.text_bytes) / p.text_bytes_per_token;
+  p.tokens = o.text_bytes_per_token == 0 && sample == nullptr ? static_cast<double>(o.counted_tokens)
+                                                              : static_cast<double>(p.text_bytes) / p.text_bytes_per_token;
 
   const double values = static_cast<double>(o.aux_layers + 1) * static_cast<double>(p.hidden_size);
   const double raw = 8.0 + 2.0 * values;  // int64 id + bf16 hidden and aux

@@ -94,7 +94,12 @@ struct DumpPlanOptions {
   std::string conversations;        // --data
   std::string base;                 // the base's folder (its config.json) or the file itself
   int aux_layers = 3;               // k: EAGLE-3 reads 3 (train's default aux ids)
-  double text_bytes_per_token = 0;  // > 0: given; 0: measured on the sample (required then)
+  double text_bytes_per_token = 0;  // > 0: given; 0: measured on the sample or counted (below)
+  // > 0: the conversations' tokens counted by the base's own tokenizer (tools/cmd_stats.cpp
+  // runs tools/python/eaglekit_dump.py --count-tokens when the base folder has tokenizer.json),
+  // with how, in words; used when neither text_bytes_per_token nor a sample is given.
+  std::int64_t counted_tokens = 0;
+  std::string counted_basis;
   double disk_bytes = 0;            // > 0: the disk the dump may take; the suggestion must fit it
 };
 

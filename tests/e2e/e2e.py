@@ -166,6 +166,18 @@ def main():
               "--out", r.path("speculators")])
     r.stage("eaglekit", "speculators/config.json", eaglekit)
 
+    # 3a. `stats --plan-dump` before any dump: the tokens counted with the base's own tokenizer
+    # (its tokenizer.json, through eaglekit_dump.py --count-tokens) equal the dump's.
+    def plan_dump():
+        r.sh([ek, "stats", "--plan-dump", "--data", r.path("data", "train.jsonl"), "--base", base, "--python", py,
+              "--json"], out=r.path("plan_dump.json"))
+        r.sh([ek, "stats", "--index", r.path("train.idx"), "--skip-padding", "--json"], out=r.path("train_stats.json"))
+    r.stage("plan_dump", "train_stats.json", plan_dump)
+    pd, ts = json.load(open(r.path("plan_dump.json"))), json.load(open(r.path("train_stats.json")))
+    r.check("stats --plan-dump counts the conversations' tokens with the base's tokenizer, as the dump holds them",
+            pd["tokens"] == ts["total_tokens"],
+            f"{pd['tokens']:.0f} planned against {ts['total_tokens']} dumped ({pd['tokens_basis']})")
+
     # 3b. EAGLE 3.1 (--draft-arch eagle3.1: fc_norm per aux layer and norm_output), the same data,
     # recipe and seed as the EAGLE-3 run, in both layouts.
     def eaglekit_31():

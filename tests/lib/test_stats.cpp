@@ -271,6 +271,33 @@ TEST_CASE("stats: plan_dump counts the text, reads the base's width, measures on
   CHECK(message(none).find("pass --index SAMPLE (an index of some of these conversations already dumped, to "
                            "measure it) or --text-bytes-per-token X") != std::string::npos);
   CHECK_THROWS_AS(plan_dump(none), UsageError);
+  // Counted by the base's tokenizer (the CLI's eaglekit_dump.py --count-tokens): the tokens are
+  // the count, and the ratio follows from them.
+  DumpPlanOptions counted = none;
+  counted.counted_tokens = 125;
+  counted.counted_basis = "counted with the base's tokenizer (test)";
+  const DumpPlan pc = plan_dump(counted);
+  CHECK(pc.tokens == 125);
+  CHECK(pc.text_bytes_per_token == doctest::Approx(8));
+  CHECK(pc.tokens_basis == "counted with the base's tokenizer (test)");
+  // The CLI runs the counter when the base folder holds a tokenizer.json: here a stand-in
+  // Python that prints what eaglekit_dump.py --count-tokens prints, and one that fails.
+  std::filesystem::create_directories(dir / "tok-base");
+  test::write_text(dir / "tok-base/config.json", R"({"hidden_size": 64, "num_hidden_layers": 8})");
+  test::write_text(dir / "tok-base/tokenizer.json", "{}");
+  test::write_text(dir / "fake-python", "#!/bin/sh\necho '{\"conversations\": 4, \"tokens\": 125}'\n");
+  std::filesystem::permissions(dir / "fake-python", std::filesystem::perms::owner_all);
+  const std::string plan_cli = "stats --plan-dump --data " + test::quote(dir / "conversations.jsonl") + " --base " +
+                               test::quote(dir / "tok-base") + " --json --python ";
+  auto cli = test::eaglekit(plan_cli + test::quote(dir / "fake-python"));
+  REQUIRE_MESSAGE(cli.exit_code == 0, cli.err);
+  const auto counted_json = nlohmann::json::parse(cli.out);
+  CHECK(counted_json["tokens"] == 125);
+  CHECK(counted_json["tokens_basis"].get<std::string>().find("counted with the base's tokenizer (") == 0);
+  cli = test::eaglekit(plan_cli + "/bin/false");
+  CHECK(cli.exit_code == 2);
+  CHECK_MESSAGE(cli.err.find("tokenizer.json failed (") != std::string::npos, cli.err);
+  CHECK_MESSAGE(cli.err.find("pass --text-bytes-per-token X or --index SAMPLE instead") != std::string::npos, cli.err);
   {
     std::vector<IndexedFile> files = {one(dir / "zz.pt", 25, 13000)};
     files[0].records[0].info.conversation_id = "zz";

@@ -11,6 +11,9 @@ torch.save'd dict as NVIDIA ModelOpt's HF dumper writes it, plus the loss mask a
   hidden_states_prenorm  False     the form stated, so eaglekit need not measure it
 
 Usage: eaglekit_dump.py --model DIR --data IN.jsonl --out DIR [options]
+       eaglekit_dump.py --model DIR --data IN.jsonl --count-tokens
+         (no model is loaded: the tokens the dump would hold, its chat template applied by the
+         tokenizer alone, as JSON on stdout; `eaglekit stats --plan-dump` runs it)
 
 The aux layers default to EAGLE-3's sorted({2, N//2, N-3}) for a base of N layers (as ModelOpt's
 dumper and eaglekit train derive them); --aux-layers sets others (HF hidden_states indices, 0
@@ -105,7 +108,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the target's Hugging Face folder or id")
     ap.add_argument("--data", required=True, help="the conversations: a .jsonl file or a folder of them")
-    ap.add_argument("--out", required=True, help="the folder that receives {conversation_id}.pt")
+    ap.add_argument("--out", help="the folder that receives {conversation_id}.pt (required but with --count-tokens)")
+    ap.add_argument("--count-tokens", action="store_true",
+                    help="print {\"conversations\", \"tokens\"} of --data as the dump would tokenize them (the chat "
+                         "template applied by the tokenizer; no model loaded) and stop")
     ap.add_argument("--aux-layers", help="comma-separated HF hidden_states indices "
                                          "(default: EAGLE-3's sorted({2, N//2, N-3}))")
     ap.add_argument("--loss-mask", choices=["assistant", "none"], default="assistant",
@@ -124,6 +130,10 @@ def main():
     ap.add_argument("--eaglekit", default="eaglekit", help="--eks: the eaglekit binary (default: on PATH)")
     args = ap.parse_args()
     try:
+        if args.count_tokens:
+            return count_tokens(args)
+        if not args.out:
+            raise UsageError("--out is required (or --count-tokens)")
         i, n = parse_shard(args.shard)
         if args.eks and n > 1:
             raise UsageError("--eks with --shard: run `eaglekit convert OUT FILE.eks` once after every shard is done")
@@ -137,6 +147,23 @@ def main():
     except (DataError, RuntimeError, OSError) as e:
         print(f"dump: error: {e}", file=sys.stderr)
         return 1
+
+
+def count_tokens(args):
+    """The tokens of every conversation of --data, as run() would tokenize them."""
+    convs = read_conversations(args.data)
+    try:
+        quiet_transformers()
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise RuntimeError(f"--count-tokens needs transformers ({e}): pip install -r "
+                           f"scripts/requirements-dump.txt into this Python ({sys.executable})") from None
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    if tok.chat_template is None:
+        raise DataError(f"{args.model}: the tokenizer has no chat template")
+    total = sum(len(token_ids(tok, c.turns)) for c in convs)
+    print(json.dumps({"conversations": len(convs), "tokens": total, "model": args.model}))
+    return 0
 
 
 def run(args, i, n):
