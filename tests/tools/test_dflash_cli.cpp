@@ -22,7 +22,10 @@ using test::plan_decision;
 namespace {
 
 nlohmann::json evaluate_json(const std::string& draft, const std::string& data) {
-  auto r = test::eaglekit("evaluate --draft " + test::quote(draft) + data + " --split all --max-length 24 --json --threads 1");
+  // The held-out quarter only: train takes the same --eval-fraction, so these 6 conversations
+  // were never trained on.
+  auto r = test::eaglekit("evaluate --draft " + test::quote(draft) + data +
+                          " --split eval --eval-fraction 0.25 --max-length 24 --json --threads 1");
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   return nlohmann::json::parse(r.out);
 }
@@ -39,7 +42,7 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const std::string data = " --data " + test::quote(dir / "data/conversations.jsonl") + " --index " +
                            test::quote(dir / "index.eki") + " --base " + test::quote(dir / "base");
-  const std::string flags = " --max-length 24 --batch-size 4 --eval-every -1 --threads 1 --lr 3e-3";
+  const std::string flags = " --max-length 24 --batch-size 4 --eval-every -1 --eval-fraction 0.25 --threads 1 --lr 3e-3";
   const std::string dflash = " --draft-arch dflash --block-size 4 --mask-token-id 47 --dflash-anchors 6";
 
   r = test::eaglekit("train" + data + flags + dflash + " --max-steps 2 --out " + test::quote(dir / "p") +
