@@ -25,6 +25,7 @@
 #include "trainer/model/vocab.h"
 #include "trainer/run/evaluate.h"
 #include "trainer/run/optim.h"
+#include "trainer/run/options.h"
 #include "trainer/run/train.h"
 
 namespace fs = std::filesystem;
@@ -225,6 +226,15 @@ TEST_CASE("train: Muon steps equal the paper's update in double precision (1e-5)
   MuonReference one(t0);
   one.step(gt[0], 0.5);
   CHECK(update_diff(w.detach(), one.w, t0) < 1e-5);
+  // Its AdamW half: lm_head takes AdamW's step at lr itself (not lr * muon_lr_ratio), equal to
+  // an AdamW of the same options on its own (a pair that left lm_head alone, or stepped it at
+  // Muon's rate, fails here).
+  at::Tensor head_alone = v0.clone().set_requires_grad(true);
+  AdamW adamw_alone({{"lm_head.weight", head_alone}}, po.adamw);
+  head_alone.mutable_grad() = gv[0].clone();
+  adamw_alone.step(0.25);
+  CHECK_FALSE(at::equal(head.detach(), v0));
+  CHECK(at::equal(head.detach(), head_alone.detach()));
   const auto state = pair.state();
   REQUIRE(state.size() == 3);
   CHECK(state[0].first == "exp_avg.lm_head.weight");
@@ -237,6 +247,44 @@ TEST_CASE("train: Muon steps equal the paper's update in double precision (1e-5)
   missing.pop_back();
   CHECK_THROWS_WITH_AS(again.load_state(missing, 1, "opt.safetensors"),
                        "opt.safetensors: momentum_buffer.w: missing optimizer state", FormatError);
+}
+
+// Every optimizer flag reaches the optimizer's options, read as a command line sets them
+// (values other than the defaults, so an option parsed and dropped fails here).
+TEST_CASE("train: the --optimizer, --adam-*, --weight-decay and --muon-* flags reach the optimizer") {
+  TrainOptions t;
+  const opt::Groups groups = t.groups();
+  auto set = [&](const std::string& flag, const std::string& value) {
+    const opt::Option* row = nullptr;
+    for (const auto& g : groups)
+      if (!row) row = g.find(flag);
+    REQUIRE_MESSAGE(row, flag);
+    row->set_text(value);
+  };
+  set("optimizer", "muon");
+  set("lr", "0.002");
+  set("muon-lr", "0.02");
+  set("muon-momentum", "0.9");
+  set("muon-weight-decay", "0.05");
+  set("muon-ns-steps", "3");
+  set("muon-adjust-lr", "original");
+  set("adam-beta1", "0.8");
+  set("adam-beta2", "0.99");
+  set("adam-eps", "1e-7");
+  set("weight-decay", "0.01");
+  const DraftOptimizer::Options d = draft_optimizer_options(t);
+  CHECK(d.muon);
+  CHECK(d.muon_lr_ratio == doctest::Approx(10.0));
+  CHECK(d.muon_options.momentum == 0.9);
+  CHECK(d.muon_options.weight_decay == 0.05);
+  CHECK(d.muon_options.ns_steps == 3);
+  CHECK(d.muon_options.adjust_lr == MuonLrAdjust::kOriginal);
+  CHECK(d.adamw.beta1 == 0.8);
+  CHECK(d.adamw.beta2 == 0.99);
+  CHECK(d.adamw.eps == 1e-7);
+  CHECK(d.adamw.weight_decay == 0.01);
+  set("optimizer", "adamw");
+  CHECK_FALSE(draft_optimizer_options(t).muon);
 }
 
 TEST_CASE("train: clip_grad_norm is torch's global-norm clipping") {
