@@ -208,6 +208,26 @@ def main():
                           r.path("heldout.idx")), out=r.path("evaluate-dflash.json"))
     r.stage("eaglekit_dflash", "evaluate-dflash.json", eaglekit_dflash)
     evdf = json.load(open(r.path("evaluate-dflash.json")))
+
+    # 3d. speculators' own loader on our DFlash speculators export: `export --format speculators`
+    # of the speculators fixture's draft, then make_fixture.py --check-export (speculators'
+    # DFlashDraftModel.from_pretrained: every weight, the fixture batch's loss, vLLM's reading
+    # of the config; docs/dflash.md).
+    fixture = os.path.join(ROOT, "tests", "data", "dflash_speculators")
+
+    def dflash_speculators():
+        shutil.rmtree(r.path("dflash-speculators"), ignore_errors=True)
+        r.sh([ek, "export", os.path.join(fixture, "saved"), "--format", "speculators", "--verifier",
+              os.path.join(fixture, "verifier"), "--out", r.path("dflash-speculators")])
+        r.sh([py, os.path.join(fixture, "make_fixture.py"), "--check-export", r.path("dflash-speculators")],
+             out=r.path("dflash-speculators.json"), ok=(0, 1))
+    r.stage("dflash_speculators", "dflash-speculators.json", dflash_speculators)
+    dfs = json.load(open(r.path("dflash-speculators.json")))
+    r.check("speculators' own DFlashDraftModel loads our DFlash speculators export: every weight, the loss, vLLM's "
+            "reading", not dfs["failures"],
+            f"missing {len(dfs['missing_keys'])}, unexpected {len(dfs['unexpected_keys'])}, max weight difference "
+            f"{dfs['max_weight_difference']}, ce_decay loss {dfs['ce_decay_loss'][0]:.9g} vs "
+            f"{dfs['ce_decay_loss'][1]:.9g}" + (f"; FAILURES: {'; '.join(dfs['failures'])}" if dfs["failures"] else ""))
     v = json.load(open(r.path("validate.json")))
     sem = v.get("semantic", {})
     r.check("validate --base calls the dump post-norm and flags nothing",
