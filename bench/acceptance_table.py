@@ -21,6 +21,8 @@ runs, into --out/SETTING/seedN/:
 
 Resumable: a stage whose result file exists is skipped (train: run/final/config.json and
 train.json; evaluate: evaluate.json; serve: serve.json); a stage that stopped part way is redone.
+A stored training is reused only when its command and the eaglekit binaries (by sha256) are this
+run's; else it trains again, saying why, and its evaluation and serving are redone.
 At the end it writes --out/results.json and --out/table.md (one row per setting: acceptance per
 seed, mean, spread = max - min over the seeds, est_ar_cond per seed, train wall seconds and
 median CPU ms per step per seed; results.json adds each run's engine standard error).
@@ -29,6 +31,7 @@ Exit 0 when every run finished and every speculative output equals the base's; 1
 fails (the message names it and the command) or an output differs; 2 on usage errors.
 """
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -130,6 +133,12 @@ def main():
               "--index", os.path.join(e2e, "train.idx"), "--d2t", os.path.join(e2e, "d2t.pt"),
               "--max-length", "160", "--batch-size", "16", "--epochs", str(args.epochs), "--lr", "2e-3",
               "--warmup-steps", "20", "--ttt-steps", "3", "--eval-fraction", "0.02", "--no-progress"]
+    # The binaries a run was trained with: eaglekit and the eaglekit-torch it runs, by content.
+    binaries = {}
+    for exe in (ek, os.path.join(os.path.dirname(os.path.abspath(ek)), "eaglekit-torch")):
+        if os.path.exists(exe):
+            with open(exe, "rb") as f:
+                binaries[os.path.basename(exe)] = hashlib.sha256(f.read()).hexdigest()
     results, differ = [], []
     for name in settings:
         flags = SETTINGS[name][1]
@@ -139,11 +148,26 @@ def main():
             run = os.path.join(d, "run")
             tag = f"{name} seed {seed}"
             train_json = os.path.join(d, "train.json")
-            if not (os.path.exists(train_json) and os.path.exists(os.path.join(run, "final", "config.json"))):
-                shutil.rmtree(run, ignore_errors=True)  # of a run that stopped part way
-                cmd = [ek, "train", *common, "--seed", str(seed), *flags, "--out", run]
+            cmd = [ek, "train", *common, "--seed", str(seed), *flags, "--out", run]
+            # A stored run is reused only when it was made by this command and these binaries:
+            # otherwise its figures would be labelled with settings it was not trained with.
+            stale = None
+            if os.path.exists(train_json):
+                old = json.load(open(train_json))
+                if old.get("command") != cmd:
+                    stale = "another command"
+                elif old.get("binaries") != binaries:
+                    stale = "other eaglekit binaries"
+            if stale or not (os.path.exists(train_json) and os.path.exists(os.path.join(run, "final", "config.json"))):
+                if stale:
+                    print(f"acceptance_table: {tag}: the stored run was made by {stale}; training it again",
+                          file=sys.stderr)
+                for f in (train_json, os.path.join(d, "evaluate.json"), os.path.join(d, "serve.json")):
+                    if os.path.exists(f):
+                        os.remove(f)
+                shutil.rmtree(run, ignore_errors=True)  # of a run that stopped part way, or a stale one
                 secs = sh(f"train {tag}", cmd, os.path.join(d, "train.log"))
-                write_json(train_json, {"seconds": round(secs, 1), "command": cmd})
+                write_json(train_json, {"seconds": round(secs, 1), "command": cmd, "binaries": binaries})
             tr = json.load(open(train_json))
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 ms = [json.loads(line) for line in f if line.strip()]
