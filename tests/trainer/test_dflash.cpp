@@ -482,8 +482,9 @@ DFlashOptions spec_options(const std::string& name) {
   DFlashOptions o;
   o.prenorm_hidden_states = true;  // speculators applies the verifier's final norm
   o.self_distillation = name.rfind("kl", 0) == 0;
-  if (name == "ce_dpace") {
+  if (name.rfind("ce_dpace", 0) == 0) {
     o.weighting = DFlashWeighting::kDpace;
+    o.dpace_alpha = name == "ce_dpace_a03" ? 0.3 : 0.5;
   } else {
     o.weighting = DFlashWeighting::kDecay;
     o.decay_gamma = name == "ce_uniform" ? 0.0 : 4.0;
@@ -494,7 +495,7 @@ DFlashOptions spec_options(const std::string& name) {
 }  // namespace
 
 TEST_CASE("dflash: loss, accuracy, accepted length and gradients equal speculators 0.9's on the same draft, batch and anchors") {
-  for (const std::string name : {"ce_uniform", "ce_decay", "ce_dpace", "kl_decay"}) {
+  for (const std::string name : {"ce_uniform", "ce_decay", "ce_dpace", "ce_dpace_a03", "kl_decay"}) {
     CAPTURE(name);
     const SpecResult ours = run_spec_case(spec_options(name), spec_anchors());
     const Fixture& f = spec_fixture();

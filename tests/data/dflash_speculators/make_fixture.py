@@ -41,7 +41,7 @@ Tensors (float32 unless said):
   CASE.g.NAME                the gradient of the loss
   kl_decay.entropy [1]       sum(w * mask * H(target)) / (sum(mask) + 1e-5): KL = CE - H
   for CASE in ce_uniform (ce, fixed-exp-decay with gamma inf: every weight 1),
-  ce_decay (ce, gamma 4), ce_dpace (ce, D-PACE alpha 0.5), kl_decay (kl_div, gamma 4:
+  ce_decay (ce, gamma 4), ce_dpace (ce, D-PACE alpha 0.5), ce_dpace_a03 (alpha 0.3), kl_decay (kl_div, gamma 4:
   speculators' default loss and weighting)
   causal.loss [1]            ce_decay with the block made causal by speculators' own mask
                              (its sliding-window form with sliding_window_non_causal false
@@ -125,7 +125,7 @@ def packed_anchors():
     return anchors, valid
 
 
-def run(model, batch, loss, weighting, gamma, causal=False):
+def run(model, batch, loss, weighting, gamma, alpha=0.5, causal=False):
     anchors, valid = packed_anchors()
     dflash_core.select_anchors = lambda loss_mask, n, block: (anchors, valid)
     if causal:  # speculators' own causal block: its sliding-window mask, non-causal off
@@ -136,7 +136,7 @@ def run(model, batch, loss, weighting, gamma, causal=False):
     _, logits, targets, mask, _ = model._backbone_forward(*batch_args(batch), max_anchors=anchors.numel())
     value, metrics = dflash_core.compute_metrics(
         logits, targets, mask, BLOCK, gamma=gamma, loss_config=resolve_loss_config(loss, "eager"),
-        per_position_loss_weight=weighting, dpace_alpha=0.5, sample_from_anchor=False)
+        per_position_loss_weight=weighting, dpace_alpha=alpha, sample_from_anchor=False)
     value.backward()
     out = {"loss": value.detach().reshape(1), "count": mask.sum().reshape(1).float(),
            "acc": (metrics["full_acc_sum"] / metrics["full_acc_total"]).reshape(1),
@@ -152,8 +152,11 @@ def run(model, batch, loss, weighting, gamma, causal=False):
     return out, grads
 
 
-CASES = {"ce_uniform": ("ce", "fixed-exp-decay", math.inf), "ce_decay": ("ce", "fixed-exp-decay", 4.0),
-         "ce_dpace": ("ce", "dpace", 4.0), "kl_decay": ("kl_div", "fixed-exp-decay", 4.0)}
+# (loss, weighting, gamma, D-PACE alpha). ce_dpace_a03: at alpha 0.5, alpha + (1 - alpha) q equals
+# (1 - alpha) + alpha q, so a swapped formula passes ce_dpace; at 0.3 it does not.
+CASES = {"ce_uniform": ("ce", "fixed-exp-decay", math.inf, 0.5), "ce_decay": ("ce", "fixed-exp-decay", 4.0, 0.5),
+         "ce_dpace": ("ce", "dpace", 4.0, 0.5), "ce_dpace_a03": ("ce", "dpace", 4.0, 0.3),
+         "kl_decay": ("kl_div", "fixed-exp-decay", 4.0, 0.5)}
 
 
 def make(out):
@@ -220,8 +223,8 @@ def make(out):
     tensors.update(embed_tokens=embed, lm_head=lm_head, final_norm=final_norm, input_ids=input_ids,
                    loss_mask=loss_mask, hidden_states=hidden, aux_hidden_states=aux,
                    anchors=torch.tensor(ANCHORS), keep=torch.tensor(KEEP).to(torch.uint8))
-    for case, (loss, weighting, gamma) in CASES.items():
-        res, grads = run(model, batch, loss, weighting, gamma)
+    for case, (loss, weighting, gamma, alpha) in CASES.items():
+        res, grads = run(model, batch, loss, weighting, gamma, alpha)
         for k, v in res.items():
             tensors[f"{case}.{k}"] = v
         for n, g in grads.items():
