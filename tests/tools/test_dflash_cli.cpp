@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -83,6 +84,28 @@ TEST_CASE("dflash cli: planned, trained, exported, evaluated and resumed as DFla
                      " --dry-run");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("whole vocabulary") != std::string::npos);
+
+  // --dpace-alpha reaches the unroll: the D-PACE weights move the gradients, so the loss after
+  // three steps moves with alpha (the first step's loss is the same for any alpha: at the start
+  // every position's loss is about log V, and a weighted mean of equal losses does not move);
+  // 0.5 given is the default. (speculators' own D-PACE at 0.3 is test_dflash.cpp's fixture case.)
+  auto last_loss = [&](const std::string& extra, const std::string& out) {
+    auto t = test::eaglekit("train" + data + flags + dflash + " --max-steps 3 --seed 3 --log-every 1" + extra +
+                            " --out " + test::quote(dir / out));
+    REQUIRE_MESSAGE(t.exit_code == 0, t.err);
+    std::ifstream f(dir / (out + "/metrics.jsonl"));
+    double loss = -1;
+    for (std::string line; std::getline(f, line);) {
+      const auto m = nlohmann::json::parse(line);
+      if (m.contains("loss") && m.value("split", "") != "eval") loss = m["loss"].get<double>();
+    }
+    REQUIRE_MESSAGE(loss >= 0, "no training loss in " << out << "/metrics.jsonl");
+    return loss;
+  };
+  const double loss_default = last_loss("", "a-default"), loss_half = last_loss(" --dpace-alpha 0.5", "a-half");
+  const double loss_03 = last_loss(" --dpace-alpha 0.3", "a-03");
+  CHECK(loss_half == loss_default);
+  CHECK(std::abs(loss_03 - loss_default) > 1e-4 * std::abs(loss_default));
 
   // Packed rows train too (each document as a row of its own, docs/dflash.md), and say so.
   r = test::eaglekit("train" + data + flags + dflash + " --mode pack --max-steps 2 --out " + test::quote(dir / "pack") +
