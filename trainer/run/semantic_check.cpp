@@ -92,6 +92,9 @@ double log_binomial_cdf(std::int64_t k, std::int64_t n, double p) {
   return best + std::log(sum);
 }
 
+// Whether the better form's agreement is near chance (a dump of another model than the base).
+bool near_chance(double best_agreement, double chance) { return best_agreement < std::max(5.0 * chance, 0.02); }
+
 // The two-sided exact sign test's p for a against b (X ~ Binomial(a + b, 1/2)).
 double sign_test_p(std::int64_t a, std::int64_t b) {
   if (a + b == 0) return 1.0;
@@ -252,7 +255,7 @@ SemanticReport semantic_check(const Dataset& dataset, const std::vector<SampleRe
   auto rate_of = [&](bool pre) {
     return pos_in[pre] > 0 ? static_cast<double>(agree_in[pre]) / static_cast<double>(pos_in[pre]) : 0.0;
   };
-  if (rep.positions > 0 && std::max(r_post, r_pre) < std::max(5.0 * rep.chance, 0.02)) {
+  if (rep.positions > 0 && near_chance(std::max(r_post, r_pre), rep.chance)) {
     std::ostringstream os;
     os << "argmax(lm_head(h[t])) equals the next token on " << 100.0 * std::max(r_post, r_pre)
        << "% of sampled positions, near chance (" << 100.0 * rep.chance
@@ -363,7 +366,7 @@ NormTest norm_sequential_test(const std::vector<SemanticRecord>& read, std::size
     t.threshold = kNormAlpha / std::ldexp(1.0, t.look);
     const double best = static_cast<double>(std::max(t.agree_post, t.agree_pre)) /
                         static_cast<double>(std::max<std::int64_t>(t.positions, 1));
-    if (t.positions > 0 && best < std::max(5.0 * chance, 0.02)) {
+    if (t.positions > 0 && near_chance(best, chance)) {
       t.near_chance = true;
       t.form = "unclear";
       return t;
