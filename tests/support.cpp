@@ -108,6 +108,16 @@ RunResult eaglekit(const std::string& args) { return run(quote(eaglekit_path()) 
 
 std::string source_dir() { return EAGLEKIT_SOURCE_DIR; }
 
+std::string binary_dir() { return EAGLEKIT_BINARY_DIR; }
+
+bool fused_build() {
+#ifdef EAGLEKIT_FUSED_BUILD
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string dead_pid() {
   const pid_t child = ::fork();
   if (child < 0) throw std::runtime_error("dead_pid: fork failed");

@@ -59,6 +59,13 @@ RunResult eaglekit(const std::string& args);
 std::string eaglekit_path();  // that binary ($EAGLEKIT_BIN, else the build's bin/eaglekit)
 
 std::string source_dir();  // repository root
+// The build folder these tests were built in. Only support.cpp sees the build's own facts
+// (its folder, whether its LibTorch has the fused kernels), so that every test file compiles
+// to the same command in each build and ccache shares the torch-free binaries' objects
+// between the LibTorch 1.13 and 2.x builds (docs/contributing.md, "CI's budget").
+std::string binary_dir();
+// Whether this build's binaries have the fused TTT attention kernels (LibTorch >= 2.5).
+bool fused_build();
 std::string shared_testdata(const std::string& rel);  // ../shared/testdata/REL (or tests/data)
 std::string quote(const std::string& s);  // shell single-quote
 // The pid of a process that has exited and been reaped: it names no process now, like the

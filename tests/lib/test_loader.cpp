@@ -41,10 +41,7 @@ std::string python_bin() {
   return p ? p : "/usr/bin/python3";
 }
 
-std::string eaglekit_bin() {
-  const char* b = std::getenv("EAGLEKIT_BIN");
-  return b ? b : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
-}
+std::string eaglekit_bin() { return test::eaglekit_path(); }
 
 // Runs tests/lib/reference_loader.py (the Python port of the reference data path).
 test::RunResult reference(const std::string& args) {

@@ -17,7 +17,7 @@ TEST_CASE("bench_long_context.sh: tiled, local and PyTorch eager train the same 
   test::require_python("torch");
   test::TempDir dir("bench-long");
   const std::string script = test::quote(test::source_dir() + "/bench/bench_long_context.sh");
-  const std::string env = "EAGLEKIT_BUILD_DIR=" + test::quote(EAGLEKIT_BINARY_DIR) + " ";
+  const std::string env = "EAGLEKIT_BUILD_DIR=" + test::quote(test::binary_dir()) + " ";
   const auto r = test::run(env + script + " --no-build --preset tiny --lengths 48 --ttt-steps 2 --threads 1"
                            " --impls tiled,local,eager-matmul --steps 1 --warmup 0 --python " +
                            test::quote(test::python_bin()) + " --out " + test::quote(dir.path()));

@@ -216,8 +216,7 @@ TEST_CASE("cli: every command's --help comes from its option table") {
 }
 
 TEST_CASE("cli: eaglekit loads no LibTorch and runs the LibTorch commands through eaglekit-torch") {
-  const char* env = std::getenv("EAGLEKIT_BIN");
-  const std::string bin = env ? env : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
+  const std::string bin = test::eaglekit_path();
   // The data commands' binary must not pull LibTorch in (that is its point: ~0.8 CPU-s a run).
   const auto deps = test::run("ldd " + quote(bin));
   REQUIRE(deps.exit_code == 0);

@@ -32,10 +32,7 @@ using test::max_rel_diff;
 
 namespace {
 
-std::string exe() {
-  const char* bin = std::getenv("EAGLEKIT_BIN");
-  return bin ? bin : std::string(EAGLEKIT_BINARY_DIR) + "/bin/eaglekit";
-}
+std::string exe() { return test::eaglekit_path(); }
 
 std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::vector<nlohmann::json> out;

@@ -1293,20 +1293,20 @@ TEST_CASE("train cli: --ttt-attention local, tiled and fused train and evaluate 
     REQUIRE(std::getline(f, line));
     return nlohmann::json::parse(line)["loss"].get<double>();
   };
-#ifdef EAGLEKIT_FUSED_BUILD
-  const std::vector<const char*> kinds{"local", "tiled", "fused"};
-#else
-  const std::vector<const char*> kinds{"local", "tiled"};
-  // Without the fused kernels (LibTorch < 2.5) fused is a usage error that says why.
-  for (const std::string& where : {" --out " + test::quote(d + "/fused"), " --draft " + test::quote(d + "/none")}) {
-    const std::string cmd = where.find("--out") != std::string::npos ? "train" : "evaluate";
-    const auto r = test::eaglekit(cmd + job->data_args() + " --ttt-attention fused" + where);
-    CHECK(r.exit_code == 2);
-    CHECK_MESSAGE(r.err.find("--ttt-attention fused is not available: this build's LibTorch is ") != std::string::npos,
-                  r.err);
-    CHECK_MESSAGE(r.err.find("LibTorch >= 2.5") != std::string::npos, r.err);
+  std::vector<const char*> kinds{"local", "tiled"};
+  if (test::fused_build()) {
+    kinds.push_back("fused");
+  } else {
+    // Without the fused kernels (LibTorch < 2.5) fused is a usage error that says why.
+    for (const std::string& where : {" --out " + test::quote(d + "/fused"), " --draft " + test::quote(d + "/none")}) {
+      const std::string cmd = where.find("--out") != std::string::npos ? "train" : "evaluate";
+      const auto r = test::eaglekit(cmd + job->data_args() + " --ttt-attention fused" + where);
+      CHECK(r.exit_code == 2);
+      CHECK_MESSAGE(r.err.find("--ttt-attention fused is not available: this build's LibTorch is ") != std::string::npos,
+                    r.err);
+      CHECK_MESSAGE(r.err.find("LibTorch >= 2.5") != std::string::npos, r.err);
+    }
   }
-#endif
   for (const char* kind : kinds) {
     const auto r = test::eaglekit(train + " --ttt-attention " + kind + " --out " + test::quote(d + "/" + kind));
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -1315,11 +1315,11 @@ TEST_CASE("train cli: --ttt-attention local, tiled and fused train and evaluate 
   const double local = first_loss("local"), tiled = first_loss("tiled");
   CHECK(std::abs(local - tiled) <= 1e-5 * std::abs(local));
   CHECK(test::metric_rel_diff(d + "/tiled/metrics.jsonl", d + "/local/metrics.jsonl", "grad_norm") < 1e-4);
-#ifdef EAGLEKIT_FUSED_BUILD
-  const double fused = first_loss("fused");
-  CHECK(std::abs(local - fused) <= 1e-5 * std::abs(local));
-  CHECK(test::metric_rel_diff(d + "/fused/metrics.jsonl", d + "/local/metrics.jsonl", "grad_norm") < 1e-4);
-#endif
+  if (test::fused_build()) {
+    const double fused = first_loss("fused");
+    CHECK(std::abs(local - fused) <= 1e-5 * std::abs(local));
+    CHECK(test::metric_rel_diff(d + "/fused/metrics.jsonl", d + "/local/metrics.jsonl", "grad_norm") < 1e-4);
+  }
 
   auto eval_loss = [&](const char* kind) {
     const auto e = test::eaglekit("evaluate" + job->data_args() + " --max-length 24 --draft " +
@@ -1329,10 +1329,10 @@ TEST_CASE("train cli: --ttt-attention local, tiled and fused train and evaluate 
   };
   const double el = eval_loss("local"), et = eval_loss("tiled");
   CHECK(std::abs(el - et) <= 1e-5 * std::abs(el));
-#ifdef EAGLEKIT_FUSED_BUILD
-  const double ef = eval_loss("fused");
-  CHECK(std::abs(el - ef) <= 1e-5 * std::abs(el));
-#endif
+  if (test::fused_build()) {
+    const double ef = eval_loss("fused");
+    CHECK(std::abs(el - ef) <= 1e-5 * std::abs(el));
+  }
 
   for (const char* cmd : {"train", "evaluate"}) {
     auto r = test::eaglekit(std::string(cmd) + " --ttt-attention flash");
