@@ -44,6 +44,8 @@ def torch_problem(info):
     except importlib.metadata.PackageNotFoundError:
         return (f"torch is not installed in this Python ({sys.executable}); eaglekit's binaries link "
                 f"torch {want}'s LibTorch: pip install torch=={want}")
+    if not have:  # a dist-info folder without readable METADATA
+        return f"torch's package metadata in this Python ({sys.executable}) is unreadable: reinstall torch=={want}"
     if have.split("+")[0] != want:
         return (f"torch {have} is installed ({sys.executable}), but eaglekit {info['version']} was built "
                 f"against torch {want} and links its LibTorch by exact version: pip install torch=={want} "
