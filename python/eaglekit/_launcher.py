@@ -91,6 +91,8 @@ def main(argv=None):
             return 0
         if len(argv) > 1:
             return _die(f"demo takes no arguments (got {' '.join(argv[1:])}); see eaglekit demo --help", 2)
+        if env.get("EAGLEKIT_DEMO_DIR"):  # the script changes folder: a relative path is the caller's
+            env["EAGLEKIT_DEMO_DIR"] = os.path.abspath(env["EAGLEKIT_DEMO_DIR"])
         env["EAGLEKIT_BIN_DIR"] = BIN
         env["EAGLEKIT_DEMO_PYTHON"] = sys.executable
         demo = os.path.join(SHARE, "demo")
