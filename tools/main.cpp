@@ -24,6 +24,7 @@
 #include "lib/convert.h"
 #include "lib/malloc_policy.h"
 #include "lib/wait_policy.h"
+#include "tools/build_info.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -119,7 +120,11 @@ int main(int argc, char** argv) {
       continue;
     }
     if (a == "--version") {
-      std::cout << "eaglekit 0.1.0\n";
+      // tools/build_info.h: one line each, stable for scripts to read.
+      std::cout << "eaglekit " << kBuildVersion << "\n"
+                << "git commit: " << kBuildGitCommit << "\n"
+                << "built against LibTorch " << kBuildTorchVersion << "\n"
+                << "CUDA: " << (kBuildCudaVersion != nullptr ? std::string("compiled in (") + kBuildCudaVersion + ")" : std::string("not compiled in")) << "\n";
       return 0;
     }
     std::cerr << "eaglekit: unknown option '" << a << "'\n";

@@ -1,0 +1,3 @@
+"""eaglekit, installed from its wheel: the `eaglekit` and `eaglekit-torch` programs in bin/,
+the Python tools in share/eaglekit/python, and `eaglekit demo` (docs/wheel.md). The console
+commands are in eaglekit._launcher."""

@@ -1,0 +1,5 @@
+import sys
+
+from eaglekit._launcher import main
+
+sys.exit(main())
