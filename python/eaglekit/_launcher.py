@@ -2,7 +2,7 @@
 
 `eaglekit` execs the installed bin/eaglekit with the same arguments (it execs bin/eaglekit-torch
 for the commands that need LibTorch), after checking that the torch installed is the one the
-binaries were built against (_build_info.json, written by the build). eaglekit-torch finds
+binaries were built against (eaglekit_build_info.json, written by the build). eaglekit-torch finds
 torch's libraries by its RPATH, $ORIGIN/../../torch/lib and the NVIDIA wheels' folders beside
 torch, set at link time; only when torch is installed in another site-packages than eaglekit
 (a venv with --system-site-packages, a user install) does the launcher put that torch's

@@ -41,8 +41,6 @@ std::string python_bin() {
   return p ? p : "/usr/bin/python3";
 }
 
-std::string eaglekit_bin() { return test::eaglekit_path(); }
-
 // Runs tests/lib/reference_loader.py (the Python port of the reference data path).
 test::RunResult reference(const std::string& args) {
   return test::run(python_bin() + " " + test::quote(test::source_dir() + "/tests/lib/reference_loader.py") +
@@ -136,7 +134,7 @@ class FaultyReader final : public RecordReader {
 
 // Peak RSS (KiB) of a child process running `eaglekit ARGS` (fresh process: its own peak).
 long child_peak_rss_kib(const std::vector<std::string>& args, int& exit_code) {
-  std::vector<std::string> argv_s = {eaglekit_bin()};
+  std::vector<std::string> argv_s = {test::eaglekit_path()};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());

@@ -32,8 +32,6 @@ using test::max_rel_diff;
 
 namespace {
 
-std::string exe() { return test::eaglekit_path(); }
-
 std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::vector<nlohmann::json> out;
   std::istringstream in(test::read_text(path));
@@ -71,7 +69,7 @@ struct Fixture {
   }
   bool has_reference() const { return fs::exists(single + "/final/model.safetensors"); }
   std::string reference_command() const {
-    return test::quote(exe()) + " train" + common() + " --batch-size 4 --max-steps 4 --save-every 1 --out " +
+    return test::quote(test::eaglekit_path()) + " train" + common() + " --batch-size 4 --max-steps 4 --save-every 1 --out " +
            test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err");
   }
   void check_reference(int exit_code) const {
@@ -126,7 +124,7 @@ std::vector<int> run_concurrently(const std::vector<std::string>& commands) {
 // `eaglekit launch --nproc N --log-dir LOGS -- ARGS`, as a shell command.
 std::string launch(int nproc, const std::string& logs, const std::string& args) {
   fs::create_directories(logs);
-  return test::quote(exe()) + " launch --nproc " + std::to_string(nproc) + " --log-dir " + test::quote(logs) +
+  return test::quote(test::eaglekit_path()) + " launch --nproc " + std::to_string(nproc) + " --log-dir " + test::quote(logs) +
          " -- " + args + " > " + test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err");
 }
 
@@ -237,7 +235,7 @@ TEST_CASE("launch cli: evaluate --cp 2 gives the single-process figures") {
   f.need_reference();
   const std::string d = f.dir.path();
   const auto codes = run_concurrently(
-      {test::quote(exe()) + " evaluate" + f.evaluate_args() + " > " + test::quote(d + "/ev1.out") + " 2> " +
+      {test::quote(test::eaglekit_path()) + " evaluate" + f.evaluate_args() + " > " + test::quote(d + "/ev1.out") + " 2> " +
            test::quote(d + "/ev1.err"),
        launch(2, d + "/logs-ev-cp2", "evaluate" + f.evaluate_args() + " --cp 2")});
   REQUIRE_MESSAGE(codes[0] == 0, test::read_text(d + "/ev1.err"));
@@ -279,7 +277,7 @@ TEST_CASE("launch cli: torchrun variables set by hand work without launch; only 
       fs::create_directories(cwd);
       cmds.push_back("cd " + test::quote(cwd) + " && RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) +
                      " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(master_port) + " " +
-                     test::quote(exe()) + " train" + f.common() + " --batch-size 2 --max-steps 2 --out out --json > ../hand" +
+                     test::quote(test::eaglekit_path()) + " train" + f.common() + " --batch-size 2 --max-steps 2 --out out --json > ../hand" +
                      std::to_string(r) + ".out 2> ../hand" + std::to_string(r) + ".err");
     }
     codes = run_concurrently(cmds);
@@ -306,7 +304,7 @@ TEST_CASE("launch cli: a killed rank fails the job with a clear error within the
   fs::create_directories(logs);
   // The launcher would stop rank 0 at once; a long --stop-grace shows that rank 0 fails on
   // its own, within the collective timeout (train --timeout 30).
-  const std::string cmd = test::quote(exe()) + " launch --nproc 2 --stop-grace 100 --timeout 120 --json --log-dir " + test::quote(logs) +
+  const std::string cmd = test::quote(test::eaglekit_path()) + " launch --nproc 2 --stop-grace 100 --timeout 120 --json --log-dir " + test::quote(logs) +
                           " -- train" + f.common() + " --timeout 30 --batch-size 2 --max-steps 1000000 --out " +
                           test::quote(out);
   const std::string script =
@@ -348,7 +346,7 @@ TEST_CASE("launch cli: SIGTERM and SIGINT to launch reach every rank") {
   const std::string out = d + "/term", logs = d + "/logs-term";
   fs::create_directories(logs);
   const std::string term_script =
-      "set -m; " + test::quote(exe()) + " launch --nproc 2 --timeout 120 --log-dir " + test::quote(logs) + " -- train" +
+      "set -m; " + test::quote(test::eaglekit_path()) + " launch --nproc 2 --timeout 120 --log-dir " + test::quote(logs) + " -- train" +
       f.common() + " --batch-size 2 --max-steps 1000000 --json --out " + test::quote(out) + " > " +
       test::quote(logs + "/launch.out") + " 2> " + test::quote(logs + "/launch.err") +
       " & lp=$!; i=0; "
@@ -370,7 +368,7 @@ TEST_CASE("launch cli: SIGTERM and SIGINT to launch reach every rank") {
 
   // SIGINT, with programs that say which signal they got.
   const std::string int_script =
-      "set -m; cd " + test::quote(d) + " || exit 1; " + test::quote(exe()) +
+      "set -m; cd " + test::quote(d) + " || exit 1; " + test::quote(test::eaglekit_path()) +
       " launch --nproc 2 --timeout 120 --json -- sh -c 'trap \"exit 7\" INT; trap \"exit 8\" TERM; : > ready_$RANK; "
       "while :; do sleep 0.05; done' > int.out 2> int.err & lp=$!; i=0; "
       "while { [ ! -e ready_0 ] || [ ! -e ready_1 ]; } && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
@@ -410,7 +408,7 @@ TEST_CASE("launch cli: --help and usage errors exit 2") {
   };
   std::vector<std::string> cmds;
   for (std::size_t i = 0; i < bad.size(); ++i)
-    cmds.push_back(test::quote(exe()) + " " + bad[i].args + " > /dev/null 2> " + test::quote(d + "/bad" + std::to_string(i) + ".err"));
+    cmds.push_back(test::quote(test::eaglekit_path()) + " " + bad[i].args + " > /dev/null 2> " + test::quote(d + "/bad" + std::to_string(i) + ".err"));
   const auto codes = run_concurrently(cmds);
   for (std::size_t i = 0; i < bad.size(); ++i) {
     CAPTURE(bad[i].args);
@@ -452,7 +450,7 @@ TEST_CASE("launch cli: DP edge cases and CP=2 in pack mode equal one process; an
   std::vector<std::string> cmds;
   for (const auto& p : pairs) {
     const std::string ref = d + "/" + p.name + "-single";
-    cmds.push_back(test::quote(exe()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
+    cmds.push_back(test::quote(test::eaglekit_path()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
                    " > " + test::quote(ref + ".out") + " 2> " + test::quote(ref + ".err"));
     cmds.push_back(launch(2, d + "/logs-" + p.name, "train" + base + p.mesh + " --json --out " + test::quote(d + "/" + p.name)));
   }
@@ -528,7 +526,7 @@ TEST_CASE("launch cli: DFlash under DP=2 equals one process on the global batch 
   std::vector<std::string> cmds;
   for (const auto& p : pairs) {
     const std::string ref = d + "/" + p.name + "-single";
-    cmds.push_back(test::quote(exe()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
+    cmds.push_back(test::quote(test::eaglekit_path()) + " train" + base + p.single + " --save-every 1 --json --out " + test::quote(ref) +
                    " > " + test::quote(ref + ".out") + " 2> " + test::quote(ref + ".err"));
     cmds.push_back(launch(2, d + "/logs-" + p.name, "train" + base + p.mesh + " --json --out " + test::quote(d + "/" + p.name)));
   }
@@ -592,7 +590,7 @@ TEST_CASE("launch cli: a NeMo cache's stored distributions train and evaluate un
                             " --lr 0.005 --log-every 1 --save-every 1 --json --out ";
   const std::string single = d + "/single", cp = d + "/cp2";
   const auto codes = run_concurrently(
-      {test::quote(exe()) + " " + train + test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err"),
+      {test::quote(test::eaglekit_path()) + " " + train + test::quote(single) + " > /dev/null 2> " + test::quote(single + ".err"),
        launch(2, d + "/logs-cp2", train + test::quote(cp) + " --cp 2")});
   REQUIRE_MESSAGE(codes[0] == 0, test::read_text(single + ".err"));
   REQUIRE_MESSAGE(codes[1] == 0, logs_of(d + "/logs-cp2", 2));
@@ -617,7 +615,7 @@ TEST_CASE("launch cli: a NeMo cache's stored distributions train and evaluate un
   const std::string evaluate = "evaluate" + data + " --draft " + test::quote(single + "/final") +
                                " --split all --batch-size 2 --json";
   const auto ev = run_concurrently(
-      {test::quote(exe()) + " " + evaluate + " > " + test::quote(d + "/ev1.out") + " 2> " + test::quote(d + "/ev1.err"),
+      {test::quote(test::eaglekit_path()) + " " + evaluate + " > " + test::quote(d + "/ev1.out") + " 2> " + test::quote(d + "/ev1.err"),
        launch(2, d + "/logs-ev-cp2", evaluate + " --cp 2")});
   REQUIRE_MESSAGE(ev[0] == 0, test::read_text(d + "/ev1.err"));
   REQUIRE_MESSAGE(ev[1] == 0, logs_of(d + "/logs-ev-cp2", 2));
